@@ -1,0 +1,165 @@
+"""The main job: verify and benchmark every documented model.
+
+    python -m cupykern [--quick] [--json PATH] [--models l1norm,l2norm,...]
+
+For each model and benchmark shape it checks ModelNew against the PyTorch
+reference (same seed, several random inputs, allclose at the case's tolerance)
+and times it against PyTorch eager and torch.compile in the same run, with the
+same-run device-copy bandwidth as the ceiling for memory-bound shapes.
+Without a GPU it says so, checks the NumPy reference path and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return None
+
+
+def _cpu_check() -> int:
+    """Exercise every array function's NumPy path on small shapes."""
+    import cupykern
+    from cupykern import normalize
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 1024)).astype(np.float32)
+    failures = 0
+    for name, kind in (("l1_normalize", "l1"), ("l2_normalize", "l2")):
+        got = getattr(cupykern, name)(x)
+        want = normalize.reference(x.astype(np.float64), 1, kind)
+        ok = np.allclose(got, want, atol=1e-5, rtol=1e-5)
+        failures += not ok
+        print(f"  {name:<36} {'ok' if ok else 'MISMATCH'}")
+    return failures
+
+
+def _check(case, ref, new, seeds=3):
+    import torch
+
+    worst = 0.0
+    for s in range(seeds):
+        torch.manual_seed(1000 + s)
+        inputs = case.make_inputs("cuda")
+        with torch.no_grad():
+            want, got = ref(*inputs), new(*inputs)
+        if not torch.allclose(got, want, atol=case.atol, rtol=case.atol):
+            err = (got.float() - want.float()).abs().max().item()
+            return False, err
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+        del inputs, want, got
+    return True, worst
+
+
+def _run_case(module, case, iters):
+    import torch
+
+    from cupykern.benchmark import copy_ms, gbps, tflops, time_ms
+
+    torch.manual_seed(0)
+    ref = module.Model(*case.init_inputs).cuda()
+    torch.manual_seed(0)
+    new = module.ModelNew(*case.init_inputs).cuda()
+    same_params = all(torch.equal(a, b) for a, b in
+                      zip(ref.state_dict().values(), new.state_dict().values()))
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    inputs = case.make_inputs("cuda")
+    with torch.no_grad():
+        new(*inputs)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    ok, err = _check(case, ref, new)
+
+    row = {"model": module.__name__.rsplit(".", 1)[1], "case": case.label, "correct": ok and same_params,
+           "max_abs_err": err, "first_call_ms": first_ms}
+    with torch.no_grad():
+        row["ms"] = time_ms(lambda: new(*inputs), iters=iters)
+        row["eager_ms"] = time_ms(lambda: ref(*inputs), iters=iters)
+        compiled = torch.compile(ref)
+        row["compile_ms"] = time_ms(lambda: compiled(*inputs), iters=iters)
+    row["speedup_eager"] = row["eager_ms"] / row["ms"]
+    row["speedup_compile"] = row["compile_ms"] / row["ms"]
+    if case.nbytes:
+        row["copy_ms"] = copy_ms(inputs[0], iters=iters)
+        copy_bw = gbps(2 * inputs[0].nbytes, row["copy_ms"])
+        row["pct_copy_bw"] = 100 * gbps(case.nbytes, row["ms"]) / copy_bw
+    if case.flops:
+        row["tflops"] = tflops(case.flops, row["ms"])
+    del inputs, ref, new
+    torch.cuda.empty_cache()
+    return row
+
+
+def _print_table(rows):
+    head = (f"{'model':<30} {'case':<28} {'ok':<3} {'ms':>8} {'eager':>8} {'compile':>8} "
+            f"{'x eager':>8} {'x comp':>7} {'%copyBW':>8} {'TFLOP/s':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        pct = f"{r['pct_copy_bw']:.1f}" if "pct_copy_bw" in r else "-"
+        tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
+        print(f"{r['model']:<30} {r['case']:<28} {'yes' if r['correct'] else 'NO':<3} "
+              f"{r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['compile_ms']:>8.3f} "
+              f"{r['speedup_eager']:>8.2f} {r['speedup_compile']:>7.2f} {pct:>8} {tf:>8}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cupykern", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes only")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(_model_names()))
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    args = ap.parse_args(argv)
+
+    gpu = _gpu_name()
+    if gpu is None:
+        print("No CUDA GPU found (torch.cuda.is_available() is False): nothing to benchmark.")
+        print("Checking the NumPy reference path on small shapes instead:")
+        return 1 if _cpu_check() else 0
+
+    from cupykern import models
+
+    wanted = set(args.models.split(",")) if args.models else None
+    print(f"GPU: {gpu}")
+    rows = []
+    for module in models.available():
+        name = module.__name__.rsplit(".", 1)[1]
+        if wanted and name not in wanted:
+            continue
+        for case in module.CASES:
+            if args.quick and not case.quick:
+                continue
+            print(f"[{name}] {case.label}: compiling, verifying, timing ...", flush=True)
+            row = _run_case(module, case, args.iters)
+            print(f"    {'ok' if row['correct'] else 'MISMATCH'} (max |err| {row['max_abs_err']:.2e}),"
+                  f" first call {row['first_call_ms']:.0f} ms, {row['ms']:.3f} ms", flush=True)
+            rows.append(row)
+    print()
+    _print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "rows": rows}, f, indent=2)
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def _model_names():
+    from cupykern.models import NAMES
+
+    return NAMES
+
+
+if __name__ == "__main__":
+    sys.exit(main())

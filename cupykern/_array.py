@@ -1,0 +1,216 @@
+"""One bridge for every op: NumPy, CuPy and torch inputs, validated the same way.
+
+An :class:`Operand` records what a kernel launch needs (raw pointer, shape,
+element strides, dtype name, device) without DLPack round-trips, and remembers
+the input's kind so results come back as the caller's type:
+
+* ``"cupy"``  - CuPy array; launch on CuPy's current stream.
+* ``"torch"`` - torch CUDA tensor; launch on torch's current stream, zero-copy,
+  outputs allocated by torch's caching allocator.
+* ``"cpu"``   - NumPy array or torch CPU tensor; computed by the op's reference path.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+CTYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _is_cupy(x) -> bool:
+    cp = sys.modules.get("cupy")
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+class Operand:
+    """A validated array argument. ``strides`` are in elements."""
+
+    __slots__ = ("obj", "kind", "dtype", "shape", "strides", "ptr", "device", "name")
+
+    def __init__(self, obj, kind, dtype, shape, strides, ptr, device, name):
+        self.obj, self.kind, self.dtype, self.shape = obj, kind, dtype, shape
+        self.strides, self.ptr, self.device, self.name = strides, ptr, device, name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_c_contiguous(self) -> bool:
+        expect = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+
+def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
+    """Validate ``x`` (argument ``name``) and describe it. Raises TypeError."""
+    if is_torch(x):
+        dtype = str(x.dtype).removeprefix("torch.")
+        _check_dtype(dtype, name, dtypes)
+        if x.is_cuda:
+            kind, ptr, dev = "torch", x.data_ptr(), x.device.index
+        elif x.device.type == "cpu":
+            kind, ptr, dev = "cpu", 0, None
+        else:
+            raise TypeError(f"{name}: expected a CUDA or CPU tensor, got device {x.device}")
+        return Operand(x, kind, dtype, tuple(x.shape), tuple(x.stride()), ptr, dev, name)
+    if _is_cupy(x):
+        dtype = x.dtype.name
+        _check_dtype(dtype, name, dtypes)
+        strides = tuple(s // x.itemsize for s in x.strides)
+        return Operand(x, "cupy", dtype, x.shape, strides, x.data.ptr, x.device.id, name)
+    if isinstance(x, np.ndarray):
+        _check_dtype(x.dtype.name, name, dtypes)
+        return Operand(x, "cpu", x.dtype.name, x.shape, None, 0, None, name)
+    raise TypeError(f"{name}: expected a cupy.ndarray, torch.Tensor or numpy.ndarray, "
+                    f"got {type(x).__name__}")
+
+
+def _check_dtype(dtype, name, dtypes):
+    if dtype not in dtypes:
+        raise TypeError(f"{name}: unsupported dtype {dtype}; expected one of {', '.join(dtypes)}")
+
+
+def same_place(a: Operand, b: Operand) -> None:
+    """``b`` must live where ``a`` lives (same kind and device). Raises ValueError/TypeError."""
+    if a.kind != b.kind or is_torch(a.obj) != is_torch(b.obj):
+        raise TypeError(f"{b.name}: is a {_describe(b)} but {a.name} is a {_describe(a)}; "
+                        "do not mix CPU and GPU or CuPy and torch arguments")
+    if a.device != b.device:
+        raise ValueError(f"{b.name}: is on cuda:{b.device} but {a.name} is on cuda:{a.device}")
+
+
+def _describe(a: Operand) -> str:
+    if a.kind == "cpu":
+        return "torch CPU tensor" if is_torch(a.obj) else "NumPy array"
+    return {"cupy": "CuPy array", "torch": "torch CUDA tensor"}[a.kind]
+
+
+def normalize_axis(axis, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: {axis} is out of range for an array of {ndim} dimension(s)")
+    return int(axis) % ndim
+
+
+class _RawStream:
+    """What CuPy's launcher needs of a stream: ``.ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def stream_of(a: Operand):
+    """The stream a launch for ``a`` must go on: torch's or CuPy's current one."""
+    if a.kind == "torch":
+        return _RawStream(_torch()._C._cuda_getCurrentRawStream(a.device))
+    import cupy
+    return cupy.cuda.get_current_stream()
+
+
+def empty(like: Operand, shape, dtype: str | None = None):
+    """A new uninitialised array of the caller's kind, on ``like``'s device."""
+    dtype = dtype or like.dtype
+    if like.kind == "torch":
+        t = _torch()
+        return t.empty(shape, dtype=getattr(t, dtype), device=like.obj.device)
+    import cupy
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=like.obj.dtype if dtype == like.dtype else dtype)
+
+
+def contiguous(a: Operand, copy: bool = False):
+    """``a.obj`` as a C-contiguous array of the same kind (a new one if ``copy``,
+    else a copy only if needed)."""
+    if a.kind == "torch":
+        t = _torch()
+        return a.obj.clone(memory_format=t.contiguous_format) if copy else a.obj.contiguous()
+    import cupy
+    with cupy.cuda.Device(a.device):
+        return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
+
+
+def check_out(out, ref: Operand, shape, dtype: str | None = None) -> Operand:
+    """Validate a user-supplied ``out=``: kind, device, shape and dtype must match."""
+    o = operand(out, "out")
+    same_place(ref, o)
+    if tuple(o.shape) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(o.shape)}")
+    if o.dtype != (dtype or ref.dtype):
+        raise TypeError(f"out: expected dtype {dtype or ref.dtype}, got {o.dtype}")
+    return o
+
+
+def on_cpu(fn, *arrays):
+    """Run a NumPy reference ``fn`` on NumPy arrays or torch CPU tensors.
+
+    torch tensors go through NumPy (bfloat16 via float32) and come back as torch.
+    ``None`` arguments pass through.
+    """
+    first = next(a for a in arrays if a is not None)
+    if not is_torch(first):
+        return fn(*arrays)
+    t = _torch()
+    dtype = first.dtype
+    conv = [None if a is None else
+            (a.detach().float() if a.dtype == t.bfloat16 else a.detach()).numpy()
+            for a in arrays]
+    res = fn(*conv)
+    return t.from_numpy(np.ascontiguousarray(res)).to(dtype)
+
+
+def scalar(value, ctype: str):
+    """A kernel scalar argument of exactly the C type the kernel declares."""
+    return {"int": np.int32, "long long": np.int64, "float": np.float32,
+            "double": np.float64, "ptr": np.uint64}[ctype](value)
+
+
+def launch(a: Operand, fn, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch ``fn`` on ``a``'s device and current stream (torch's or CuPy's)."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == a.device:
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream_of(a))
+    else:
+        with cupy.cuda.Device(a.device):  # CuPy's current stream is per device
+            fn(grid, block, args, shared_mem=shared_mem, stream=stream_of(a))
+
+
+def moveaxis(obj, src: int, dst: int):
+    """``obj`` with axis ``src`` moved to ``dst`` (a view), for CuPy or torch."""
+    if is_torch(obj):
+        return obj.movedim(src, dst)
+    import cupy
+    return cupy.moveaxis(obj, src, dst)
+
+
+def copy_into(dst, src) -> None:
+    """``dst[...] = src`` for CuPy or torch (same kind, shape and dtype)."""
+    if is_torch(dst):
+        dst.copy_(src)
+    else:
+        dst[...] = src

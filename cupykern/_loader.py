@@ -1,0 +1,130 @@
+"""The one kernel loader: every op gets its compiled kernels from here.
+
+It reads ``kernels_cu/<file>.cu``, inlines the project's own ``#include "x.cuh"``
+headers (so CuPy's disk-cache key covers every byte that is compiled),
+instantiates one template per ``name_expressions`` entry, compiles with NVRTC
+through ``cupy.RawModule`` for the current device (``sm_90a`` on Hopper, so
+wgmma/TMA/cluster code is allowed), and caches the launchable function per
+(file, instantiation, device).
+
+Ops also *register* every instantiation they may launch, so that
+:func:`compile_check` can compile all of them without a GPU (CI does this for
+sm_80 and sm_90a with the flags CuPy adds at run time).
+"""
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
+_BASE_OPTIONS = ("-std=c++17",)
+# What cupy.RawModule appends to the user's options for NVRTC (cupy 14,
+# cupy/cuda/compiler.py); the compile check adds the same so CI compiles what runs.
+_CUPY_IMPLICIT = ("-ftz=true", "--device-as-default-execution-space")
+
+# file -> {name expression: minimum compute capability}
+_REGISTRY: dict[str, dict[str, int]] = {}
+_functions: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_dir() -> pathlib.Path:
+    """Where the .cu files are: inside the installed package, else the checkout."""
+    here = pathlib.Path(__file__).resolve().parent
+    for d in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if any(d.glob("*.cu")):
+            return d
+    raise FileNotFoundError(f"cupykern: no kernels_cu/*.cu next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    """The file's text with every project header inlined once (like #pragma once)."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        text = (kernel_dir() / name).read_text()
+
+        def repl(m: re.Match) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return f"// {inc}: already inlined"
+            seen.add(inc)
+            return f"// ---- begin {inc}\n{expand(inc)}\n// ---- end {inc}"
+
+        return _INCLUDE.sub(repl, text)
+
+    return expand(filename)
+
+
+def arch_options(cc: int) -> tuple[str, ...]:
+    """Our NVRTC options for compute capability ``cc`` (e.g. 90 -> sm_90a)."""
+    if cc == 90:
+        return _BASE_OPTIONS + ("-arch=sm_90a",)
+    return _BASE_OPTIONS
+
+
+def register(filename: str, exprs, min_cc: int = 0) -> None:
+    """Declare instantiations an op may launch (for the GPU-free compile check)."""
+    reg = _REGISTRY.setdefault(filename, {})
+    for e in exprs:
+        reg[e] = max(reg.get(e, 0), min_cc)
+
+
+def registry() -> dict[str, dict[str, int]]:
+    import cupykern  # noqa: F401  (importing the package registers every op)
+    return _REGISTRY
+
+
+@functools.lru_cache(maxsize=None)
+def device_cc(device: int) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
+    """The launchable ``cupy.cuda.function.Function`` for one instantiation.
+
+    Call it as ``fn(grid, block, args, shared_mem=..., stream=...)``; ``stream``
+    is any object with a ``.ptr``.
+    """
+    key = (filename, expr, device)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = _build(filename, expr, device, dynamic_smem)
+    return fn
+
+
+def _build(filename, expr, device, dynamic_smem):
+    import cupy
+    with cupy.cuda.Device(device):
+        mod = cupy.RawModule(code=source(filename), options=arch_options(device_cc(device)),
+                             name_expressions=(expr,))
+        rk = mod.get_function(expr)
+        if dynamic_smem > 48 * 1024:
+            rk.max_dynamic_shared_size_bytes = dynamic_smem
+        return rk.kernel
+
+
+def compile_check(ccs=(80, 90)) -> list[str]:
+    """Compile every registered instantiation with NVRTC for each arch; no GPU needed.
+
+    Returns a list of failure messages (empty when everything compiles).
+    """
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    failures = []
+    for filename, exprs in sorted(registry().items()):
+        for cc in ccs:
+            names = sorted(e for e, need in exprs.items() if cc >= need)
+            if not names:
+                continue
+            opts = arch_options(cc) + _CUPY_IMPLICIT + (f"-arch=sm_{cc}",)
+            prog = _NVRTCProgram(source(filename), filename, name_expressions=names,
+                                 method="cubin")
+            try:
+                prog.compile(opts)
+            except Exception as e:  # CompileException carries the NVRTC log
+                failures.append(f"{filename} (sm_{cc}{'a' if cc == 90 else ''}): {e}")
+    return failures

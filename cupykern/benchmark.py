@@ -1,0 +1,45 @@
+"""Timing as the project judges it: CUDA events around the call on the current
+stream, L2 flushed between calls, mean of many calls; and the hardware ceilings
+(device copy bandwidth, cuBLAS GEMM rates) measured in the same run."""
+from __future__ import annotations
+
+import statistics
+
+
+def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+    """Mean milliseconds of ``fn()`` on torch's current stream (L2 flushed before each call)."""
+    import torch
+
+    scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if scratch is not None:
+            scratch.zero_()  # evicts the 50-60 MB L2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.fmean(times)
+
+
+def copy_ms(x, iters: int = 20) -> float:
+    """Same-run ceiling for a memory-bound op on ``x``: ``y.copy_(x)`` (read + write)."""
+    import torch
+
+    y = torch.empty_like(x)
+    t = time_ms(lambda: y.copy_(x), iters=iters)
+    del y
+    return t
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+

@@ -1,0 +1,116 @@
+"""Benchmark l1_normalize / l2_normalize: ``python -m cupykern.benchmarks.normalize [--quick]``.
+
+Byte model: one read of x and one write of y (2 * x.nbytes), against the
+same-run ceiling ``y.copy_(x)`` on the same tensor. Targets (issue 2): <= 1.15x
+copy time in float32, <= 1.25x in float16/bfloat16 at 32768x65535; at the
+small shapes, no slower than PyTorch eager with host overhead included.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from cupykern import normalize
+from cupykern.benchmark import copy_ms, time_ms
+
+REF = {
+    "l1": lambda x: x / torch.mean(torch.abs(x), dim=1, keepdim=True),
+    "l2": lambda x: x / torch.norm(x, p=2, dim=1, keepdim=True),
+}
+
+
+def ours(kind, config=None):
+    return lambda x: normalize._normalize(x, 1, None, kind, config)
+
+
+def big(shape, dtypes, iters):
+    print(f"\n== {shape[0]}x{shape[1]}: ms (ratio to same-run copy time; lower is better)")
+    print(f"{'kind':<4} {'dtype':<9} {'copy':>7} {'cupykern':>15} {'eager':>15} {'compile':>15} "
+          f"{'x eager':>8} {'x comp':>7}")
+    for dtype in dtypes:
+        x = torch.rand(shape, device="cuda").to(dtype)
+        copy = copy_ms(x, iters)
+        for kind in REF:
+            t = time_ms(lambda: ours(kind)(x), iters=iters)
+            e = time_ms(lambda: REF[kind](x), iters=iters)
+            c = time_ms(lambda f=torch.compile(REF[kind]): f(x), iters=iters)
+            print(f"{kind:<4} {str(dtype)[6:]:<9} {copy:>7.3f} {t:>8.3f} ({t / copy:.2f}x) "
+                  f"{e:>8.3f} ({e / copy:.2f}x) {c:>8.3f} ({c / copy:.2f}x) {e / t:>8.2f} {c / t:>7.2f}",
+                  flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
+def sweep(shape, iters):
+    """Cluster shapes for the float32 main shape (capacity >= 65535 // 4 vectors)."""
+    x = torch.rand(shape, device="cuda")
+    copy = copy_ms(x, iters)
+    print(f"\n== config sweep, {shape[0]}x{shape[1]} float32, l2 (ratio to copy {copy:.3f} ms)")
+    nvec = shape[1] // 4
+    for cfg in normalize._CLUSTER_CONFIGS + normalize.TUNING_CONFIGS:
+        if cfg[0] * cfg[1] * cfg[2] >= nvec:
+            t = time_ms(lambda: ours("l2", cfg)(x), iters=iters)
+            print(f"  cluster {cfg[0]} x {cfg[1]} threads x {cfg[2]} vec: {t:.3f} ms ({t / copy:.3f}x)",
+                  flush=True)
+    del x
+
+
+def small(shapes, reps=200):
+    """Per-call time including host overhead: CUDA events around `reps` back-to-back calls."""
+    print("\n== small shapes, per call incl. host overhead (us): cupykern vs eager")
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda")
+        for kind in REF:
+            res = []
+            for f in (ours(kind), REF[kind]):
+                for _ in range(20):
+                    f(x)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(reps):
+                    f(x)
+                e.record()
+                e.synchronize()
+                res.append(s.elapsed_time(e) * 1e3 / reps)
+            print(f"  {kind} {shape}: {res[0]:7.1f} vs eager {res[1]:7.1f}  ({res[1] / res[0]:.2f}x)")
+
+
+_FIRST_CALL = """
+import time, torch
+x = torch.rand(16, 16384, device="cuda"); torch.cuda.synchronize()
+t0 = time.perf_counter(); import cupykern; t1 = time.perf_counter()
+cupykern.l1_normalize(x); torch.cuda.synchronize(); t2 = time.perf_counter()
+print(f"import {t1 - t0:.3f} s, first call {t2 - t1:.3f} s")
+"""
+
+
+def compile_times():
+    print("\n== NVRTC: cold (empty CuPy cache) and warm (disk cache) process start")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, CUPY_CACHE_DIR=cache)
+        for label in ("cold", "warm"):
+            r = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True,
+                               text=True)
+            print(f"  {label}: {r.stdout.strip() or r.stderr[-500:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    compile_times()
+    small([(16, 16384), (128, 4096)])
+    shape = (4096, 65535) if args.quick else (32768, 65535)
+    sweep(shape, args.iters)
+    big(shape, (torch.float32, torch.float16, torch.bfloat16), args.iters)
+
+
+if __name__ == "__main__":
+    main()

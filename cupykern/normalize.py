@@ -1,0 +1,177 @@
+"""L1 / L2 row normalisation: ``x / mean(|x|)`` and ``x / sqrt(sum(x*x))`` along an axis.
+
+GPU design (kernels_cu/normalize.cu): one thread-block cluster per row keeps the
+row in registers between the reduction and the scaling, so x is read from DRAM
+once and y written once (copy-bandwidth bound). Rows longer than a cluster can
+hold fall back to a deterministic two-pass kernel (reads x twice).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _loader
+from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, empty, launch,
+                     moveaxis, normalize_axis, on_cpu, operand, scalar)
+
+_FILE = "normalize.cu"
+_P = {"l1": 1, "l2": 2}
+# (cluster CTAs, threads per CTA, 16-byte vectors per thread), smallest first.
+# A row of ncols elements needs C*T*V >= ncols // (16 // itemsize) vectors.
+_CLUSTER_CONFIGS = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4), (2, 512, 4),
+                    (4, 512, 4), (8, 512, 4), (8, 512, 8))
+# Alternatives the benchmark sweeps at the main shape (see benchmarks/normalize.py).
+TUNING_CONFIGS = ((4, 1024, 4), (8, 256, 8), (4, 512, 8))
+_TWO_PASS_CHUNK = 65536
+
+
+def _cluster_expr(p, dtype, cfg):
+    c, t, v = cfg
+    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}>"
+
+
+def _two_pass_exprs(p, dtype):
+    return (f"normalize_partials<{p}, {CTYPE[dtype]}>", f"normalize_apply<{p}, {CTYPE[dtype]}>")
+
+
+for _p in _P.values():
+    for _dt in CTYPE:
+        _loader.register(_FILE, _two_pass_exprs(_p, _dt))
+        for _cfg in _CLUSTER_CONFIGS + TUNING_CONFIGS:
+            _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
+
+
+def l1_normalize(x, axis: int = 1, *, out=None):
+    """``x / mean(abs(x), axis, keepdims=True)``, computed in one fused pass.
+
+    Args:
+        x: CuPy array, torch tensor (CUDA or CPU) or NumPy array of float16,
+            bfloat16, float32 or float64, any ndim >= 1.
+        axis: the axis to reduce (negative counts from the end).
+        out: optional array of x's kind, device, shape and dtype to write into
+            (may be ``x`` itself).
+
+    Returns an array of x's kind (torch in -> torch out, on x's device and
+    torch's current stream). Sums accumulate in float32 (float64 for float64)
+    and the mean is rounded to x's dtype before dividing, as PyTorch does.
+    A row of zeros gives nan (0/0); inf and nan propagate as in PyTorch.
+
+    Copies: none when ``axis`` is the last axis, elements along it are
+    contiguous and the rows are evenly strided (any C-contiguous array, or a
+    slice such as ``x[:, :n]``); otherwise x is first copied to a contiguous
+    array with ``axis`` last, and the result is returned as a view in x's axis
+    order. x is also copied when ``out`` does not share its 16-byte alignment.
+    """
+    return _normalize(x, axis, out, "l1")
+
+
+def l2_normalize(x, axis: int = 1, *, out=None):
+    """``x / sqrt(sum(x * x, axis, keepdims=True))`` (no eps: a zero row gives nan).
+
+    Arguments, return value, accumulation and copies as in :func:`l1_normalize`.
+    """
+    return _normalize(x, axis, out, "l2")
+
+
+def reference(x: np.ndarray, axis: int, kind: str) -> np.ndarray:
+    """NumPy reference with PyTorch's rounding: reduce in float32/float64, round the
+    divisor to x's dtype, divide."""
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    xa = x.astype(acc)
+    with np.errstate(all="ignore"):
+        if kind == "l1":
+            d = np.mean(np.abs(xa), axis=axis, keepdims=True)
+        else:
+            d = np.sqrt(np.sum(xa * xa, axis=axis, keepdims=True))
+        return (xa / d.astype(x.dtype).astype(acc)).astype(x.dtype)
+
+
+def _normalize(x, axis, out, kind, _config=None):
+    a = operand(x, "x")
+    if a.ndim == 0:
+        raise ValueError("x: expected an array with at least 1 dimension, got a 0-d array")
+    ax = normalize_axis(axis, a.ndim)
+    o = check_out(out, a, a.shape) if out is not None else None
+    if a.kind == "cpu":
+        res = on_cpu(lambda v: reference(v, ax, kind), x)
+        return res if o is None else _fill(out, res)
+    if a.size == 0:
+        return out if o is not None else empty(a, a.shape)
+    rows = _rows_view(a, ax)
+    if o is not None and rows and _rows_view(o, ax) and _co_aligned(a, o):
+        _launch_rows(a, o, _P[kind], _config)  # straight into out, no copies
+        return out
+
+    src = a if rows else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
+    dst = operand(empty(src, src.shape), "out")
+    if not _co_aligned(src, dst):  # e.g. x = big[:, 1:] is offset from any fresh buffer
+        src = operand(contiguous(src, copy=True), "x")
+    _launch_rows(src, dst, _P[kind], _config)
+    res = dst.obj if rows else moveaxis(dst.obj, -1, ax)
+    return res if o is None else _fill(out, res)
+
+
+def _fill(out, res):
+    copy_into(out, res)
+    return out
+
+
+def _rows_view(a, ax) -> bool:
+    """True if ``a`` is (rows, ncols) with contiguous rows along axis ``ax`` == last."""
+    if ax != a.ndim - 1 or (a.shape[-1] > 1 and a.strides[-1] != 1):
+        return False
+    # Leading dims must collapse into one evenly strided row index.
+    for i in range(a.ndim - 2):
+        if a.shape[i + 1] > 1 and a.shape[i] > 1 and a.strides[i] != a.strides[i + 1] * a.shape[i + 1]:
+            return False
+    return True
+
+
+def _row_stride(a) -> int:
+    for n, s in zip(reversed(a.shape[:-1]), reversed(a.strides[:-1])):
+        if n > 1:
+            return s
+    return a.shape[-1]
+
+
+def _co_aligned(src, dst) -> bool:
+    """Every row of src and dst starts at the same offset modulo 16 bytes."""
+    isz = ITEMSIZE[src.dtype]
+    return ((src.ptr - dst.ptr) % 16 == 0
+            and ((_row_stride(src) - _row_stride(dst)) * isz) % 16 == 0)
+
+
+def _pick_config(ncols: int, dtype: str, cc: int):
+    nvec = ncols // (16 // ITEMSIZE[dtype])
+    for cfg in _CLUSTER_CONFIGS:
+        if (cfg[0] == 1 or cc >= 90) and cfg[0] * cfg[1] * cfg[2] >= nvec:
+            return cfg
+    return None
+
+
+def _launch_rows(src, dst, p, config=None):
+    ncols = src.shape[-1]
+    nrows = src.size // ncols
+    xs, ys = _row_stride(src), _row_stride(dst)
+    dt = src.dtype
+    cfg = config or _pick_config(ncols, dt, _loader.device_cc(src.device))
+    ptrs = (scalar(src.ptr, "ptr"), scalar(dst.ptr, "ptr"))
+    if cfg is not None:
+        c, t, _ = cfg
+        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), src.device)
+        grid = min(nrows, (2**31 - 1) // c) * c
+        launch(src, fn, (grid,), (t,), ptrs + (scalar(nrows, "long long"), scalar(ncols, "long long"),
+                                              scalar(xs, "long long"), scalar(ys, "long long")))
+        return
+    # Two passes; at most 1024 chunks per row so pass 2's partial sums stay cheap.
+    chunk = max(_TWO_PASS_CHUNK, -(-ncols // 1024))
+    nchunks = -(-ncols // chunk)
+    partial = operand(empty(src, (nrows * nchunks,), "float64" if dt == "float64" else "float32"),
+                      "partial")
+    k1, k2 = (_loader.function(_FILE, e, src.device) for e in _two_pass_exprs(p, dt))
+    grid = (min(nrows * nchunks, 1 << 20),)
+    shape = (scalar(nrows, "long long"), scalar(ncols, "long long"))
+    launch(src, k1, grid, (256,), (ptrs[0], scalar(partial.ptr, "ptr")) + shape + (
+        scalar(xs, "long long"), scalar(chunk, "long long"), scalar(nchunks, "long long")))
+    launch(src, k2, grid, (256,), ptrs + (scalar(partial.ptr, "ptr"),) + shape + (
+        scalar(xs, "long long"), scalar(ys, "long long"), scalar(chunk, "long long"),
+        scalar(nchunks, "long long")))

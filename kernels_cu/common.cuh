@@ -1,0 +1,134 @@
+// Shared device helpers for every cupykern kernel. Inlined by the loader.
+//
+// NVRTC here has no CUDA toolkit headers (no cuda_fp16.h on a CPU-only CI box),
+// so the 16-bit float types are our own 2-byte structs converted with PTX.
+#pragma once
+
+typedef unsigned short u16;
+struct half_t { u16 bits; };
+struct bf16_t { u16 bits; };
+
+// Accumulation type: float for 16/32-bit inputs, double for double.
+template <typename T> struct acc_of { typedef float type; };
+template <> struct acc_of<double> { typedef double type; };
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(half_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float to_acc(bf16_t v) { return __uint_as_float(((unsigned)v.bits) << 16); }
+
+// Round an accumulator value to T (round to nearest even, like torch).
+template <typename T> __device__ __forceinline__ T from_acc(float v);
+template <typename T> __device__ __forceinline__ T from_acc(double v);
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ float from_acc<float>(double v) { return (float)v; }
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(float v) { return v; }
+template <> __device__ __forceinline__ half_t from_acc<half_t>(float v) {
+  half_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+  return h;
+}
+template <> __device__ __forceinline__ half_t from_acc<half_t>(double v) {
+  half_t h;
+  asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h.bits) : "d"(v));
+  return h;
+}
+template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(float v) {
+  bf16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+  return h;
+}
+template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double v) {
+  return from_acc<bf16_t>((float)v);  // double->float->bf16 can double-round; only used for scalars
+}
+
+// 16 bytes of T: the unit of every vectorised load and store.
+template <typename T> struct Vec16 {
+  static constexpr int N = 16 / sizeof(T);
+  union { uint4 u; T e[N]; };
+};
+
+__device__ __forceinline__ uint4 ld_global_nc_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+// Streaming store: evict-first, the output is not re-read by this kernel.
+__device__ __forceinline__ void st_global_cs_v4(void* p, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Deterministic block-wide sum (fixed shuffle tree, then warps in order).
+// Every thread gets the result. `scratch` holds >= blockDim.x/32 values.
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename A> __device__ __forceinline__ A block_sum(A v, A* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  A t = 0;
+  for (int w = 0; w < nwarps; ++w) t += scratch[w];
+  __syncthreads();  // scratch may be reused right after
+  return t;
+}
+
+// ---- Thread-block clusters (sm_90+). On older archs a "cluster" is one CTA.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CK_HAS_CLUSTERS 1
+#define CK_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
+#else
+#define CK_HAS_CLUSTERS 0
+#define CK_CLUSTER_DIMS(C)
+#endif
+
+__device__ __forceinline__ unsigned cluster_ctarank() {
+#if CK_HAS_CLUSTERS
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#else
+  return 0;
+#endif
+}
+
+// Full cluster barrier with release/acquire semantics (orders DSMEM traffic).
+__device__ __forceinline__ void cluster_sync() {
+#if CK_HAS_CLUSTERS
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+// Store v into the same shared variable `*p` of cluster CTA `rank`.
+__device__ __forceinline__ void st_dsmem(float* p, unsigned rank, float v) {
+#if CK_HAS_CLUSTERS
+  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+#else
+  *p = v;
+#endif
+}
+__device__ __forceinline__ void st_dsmem(double* p, unsigned rank, double v) {
+#if CK_HAS_CLUSTERS
+  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f64 [%0], %1;" :: "r"(remote), "d"(v) : "memory");
+#else
+  *p = v;
+#endif
+}

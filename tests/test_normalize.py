@@ -1,0 +1,239 @@
+"""l1_normalize / l2_normalize and the L1Norm / L2Norm modules against PyTorch."""
+import numpy as np
+import pytest
+import torch
+
+import cupykern
+from cupykern.models import l1norm, l2norm
+from cupykern.torch import L1Norm, L2Norm
+
+FUNCS = {"l1": cupykern.l1_normalize, "l2": cupykern.l2_normalize}
+# allclose tolerance (atol = rtol) against the same-dtype PyTorch expression.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = list(TOL)
+
+
+def torch_ref(x, kind, dim=1):
+    if kind == "l1":
+        return x / torch.mean(torch.abs(x), dim=dim, keepdim=True)
+    return x / torch.norm(x, p=2, dim=dim, keepdim=True)
+
+
+def assert_matches(got, want, dtype):
+    tol = TOL[dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol, equal_nan=True)
+
+
+# ---------------------------------------------------------------- CPU (no GPU)
+
+@pytest.mark.parametrize("kind", FUNCS)
+@pytest.mark.parametrize("shape,axis", [((4, 7), 1), ((4, 7), 0), ((3, 4, 5), -1), ((9,), 0),
+                                        ((1, 1), 1), ((0, 3), 1)])
+def test_numpy_path_matches_float64(kind, shape, axis):
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    got = FUNCS[kind](x, axis=axis)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    want = torch_ref(torch.from_numpy(x).double(), kind, dim=axis).numpy() if x.size else x
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FUNCS)
+def test_torch_cpu_tensor_and_out(kind):
+    x = torch.randn(5, 33, dtype=torch.bfloat16)
+    got = FUNCS[kind](x)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
+    assert_matches(got, torch_ref(x, kind), torch.bfloat16)
+    out = np.empty((5, 33), np.float64)
+    xn = x.double().numpy()
+    assert FUNCS[kind](xn, out=out) is out
+    np.testing.assert_allclose(out, torch_ref(torch.from_numpy(xn), kind).numpy(), rtol=1e-12)
+
+
+def test_zero_nan_inf_rows_cpu():
+    x = np.array([[0, 0, 0], [1, np.inf, 2], [1, np.nan, 2], [-np.inf, np.inf, 1]], np.float32)
+    for kind in FUNCS:
+        want = torch_ref(torch.from_numpy(x), kind).numpy()
+        np.testing.assert_array_equal(FUNCS[kind](x), want)
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (np.arange(6).reshape(2, 3), TypeError, "x: unsupported dtype int64"),
+    (np.ones((2, 3), np.complex64), TypeError, "x: unsupported dtype complex64"),
+    ([[1.0, 2.0]], TypeError, "x: expected a cupy.ndarray"),
+    (np.float32(3.0), TypeError, "x: expected"),
+    (np.array(3.0), ValueError, "0-d"),
+])
+def test_bad_input(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        cupykern.l1_normalize(bad)
+
+
+def test_bad_axis_and_out():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="axis: 2 is out of range"):
+        cupykern.l2_normalize(x, axis=2)
+    with pytest.raises(TypeError, match="axis: expected an int"):
+        cupykern.l2_normalize(x, axis=1.0)
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 3\)"):
+        cupykern.l2_normalize(x, out=np.empty((3, 2), np.float32))
+    with pytest.raises(TypeError, match="out: expected dtype float32"):
+        cupykern.l2_normalize(x, out=np.empty((2, 3), np.float64))
+    with pytest.raises(TypeError, match="do not mix"):
+        cupykern.l2_normalize(x, out=torch.empty(2, 3))
+
+
+@pytest.mark.parametrize("mod", [l1norm, l2norm])
+def test_modules_on_cpu_match_reference(mod):
+    x = torch.randn(16, 300)
+    torch.testing.assert_close(mod.ModelNew()(x), mod.Model()(x))
+    assert mod.get_init_inputs() == []
+
+
+# ---------------------------------------------------------------- GPU
+
+SHAPES = [(1, 1), (1, 7), (7, 1), (3, 5), (33, 129), (16, 16384), (4, 65535), (3, 65537),
+          (2, 140001), (2, 300000)]  # the last two exceed a cluster's registers (two-pass path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", FUNCS)
+def test_matches_torch(kind, shape, dtype):
+    x = torch.randn(shape, device="cuda").to(dtype)
+    got = FUNCS[kind](x)
+    assert isinstance(got, torch.Tensor) and got.device == x.device
+    assert_matches(got, torch_ref(x, kind), dtype)
+    assert torch.equal(FUNCS[kind](x), got)  # deterministic, bit for bit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+@pytest.mark.parametrize("shape,axis", [((5, 6, 7), 0), ((5, 6, 7), 1), ((5, 6, 7), -1),
+                                        ((11,), 0), ((300, 40), 0)])
+def test_any_axis(kind, shape, axis):
+    x = torch.randn(shape, device="cuda", dtype=torch.float64)
+    assert_matches(FUNCS[kind](x, axis=axis), torch_ref(x, kind, dim=axis), torch.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+def test_non_contiguous_views(kind):
+    base = torch.randn(64, 1001, device="cuda")
+    for view in (base.t(), base[:, 1:], base[:, 3:900], base[::3], base[1:, :-1].t(),
+                 base.view(64, 7, 143)[:, 2]):
+        before = base.clone()
+        assert_matches(FUNCS[kind](view), torch_ref(view, kind), torch.float32)
+        assert torch.equal(base, before)  # input untouched
+
+
+@pytest.mark.gpu
+def test_cupy_in_cupy_out_and_out_argument():
+    import cupy as cp
+
+    x = cp.random.standard_normal((37, 3001), dtype=cp.float32)
+    want = torch_ref(torch.from_dlpack(x), "l2")
+    got = cupykern.l2_normalize(x)
+    assert isinstance(got, cp.ndarray)
+    assert_matches(torch.from_dlpack(got), want, torch.float32)
+    out = cp.empty_like(x)
+    assert cupykern.l2_normalize(x, out=out) is out
+    assert_matches(torch.from_dlpack(out), want, torch.float32)
+    misaligned = cp.empty(37 * 3001 + 1, cp.float32)[1:].reshape(37, 3001)
+    assert cupykern.l2_normalize(x, out=misaligned) is misaligned
+    assert_matches(torch.from_dlpack(misaligned), want, torch.float32)
+    with pytest.raises(TypeError, match="do not mix"):
+        cupykern.l2_normalize(x, out=torch.empty(37, 3001, device="cuda"))
+    with pytest.raises(TypeError, match="do not mix"):
+        cupykern.l2_normalize(x, out=np.empty((37, 3001), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+def test_in_place_out(kind):
+    x = torch.randn(9, 70000, device="cuda")
+    want = torch_ref(x, kind)
+    assert FUNCS[kind](x, out=x) is x
+    assert_matches(x, want, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+@pytest.mark.parametrize("ncols", [3, 4096, 65535, 300000])
+def test_zero_nan_inf_rows(kind, ncols):
+    x = torch.rand(6, ncols, device="cuda")
+    x[0] = 0
+    x[1, ncols // 2] = float("inf")
+    x[2, 0] = float("nan")
+    x[3, 0], x[3, -1] = float("inf"), float("-inf")
+    x[4] = 3e38  # sum overflows to inf in float32, as in torch
+    x[5] = 1e-30  # divisor far below 1: reciprocal path
+    assert_matches(FUNCS[kind](x), torch_ref(x, kind), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0,), (2, 0, 3)])
+def test_empty(shape):
+    x = torch.empty(shape, device="cuda")
+    for f in FUNCS.values():
+        got = f(x, axis=-1)
+        assert got.shape == x.shape
+
+
+@pytest.mark.gpu
+def test_torch_side_stream_and_bad_gpu_input():
+    x = torch.randn(64, 50000, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = cupykern.l1_normalize(x)
+        want = torch_ref(x, "l1")
+    s.synchronize()
+    assert_matches(got, want, torch.float32)
+    with pytest.raises(TypeError, match="unsupported dtype int32"):
+        cupykern.l1_normalize(torch.ones(3, 3, dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match="do not mix"):
+        cupykern.l1_normalize(x, out=torch.empty(64, 50000))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_second_device():
+    x = torch.randn(17, 5000, device="cuda:1")
+    got = cupykern.l2_normalize(x)
+    assert got.device == x.device
+    assert_matches(got, torch_ref(x, "l2"), torch.float32)
+    with pytest.raises(ValueError, match="cuda:0"):
+        cupykern.l2_normalize(x, out=torch.empty(17, 5000, device="cuda:0"))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_more_than_2_31_elements():
+    x = torch.rand(32769, 65537, device="cuda", dtype=torch.float16)  # 2**31 + 98305 elements
+    assert x.numel() > 2**31
+    for kind in FUNCS:
+        got = FUNCS[kind](x)
+        for rows in (slice(0, 4), slice(32700, 32769)):  # last rows sit past 2**31
+            assert_matches(got[rows], torch_ref(x[rows], kind), torch.float16)
+        del got
+    one_row = torch.rand(1, 2**31 + 5, device="cuda", dtype=torch.float16)  # two-pass path
+    got = cupykern.l1_normalize(one_row)
+    d = one_row.float().abs().mean().half().float()
+    assert_matches(got[:, -1000:], (one_row[:, -1000:].float() / d).half(), torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mod,cls", [(l1norm, L1Norm), (l2norm, L2Norm)])
+def test_modules_cuda_and_autograd(mod, cls):
+    m = cls()  # built on the CPU, then moved: no parameters, still must work
+    m = m.to("cuda")
+    x = torch.randn(16, 16384, device="cuda", requires_grad=True)
+    y = m(x)
+    y_ref = mod.Model()(x)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gx_ref,) = torch.autograd.grad(y_ref, x, g)
+    torch.testing.assert_close(gx, gx_ref, atol=1e-5, rtol=1e-5)
