@@ -133,14 +133,20 @@ def stream_of(a: Operand):
 
 
 def empty(like: Operand, shape, dtype: str | None = None):
-    """A new uninitialised array of the caller's kind, on ``like``'s device."""
-    dtype = dtype or like.dtype
+    """A new uninitialised C-contiguous array of the caller's kind, on ``like``'s device."""
+    same = dtype is None or dtype == like.dtype
     if like.kind == "torch":
         t = _torch()
-        return t.empty(shape, dtype=getattr(t, dtype), device=like.obj.device)
+        return t.empty(shape, dtype=like.obj.dtype if same else getattr(t, dtype),
+                       device=like.obj.device)
     import cupy
     with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=like.obj.dtype if dtype == like.dtype else dtype)
+        return cupy.empty(shape, dtype=like.obj.dtype if same else dtype)
+
+
+def data_ptr(obj) -> int:
+    """Raw device pointer of a CuPy array or torch tensor."""
+    return obj.data_ptr() if is_torch(obj) else obj.data.ptr
 
 
 def contiguous(a: Operand, copy: bool = False):

@@ -83,6 +83,12 @@ def device_cc(device: int) -> int:
     return int(cupy.cuda.Device(device).compute_capability)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: int) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
 def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
     """The launchable ``cupy.cuda.function.Function`` for one instantiation.
 

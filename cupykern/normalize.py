@@ -10,17 +10,21 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, empty, launch,
-                     moveaxis, normalize_axis, on_cpu, operand, scalar)
+from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, data_ptr, empty, launch,
+                     moveaxis, normalize_axis, on_cpu, operand)
 
 _FILE = "normalize.cu"
 _P = {"l1": 1, "l2": 2}
 # (cluster CTAs, threads per CTA, 16-byte vectors per thread), smallest first.
 # A row of ncols elements needs C*T*V >= ncols // (16 // itemsize) vectors.
-_CLUSTER_CONFIGS = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4), (2, 512, 4),
-                    (4, 512, 4), (8, 512, 4), (8, 512, 8))
-# Alternatives the benchmark sweeps at the main shape (see benchmarks/normalize.py).
-TUNING_CONFIGS = ((4, 1024, 4), (8, 256, 8), (4, 512, 8))
+# Per item size. 4/8-byte clusters use 256 x 8 (2-3% faster than 512 x 4 at
+# 32768x65535 float32 on H200); 2-byte types use 512 x 4 (x 8 would spill).
+_SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
+_CLUSTER_CONFIGS = {2: _SINGLE + ((2, 512, 4), (4, 512, 4), (8, 512, 4)),
+                    4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8)),
+                    8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
+# Alternatives the benchmark sweeps at the float32 main shape (benchmarks/normalize.py).
+TUNING_CONFIGS = ((8, 512, 4), (4, 1024, 4), (4, 512, 8))
 _TWO_PASS_CHUNK = 65536
 
 
@@ -36,7 +40,7 @@ def _two_pass_exprs(p, dtype):
 for _p in _P.values():
     for _dt in CTYPE:
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
-        for _cfg in _CLUSTER_CONFIGS + TUNING_CONFIGS:
+        for _cfg in _CLUSTER_CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS * (_dt == "float32"):
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
@@ -85,6 +89,9 @@ def reference(x: np.ndarray, axis: int, kind: str) -> np.ndarray:
         return (xa / d.astype(x.dtype).astype(acc)).astype(x.dtype)
 
 
+_plans: dict = {}  # launch plans for the no-copy, fresh-output path (host overhead)
+
+
 def _normalize(x, axis, out, kind, _config=None):
     a = operand(x, "x")
     if a.ndim == 0:
@@ -96,16 +103,31 @@ def _normalize(x, axis, out, kind, _config=None):
         return res if o is None else _fill(out, res)
     if a.size == 0:
         return out if o is not None else empty(a, a.shape)
+
+    if o is None and _config is None:  # the common call: cached plan, one allocation
+        key = (a.shape, a.strides, a.dtype, a.device, a.ptr & 15, ax, kind)
+        plan = _plans.get(key)
+        if plan is None:
+            if len(_plans) > 4096:
+                _plans.clear()
+            ok = _rows_view(a, ax) and a.ptr % 16 == 0 and \
+                (_row_stride(a) - a.shape[-1]) * ITEMSIZE[a.dtype] % 16 == 0
+            plan = _plans[key] = ok and _plan(a, _row_stride(a), a.shape[-1], _P[kind])
+        if plan:
+            y = empty(a, a.shape)
+            plan(a, a.ptr, data_ptr(y))
+            return y
+
     rows = _rows_view(a, ax)
     if o is not None and rows and _rows_view(o, ax) and _co_aligned(a, o):
-        _launch_rows(a, o, _P[kind], _config)  # straight into out, no copies
-        return out
+        _plan(a, _row_stride(a), _row_stride(o), _P[kind], _config)(a, a.ptr, o.ptr)
+        return out  # straight into out, no copies
 
     src = a if rows else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
     dst = operand(empty(src, src.shape), "out")
     if not _co_aligned(src, dst):  # e.g. x = big[:, 1:] is offset from any fresh buffer
         src = operand(contiguous(src, copy=True), "x")
-    _launch_rows(src, dst, _P[kind], _config)
+    _plan(src, _row_stride(src), _row_stride(dst), _P[kind], _config)(src, src.ptr, dst.ptr)
     res = dst.obj if rows else moveaxis(dst.obj, -1, ax)
     return res if o is None else _fill(out, res)
 
@@ -142,36 +164,42 @@ def _co_aligned(src, dst) -> bool:
 
 def _pick_config(ncols: int, dtype: str, cc: int):
     nvec = ncols // (16 // ITEMSIZE[dtype])
-    for cfg in _CLUSTER_CONFIGS:
+    for cfg in _CLUSTER_CONFIGS[ITEMSIZE[dtype]]:
         if (cfg[0] == 1 or cc >= 90) and cfg[0] * cfg[1] * cfg[2] >= nvec:
             return cfg
     return None
 
 
-def _launch_rows(src, dst, p, config=None):
+def _plan(src, xs, ys, p, config=None):
+    """A callable ``plan(src, x_ptr, y_ptr)`` launching the kernel(s) for this geometry.
+
+    64-bit kernel arguments (pointers, sizes) go as Python ints: CuPy passes
+    those as int64, the kernels' ``long long`` / pointer width.
+    """
     ncols = src.shape[-1]
     nrows = src.size // ncols
-    xs, ys = _row_stride(src), _row_stride(dst)
-    dt = src.dtype
-    cfg = config or _pick_config(ncols, dt, _loader.device_cc(src.device))
-    ptrs = (scalar(src.ptr, "ptr"), scalar(dst.ptr, "ptr"))
+    dt, dev = src.dtype, src.device
+    cfg = config or _pick_config(ncols, dt, _loader.device_cc(dev))
     if cfg is not None:
-        c, t, _ = cfg
-        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), src.device)
-        grid = min(nrows, (2**31 - 1) // c) * c
-        launch(src, fn, (grid,), (t,), ptrs + (scalar(nrows, "long long"), scalar(ncols, "long long"),
-                                              scalar(xs, "long long"), scalar(ys, "long long")))
-        return
+        c, t = cfg[0], cfg[1]
+        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg[:3]), dev)
+        # Each cluster walks ~4 rows so its next row loads while it finishes the
+        # current one; small row counts get one row per cluster.
+        per = cfg[3] if len(cfg) > 3 else 4
+        nclusters = min(nrows, max(-(-nrows // per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
+        tail = (nrows, ncols, xs, ys)
+        return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail)
+
     # Two passes; at most 1024 chunks per row so pass 2's partial sums stay cheap.
     chunk = max(_TWO_PASS_CHUNK, -(-ncols // 1024))
     nchunks = -(-ncols // chunk)
-    partial = operand(empty(src, (nrows * nchunks,), "float64" if dt == "float64" else "float32"),
-                      "partial")
-    k1, k2 = (_loader.function(_FILE, e, src.device) for e in _two_pass_exprs(p, dt))
+    k1, k2 = (_loader.function(_FILE, e, dev) for e in _two_pass_exprs(p, dt))
     grid = (min(nrows * nchunks, 1 << 20),)
-    shape = (scalar(nrows, "long long"), scalar(ncols, "long long"))
-    launch(src, k1, grid, (256,), (ptrs[0], scalar(partial.ptr, "ptr")) + shape + (
-        scalar(xs, "long long"), scalar(chunk, "long long"), scalar(nchunks, "long long")))
-    launch(src, k2, grid, (256,), ptrs + (scalar(partial.ptr, "ptr"),) + shape + (
-        scalar(xs, "long long"), scalar(ys, "long long"), scalar(chunk, "long long"),
-        scalar(nchunks, "long long")))
+
+    def two_pass(a, x, y):
+        partial = empty(a, (nrows * nchunks,), "float64" if dt == "float64" else "float32")
+        pp = data_ptr(partial)
+        launch(a, k1, grid, (256,), (x, pp, nrows, ncols, xs, chunk, nchunks))
+        launch(a, k2, grid, (256,), (x, y, pp, nrows, ncols, xs, ys, chunk, nchunks))
+
+    return two_pass

@@ -53,6 +53,35 @@ template <typename T> struct Vec16 {
   union { uint4 u; T e[N]; };
 };
 
+// Round two accumulator values into one 32-bit word of T (lo in the low half).
+// Packed cvt halves the conversion count for 16-bit types (conversions are a
+// quarter-rate pipe and would otherwise cap fp16 output bandwidth).
+__device__ __forceinline__ unsigned pack2(float lo, float hi, half_t) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi, bf16_t) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Vec16 of T from N accumulator values: f(j) gives element j.
+template <typename T, typename F> __device__ __forceinline__ Vec16<T> vec_from_acc(F f) {
+  Vec16<T> o;
+  if constexpr (sizeof(T) == 2) {
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = pack2(f(2 * k), f(2 * k + 1), T{});
+    o.u = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < Vec16<T>::N; ++j) o.e[j] = from_acc<T>(f(j));
+  }
+  return o;
+}
+
 __device__ __forceinline__ uint4 ld_global_nc_v4(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -103,13 +132,16 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
 #endif
 }
 
-// Full cluster barrier with release/acquire semantics (orders DSMEM traffic).
-__device__ __forceinline__ void cluster_sync() {
+
+// Split form: arrive (publishing this CTA's DSMEM stores), do independent work, wait.
+__device__ __forceinline__ void cluster_arrive() {
 #if CK_HAS_CLUSTERS
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-  __syncthreads();
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if CK_HAS_CLUSTERS
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
 

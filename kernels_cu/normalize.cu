@@ -29,17 +29,34 @@ template <typename A> struct Scaler {
   __device__ __forceinline__ A operator()(A x) const { return exact ? x / d : x * r; }
 };
 
-// Scalar (head/tail) positions of a row whose first 16-byte boundary is `head`
-// elements in: elements [0, head) and [tail0, n). Index k < nscalar maps to one.
-__device__ __forceinline__ long long scalar_pos(int k, int head, long long tail0) {
-  return k < head ? (long long)k : tail0 + (k - head);
-}
+// Where a row's 16-byte vectors are: `head` scalar elements before the first
+// 16-byte boundary, `nvec` whole vectors, then scalars from `tail0` to the end.
+struct RowSplit {
+  int head, nscalar;
+  long long nvec, tail0;
+  template <typename T> __device__ __forceinline__ RowSplit(const T* xr, long long ncols) {
+    head = (int)(((16u - ((unsigned)(size_t)xr & 15u)) & 15u) / sizeof(T));
+    if (head > ncols) head = (int)ncols;
+    nvec = (ncols - head) / (16 / sizeof(T));
+    tail0 = head + nvec * (16 / sizeof(T));
+    nscalar = head + (int)(ncols - tail0);
+  }
+  // Position of scalar k < nscalar: [0, head) then [tail0, ncols).
+  __device__ __forceinline__ long long scalar_pos(int k) const {
+    return k < head ? (long long)k : tail0 + (k - head);
+  }
+};
 
 // One cluster of C CTAs per row; the row stays in registers between the
-// reduction and the scaling, so x is read from DRAM exactly once.
-// Capacity: C * THREADS * VPT 16-byte vectors (the caller checks it).
+// reduction and the scaling, so x is read from DRAM exactly once. Each cluster
+// walks rows row0, row0 + nclusters, ... and loads its next row while it waits
+// at the cluster barrier and scales the current one (two register buffers).
+// Capacity: C * THREADS * VPT 16-byte vectors per row (the caller checks it).
+// Register cap: <= 64 per thread for VPT <= 4 and <= 128 for VPT 8 (two row
+// buffers of VPT*4 words), so at least two 512-thread CTAs fit on an SM.
 template <int P, typename T, int C, int THREADS, int VPT>
-__global__ void __launch_bounds__(THREADS) CK_CLUSTER_DIMS(C)
+__global__ void __launch_bounds__(THREADS, (VPT <= 4 ? 1024 : 512) / THREADS > 0 ? (VPT <= 4 ? 1024 : 512) / THREADS : 1)
+CK_CLUSTER_DIMS(C)
 normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long long ncols,
                long long xs, long long ys) {
   typedef typename acc_of<T>::type A;
@@ -50,62 +67,65 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
 
   const unsigned rank = C > 1 ? cluster_ctarank() : 0;
   const long long nclusters = gridDim.x / C;
-  int parity = 0;
-  for (long long row = blockIdx.x / C; row < nrows; row += nclusters, parity ^= 1) {
-    const T* xr = x + row * xs;
-    T* yr = y + row * ys;
-    int head = (int)(((16u - ((unsigned)(size_t)xr & 15u)) & 15u) / sizeof(T));
-    if (head > ncols) head = (int)ncols;
-    const long long nvec = (ncols - head) / N;
-    const long long tail0 = head + nvec * N;
-    const int nscalar = head + (int)(ncols - tail0);
+  const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
 
-    V buf[VPT];
+  V buf[VPT], nxt[VPT];
+  A sc = 0, nsc = 0;  // this thread's head/tail scalar (rank 0 only)
+  auto load = [&](V* b, A& scal, long long row) {
+    const T* xr = x + row * xs;
+    const RowSplit rs(xr, ncols);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const long long v = vec0 + (long long)i * THREADS;
+      if (v < rs.nvec) b[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+    }
+    if (rank == 0 && (int)threadIdx.x < rs.nscalar) scal = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
+  };
+
+  long long row = blockIdx.x / C;
+  if (row < nrows) load(buf, sc, row);
+  for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) {
+    const RowSplit rs(x + row * xs, ncols);
     A s = 0;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const long long v = ((long long)rank * VPT + i) * THREADS + threadIdx.x;
-      if (v < nvec) buf[i].u = ld_global_nc_v4(xr + head + v * N);
-    }
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const long long v = ((long long)rank * VPT + i) * THREADS + threadIdx.x;
-      if (v < nvec) {
+      if (vec0 + (long long)i * THREADS < rs.nvec) {
 #pragma unroll
         for (int j = 0; j < N; ++j) s += norm_term<P>(to_acc(buf[i].e[j]));
       }
     }
-    // The < 2*N unaligned head/tail elements go to the threads of rank 0.
-    A xs_val = 0;
-    const bool has_scalar = rank == 0 && (int)threadIdx.x < nscalar;
-    if (has_scalar) {
-      xs_val = to_acc(xr[scalar_pos(threadIdx.x, head, tail0)]);
-      s += norm_term<P>(xs_val);
-    }
+    const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
+    if (has_scalar) s += norm_term<P>(sc);
 
-    const A cta_sum = block_sum(s, scratch);
-    A total = cta_sum;
+    A total = block_sum(s, scratch);
     if constexpr (C > 1) {
       if (threadIdx.x == 0) {
-        for (unsigned r = 0; r < C; ++r) st_dsmem(&part[parity][rank], r, cta_sum);
+        for (unsigned r = 0; r < C; ++r) st_dsmem(&part[parity][rank], r, total);
       }
-      cluster_sync();
+      cluster_arrive();
+    }
+    const long long next = row + nclusters;
+    if (next < nrows) load(nxt, nsc, next);  // in flight across the barrier
+    if constexpr (C > 1) {
+      cluster_wait();
       total = 0;
       for (int r = 0; r < C; ++r) total += part[parity][r];  // same order in every CTA
     }
 
     const Scaler<A> scale(row_divisor<P, T>(total, ncols));
+    T* yr = y + row * ys + rs.head;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const long long v = ((long long)rank * VPT + i) * THREADS + threadIdx.x;
-      if (v < nvec) {
-        V o;
-#pragma unroll
-        for (int j = 0; j < N; ++j) o.e[j] = from_acc<T>(scale(to_acc(buf[i].e[j])));
-        st_global_cs_v4(yr + head + v * N, o.u);
+      const long long v = vec0 + (long long)i * THREADS;
+      if (v < rs.nvec) {
+        const V o = vec_from_acc<T>([&](int j) { return scale(to_acc(buf[i].e[j])); });
+        st_global_cs_v4(yr + v * N, o.u);
       }
     }
-    if (has_scalar) yr[scalar_pos(threadIdx.x, head, tail0)] = from_acc<T>(scale(xs_val));
+    if (has_scalar) y[row * ys + rs.scalar_pos(threadIdx.x)] = from_acc<T>(scale(sc));
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) buf[i] = nxt[i];
+    sc = nsc;
   }
 }
 
