@@ -5,7 +5,11 @@ current stream; they return torch tensors) and NumPy arrays (NumPy reference
 path, so the API works without a GPU).
 """
 from .normalize import l1_normalize, l2_normalize
+from .gemm import linear
+from .gemm_bn import gemm_scale_batchnorm
+from .matmul_reduce import MatmulSumPlan, matmul_sum_max_mean_logsumexp, prepare_matmul_sum
 
 __version__ = "0.1.0"
 
-__all__ = ["l1_normalize", "l2_normalize"]
+__all__ = ["l1_normalize", "l2_normalize", "linear", "gemm_scale_batchnorm",
+           "matmul_sum_max_mean_logsumexp", "MatmulSumPlan", "prepare_matmul_sum"]

@@ -237,3 +237,16 @@ def test_modules_cuda_and_autograd(mod, cls):
     (gx,) = torch.autograd.grad(y, x, g)
     (gx_ref,) = torch.autograd.grad(y_ref, x, g)
     torch.testing.assert_close(gx, gx_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(8, 256, 8), (8, 512, 4, 1), (4, 512, 8, 16), (1, 1024, 4)],
+                         ids=str)
+@pytest.mark.parametrize("kind", FUNCS)
+def test_every_kernel_path(kind, config):
+    """Each cluster shape and rows-per-cluster setting of the row kernel."""
+    ncols = 16383 if config == (1, 1024, 4) else 65535
+    x = torch.randn(37, ncols, device="cuda")
+    x[5] = 0
+    got = cupykern.normalize._normalize(x, 1, None, kind, config)
+    assert_matches(got, torch_ref(x, kind), torch.float32)

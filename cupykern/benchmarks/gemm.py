@@ -1,0 +1,97 @@
+"""GEMM and GemmScaleBatchNorm benchmark: ``python -m cupykern.benchmarks.gemm`` (GPU only).
+
+FLOP model: 2*M*N*K. Part 1 times ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in
+each precision against cuBLAS through torch in the same run (TF32 off = SGEMM, TF32
+on, bf16 inputs for "medium") and prints the max |error| against a float64 GEMM.
+Part 2 times GemmScaleBatchNorm (training mode, as the model is normally called)
+against PyTorch eager and torch.compile at both benchmark shapes, for the default
+precision ("highest") and "high".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+import cupykern
+from cupykern.benchmark import time_ms, tflops
+from cupykern.models import gemm_scale_batchnorm as model3
+
+
+@contextlib.contextmanager
+def matmul_precision(p):
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(p)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def bench_gemm(m, n, k, iters):
+    torch.manual_seed(0)
+    x = torch.rand(m, k, device="cuda")
+    w = torch.rand(n, k, device="cuda") / k
+    ref64 = x.double() @ w.double().T
+    flops = 2 * m * n * k
+    print(f"\nGEMM {m}x{k} @ ({n}x{k})^T, float32, {flops / 1e9:.0f} GFLOP")
+    print(f"{'precision':<9} {'cupykern ms':>11} {'TFLOP/s':>8} {'cuBLAS ms':>10} {'TFLOP/s':>8} "
+          f"{'speedup':>8} {'max|err| ours':>14} {'cuBLAS':>9}")
+    xb, wb = x.bfloat16(), w.bfloat16()
+    rows = []
+    for prec in ("highest", "high", "medium"):
+        with matmul_precision(prec):
+            ours = lambda: cupykern.linear(x, w, precision=prec)  # noqa: E731
+            theirs = (lambda: xb @ wb.T) if prec == "medium" else (lambda: x @ w.T)
+            t_ours, t_ref = time_ms(ours, iters=iters), time_ms(theirs, iters=iters)
+            e_ours = (ours().double() - ref64).abs().max().item()
+            e_ref = (theirs().double() - ref64).abs().max().item()
+        rows.append((prec, t_ours, t_ref))
+        print(f"{prec:<9} {t_ours:>11.3f} {tflops(flops, t_ours):>8.1f} {t_ref:>10.3f} "
+              f"{tflops(flops, t_ref):>8.1f} {t_ref / t_ours:>7.2f}x {e_ours:>14.3e} {e_ref:>9.3e}")
+    print(f"(max |ref64| = {ref64.abs().max().item():.1f}; cuBLAS 'medium' = bf16 inputs)")
+    return rows
+
+
+def bench_model(case, iters):
+    fin, fout, _ = case.init_inputs
+    torch.manual_seed(0)
+    ref = model3.Model(*case.init_inputs).cuda()
+    torch.manual_seed(0)
+    new = model3.ModelNew(*case.init_inputs).cuda()
+    comp = torch.compile(ref)  # shares ref's parameters
+    x = case.make_inputs("cuda")[0]
+    print(f"\nGemmScaleBatchNorm {case.label} (training mode), {case.flops / 1e9:.0f} GFLOP")
+    print(f"{'precision':<9} {'cupykern ms':>11} {'TFLOP/s':>8} {'eager ms':>9} {'compile ms':>10} "
+          f"{'vs eager':>8} {'vs compile':>10} {'max|diff|':>10}")
+    for prec, tol in (("highest", 1e-4), ("high", 1e-2)):
+        with matmul_precision(prec), torch.no_grad():
+            out, expect = new(x), ref(x)
+            ok = torch.allclose(out, expect, atol=tol, rtol=tol)
+            diff = (out - expect).abs().max().item()
+            t_new = time_ms(lambda: new(x), iters=iters)
+            t_eager = time_ms(lambda: ref(x), iters=iters)
+            comp(x)  # compile outside the timing
+            t_comp = time_ms(lambda: comp(x), iters=iters)
+        print(f"{prec:<9} {t_new:>11.3f} {tflops(case.flops, t_new):>8.1f} {t_eager:>9.3f} "
+              f"{t_comp:>10.3f} {t_eager / t_new:>7.2f}x {t_comp / t_new:>9.2f}x {diff:>10.2e}"
+              f" {'pass' if ok else 'FAIL'} {tol:g}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--part", choices=("all", "gemm", "model"), default="all")
+    args = ap.parse_args(argv)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.part != "model":
+        bench_gemm(1024, 8192, 8192, args.iters)
+    if args.part != "gemm":
+        for case in model3.CASES:
+            if not case.quick:
+                bench_model(case, args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Benchmark MatmulSumMaxMeanLogSumExp (documented model 4) on the GPU machine.
+
+    python -m cupykern.benchmarks.matmul_reduce
+
+Byte model, x (B, K), W (N, K), float32, fewest DRAM bytes per call:
+  weights cached:           read x once           4*B*K        (wsum, 8*K bytes, stays in L2)
+  weights changed in place: read W once, x once   4*(N*K + B*K) (+ bias, plan: < 0.1%)
+The ceiling is the same-run device copy bandwidth (y.copy_(x) of a 1 GiB buffer, read +
+write bytes / time); "%copy" = (model bytes / ms) / that bandwidth.
+
+Timing (cupykern.benchmark.time_ms's method): CUDA events around the forward on the
+current stream, L2 flushed before each call, mean of many calls, x rotated over 4 fresh
+tensors, inference (torch.no_grad()). The small shape is timed by wall clock over
+back-to-back calls instead, so host overhead is included.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from cupykern import matmul_reduce as mr
+from cupykern.benchmark import copy_ms, gbps
+from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
+
+
+def _events_ms(fn, setup=None, iters=30, warmup=3):
+    """Mean ms of fn() between CUDA events, L2 flushed (and setup() run) before each call."""
+    scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        scratch.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.fmean(times)
+
+
+def _wall_us(fn, n=3000):
+    """Mean wall-clock microseconds per call of back-to-back calls (host overhead included)."""
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _rotating(xs):
+    i = [0]
+
+    def nxt():
+        i[0] = (i[0] + 1) % len(xs)
+        return xs[i[0]]
+    return nxt
+
+
+def _models(k, n):
+    torch.manual_seed(0)
+    ref = Model(k, n).cuda()
+    torch.manual_seed(0)
+    new = ModelNew(k, n).cuda()
+    return ref, new, torch.compile(ref)
+
+
+def main():
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    big = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    ceiling = gbps(2 * big.nbytes, copy_ms(big))
+    del big
+    print(f"copy ceiling (1 GiB y.copy_(x)): {ceiling:.0f} GB/s\n", flush=True)
+
+    B, K, N = 1024, 8192, 8192
+    ref, new, comp = _models(K, N)
+    xs = [torch.rand(B, K, device="cuda") for _ in range(4)]
+    nxt = _rotating(xs)
+    with torch.no_grad():
+        err = (new(xs[0]) - ref(xs[0])).abs().max().item()
+        print(f"[{B}x{K}->{N} float32] max |ours - eager| = {err:.2e}; "
+              f"copy_(x) {copy_ms(xs[0]):.4f} ms", flush=True)
+        comp(xs[0])  # compile outside the timing
+
+        xbytes, wbytes = 4 * B * K, 4 * N * K
+        eager = _events_ms(lambda: ref(nxt()))
+        compiled = _events_ms(lambda: comp(nxt()))
+        ours = _events_ms(lambda: new(nxt()))
+        print(f"  weights cached:  ours {ours:.4f} ms  eager {eager:.3f} ms  compile "
+              f"{compiled:.3f} ms  -> {eager / ours:.0f}x eager, {compiled / ours:.0f}x compile, "
+              f"{100 * gbps(xbytes, ours) / ceiling:.0f}% of copy BW (bytes: x)", flush=True)
+        plan = new.plan()
+        default = list(mr.PREFETCH)
+        for pf in (True, False):
+            mr.PREFETCH[1] = pf
+            for rows in mr._ROWS:
+                t = _events_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
+                print(f"    row kernel, {rows} rows/block, L2 prefetch {pf}: {t:.4f} ms "
+                      f"({100 * gbps(xbytes, t) / ceiling:.0f}% of copy BW)", flush=True)
+        mr.PREFETCH[:] = default
+
+        w = new.linear.weight
+        wr = ref.linear.weight
+
+        def flip():  # an in-place change of the weights before every call
+            w.mul_(-1.0)
+            wr.mul_(-1.0)
+        eager_w = _events_ms(lambda: ref(nxt()), setup=flip)
+        comp_w = _events_ms(lambda: comp(nxt()), setup=flip)
+        ours_w = _events_ms(lambda: new(nxt()), setup=flip)
+        build = {}
+        for pf in (True, False):
+            mr.PREFETCH[0] = pf
+            build[pf] = _events_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
+        mr.PREFETCH[:] = default
+        print(f"    plan build alone: L2 prefetch on {build[True]:.4f} ms, off {build[False]:.4f} ms",
+              flush=True)
+        build = build[default[0]]
+        err = (new(xs[0]) - ref(xs[0])).abs().max().item()
+        print(f"  weights changed: ours {ours_w:.4f} ms  eager {eager_w:.3f} ms  compile "
+              f"{comp_w:.3f} ms  -> {eager_w / ours_w:.0f}x eager, {comp_w / ours_w:.0f}x compile, "
+              f"{100 * gbps(wbytes + xbytes, ours_w) / ceiling:.0f}% of copy BW (bytes: W + x); "
+              f"plan build alone {build:.4f} ms "
+              f"({100 * gbps(wbytes, build) / ceiling:.0f}% of copy BW); max err {err:.2e}", flush=True)
+    del ref, new, comp, xs, plan
+    torch.cuda.empty_cache()
+
+    B, K, N = 128, 10, 5
+    ref, new, comp = _models(K, N)
+    x = torch.randn(B, K, device="cuda")
+    for mode, ctx in (("no_grad", torch.no_grad), ("grad enabled", torch.enable_grad)):
+        with ctx():
+            comp(x)
+            t_e, t_c, t_o = _wall_us(lambda: ref(x)), _wall_us(lambda: comp(x)), _wall_us(lambda: new(x))
+        print(f"[{B}x{K}->{N} float32, {mode}, wall clock per call incl. host] ours {t_o:.1f} us  "
+              f"eager {t_e:.1f} us  compile {t_c:.1f} us  -> {t_e / t_o:.2f}x eager, "
+              f"{t_c / t_o:.2f}x compile", flush=True)
+
+
+if __name__ == "__main__":
+    main()

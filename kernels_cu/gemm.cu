@@ -1,0 +1,635 @@
+// C = epilogue(A @ B^T) with A (M, K) and B (N, K), both K-contiguous (row stride lda/ldb).
+//
+// gemm_mma: tensor cores through mma.sync (sm_80+), 128x128 block tile, 8 warps of
+// 64x32, a 4-stage cp.async pipeline of 128-byte K slices, ldmatrix fragment loads.
+// One smem layout serves every precision: a 32-byte K step is one m16n8k8 tf32 MMA
+// (8 floats) or one m16n8k16 MMA (16 halves), and ldmatrix.x4 of four 8x16-byte
+// matrices yields exactly the A/B fragments of either (for 32-bit data each thread
+// receives element (row lane/4, word lane%4), the tf32 fragment layout).
+//   MODE 0  "highest": 3xTF32, A*B ~ Ab*Bb + Ab*Bs + As*Bb (b = tf32 part, s = rest),
+//           with the tensor-core sum promoted into an fp32 register accumulator after
+//           every 32-wide K slice (tensor-core accumulation truncates: GEMM.md).
+//   MODE 1  "high": TF32 (raw fp32 bits; the tensor core ignores the low 13 bits).
+//   MODE 2  "medium": fp32 data rounded to bf16 in registers, bf16 MMA.
+//   MODE 3  native float16 / bfloat16 inputs.
+// gemm_simple: CUDA-core kernel for float64.
+//
+// Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
+// (each pointer may be null). If `part` is non-null the kernel also writes, for its
+// M tile mt and every column n, the (mean, M2) of the raw accumulators over the
+// tile's valid rows: part[2*mt*N + n], part[(2*mt+1)*N + n]. Partials are merged in
+// a fixed order (Chan's formula), so the statistics are deterministic.
+#include "common.cuh"
+#include "stats.cuh"
+
+// ---- (count, mean, M2) statistics --------------------------------------------------
+// Per-thread two-pass (mean, M2) of V values, `valid[i]` marking rows inside M.
+template <typename A, int V>
+__device__ __forceinline__ void local_stats(const A (&v)[V], const bool (&valid)[V], A& n,
+                                            A& mean, A& m2) {
+  A s = 0;
+  n = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { s += v[i]; n += 1; }
+  mean = n > (A)0 ? s / n : (A)0;
+  m2 = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { const A d = v[i] - mean; m2 += d * d; }
+}
+
+// Threads 0..COLS-1 merge SLOTS per-thread partials of their column, in slot order.
+template <typename A, int SLOTS, int COLS>
+__device__ __forceinline__ void merge_slots(const A* s_mean, const A* s_m2, const A* s_cnt,
+                                            A* part, int mt, int n0, int N) {
+  const int col = threadIdx.x;
+  if (col >= COLS || n0 + col >= N) return;
+  A n = 0, mean = 0, m2 = 0;
+  for (int s = 0; s < SLOTS; ++s) chan_merge(n, mean, m2, s_cnt[s], s_mean[s * COLS + col], s_m2[s * COLS + col]);
+  part[(2LL * mt) * N + n0 + col] = mean;
+  part[(2LL * mt + 1) * N + n0 + col] = m2;
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ A epilogue(A v, int n, const T* bias, const A* alpha, const A* beta) {
+  if (alpha) return alpha[n] * v + beta[n];
+  if (bias) return v + to_acc(bias[n]);
+  return v;
+}
+
+// ---- PTX wrappers (sm_80+) ---------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+// 16-byte async copy; src_bytes = 0 fills the destination with zeros (out of bounds).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2,
+                                        unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <bool BF16>
+__device__ __forceinline__ void mma_16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if (BF16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two fp32 (bit patterns) -> packed bf16x2, `lo` in the low half (the smaller K slot).
+__device__ __forceinline__ unsigned pack_bf16(unsigned lo, unsigned hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(hi)), "f"(__uint_as_float(lo)));
+  return r;
+}
+// x ~ big + small with both halves rounded to TF32 (10 mantissa bits): |small| is at
+// most half an ulp of big, so the pair carries ~22 bits and x - big - small is ~2^-23 x.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
+  const float f = __uint_as_float(x);
+  big = to_tf32(f);
+  small = to_tf32(f - __uint_as_float(big));
+}
+
+template <typename T> struct is_bf16 { static constexpr bool value = false; };
+template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };
+
+// ---- tensor-core kernel ------------------------------------------------------------
+namespace mma_cfg {
+constexpr int BM = 128, BN = 128, THREADS = 256, STAGES = 4, GROUP_M = 16;
+constexpr int KB = 128;                 // bytes of K per row and stage
+constexpr int ROW = KB + 16;            // padded smem row: ldmatrix/cp.async conflict-free
+constexpr int TILE = (BM + BN) * ROW;   // bytes per stage
+constexpr int SMEM = STAGES * TILE;     // 147456
+}  // namespace mma_cfg
+
+// Load one BM x KB (resp. BN x KB) slice of A (resp. B) into smem stage `dst`.
+// ALIGNED: rows are 16-byte aligned and K is a multiple of a 16-byte chunk, so each
+// chunk is wholly in or out of bounds; else element loads with zero padding.
+template <typename T, bool ALIGNED, int ROWS>
+__device__ __forceinline__ void load_slice(unsigned dst, const T* __restrict__ g, long long ld,
+                                           int rows_left, int k0, int K) {
+  using namespace mma_cfg;
+  constexpr int EPC = 16 / sizeof(T), CHUNKS = ROWS * KB / 16;
+#pragma unroll
+  for (int i = 0; i < CHUNKS / THREADS; ++i) {
+    const int c = threadIdx.x + i * THREADS, r = c / (KB / 16), kc = c % (KB / 16);
+    const int k = k0 + kc * EPC;
+    const unsigned d = dst + r * ROW + kc * 16;
+    const T* src = g + (long long)r * ld + k;
+    if (ALIGNED) {
+      const bool ok = r < rows_left && k < K;
+      cp_async16(d, ok ? src : g, ok ? 16 : 0);
+    } else {
+      Vec16<T> v;
+      v.u = make_uint4(0, 0, 0, 0);
+      if (r < rows_left)
+#pragma unroll
+        for (int e = 0; e < EPC; ++e)
+          if (k + e < K) v.e[e] = src[e];
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(d), "r"(v.u.x), "r"(v.u.y),
+                   "r"(v.u.z), "r"(v.u.w));
+    }
+  }
+}
+
+template <typename T, int MODE, bool ALIGNED>
+__global__ void __launch_bounds__(256, 1)
+gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
+         long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
+         const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
+  using namespace mma_cfg;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm*64.., cols wn*32..
+
+  // Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2.
+  const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
+  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
+  const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
+  const int mt = first_m + (pid % (GROUP_M * ntiles)) % gsz;
+  const int nt = (pid % (GROUP_M * ntiles)) / gsz;
+  const int m0 = mt * BM, n0 = nt * BN;
+  const T* ga = a + (long long)m0 * lda;
+  const T* gb = b + (long long)n0 * ldb;
+
+  constexpr int KS = KB / sizeof(T);  // K elements per stage
+  const int ktiles = (K + KS - 1) / KS;
+  const unsigned s0 = smem_addr(smem);
+  auto load = [&](int kt) {
+    const unsigned st = s0 + (kt % STAGES) * TILE;
+    load_slice<T, ALIGNED, BM>(st, ga, lda, M - m0, kt * KS, K);
+    load_slice<T, ALIGNED, BN>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
+  };
+
+  // ldmatrix row addresses (bytes within a stage): A m16 tile i at + i*16*ROW,
+  // B pair of n8 tiles p at + p*16*ROW; K step ks at + ks*32.
+  const unsigned a_off = (wm * 64 + (lane & 15)) * ROW + (lane >> 4) * 16;
+  const unsigned b_off = BM * ROW + (wn * 32 + (lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 16;
+
+  float acc[4][4][4], pro[4][4][4];  // tensor-core sums; fp32 promotion target (MODE 0)
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = pro[i][j][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ktiles) load(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage kt landed; stage (kt-1)%STAGES is no longer read
+    if (kt + STAGES - 1 < ktiles) load(kt + STAGES - 1);
+    cp_async_commit();
+
+    const unsigned st = s0 + (kt % STAGES) * TILE;
+    if (MODE == 2) {
+      // Two tf32-layout steps (16 floats of K) feed one bf16 m16n8k16 MMA: slots
+      // (2t, 2t+1) take k = t, t+4 of step 0 and (2t+8, 2t+9) the same of step 1.
+      // Any K permutation is fine as long as A and B use the same one.
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ks += 2) {
+        unsigned fa[2][4][4], fb[2][4][2], pa[4][4], pb[4][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            ldsm_x4(st + a_off + i * 16 * ROW + (ks + h) * 32, fa[h][i][0], fa[h][i][1], fa[h][i][2], fa[h][i][3]);
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+            ldsm_x4(st + b_off + p * 16 * ROW + (ks + h) * 32, fb[h][2 * p][0], fb[h][2 * p][1],
+                    fb[h][2 * p + 1][0], fb[h][2 * p + 1][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pa[i][0] = pack_bf16(fa[0][i][0], fa[0][i][2]);
+          pa[i][1] = pack_bf16(fa[0][i][1], fa[0][i][3]);
+          pa[i][2] = pack_bf16(fa[1][i][0], fa[1][i][2]);
+          pa[i][3] = pack_bf16(fa[1][i][1], fa[1][i][3]);
+          pb[i][0] = pack_bf16(fb[0][i][0], fb[0][i][1]);
+          pb[i][1] = pack_bf16(fb[1][i][0], fb[1][i][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_16<true>(acc[i][j], pa[i], pb[j][0], pb[j][1]);
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) {
+        unsigned fa[4][4], fb[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          ldsm_x4(st + a_off + i * 16 * ROW + ks * 32, fa[i][0], fa[i][1], fa[i][2], fa[i][3]);
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+          ldsm_x4(st + b_off + p * 16 * ROW + ks * 32, fb[2 * p][0], fb[2 * p][1], fb[2 * p + 1][0],
+                  fb[2 * p + 1][1]);
+        if (MODE == 0) {
+          unsigned sa[4][4], sb[4][2];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32(fa[i][e], fa[i][e], sa[i][e]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) split_tf32(fb[j][e], fb[j][e], sb[j][e]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // small products first, then big*big
+              mma_tf32(acc[i][j], sa[i], fb[j][0], fb[j][1]);
+              mma_tf32(acc[i][j], fa[i], sb[j][0], sb[j][1]);
+              mma_tf32(acc[i][j], fa[i], fb[j][0], fb[j][1]);
+            }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              if (MODE == 1) mma_tf32(acc[i][j], fa[i], fb[j][0], fb[j][1]);
+              else mma_16<is_bf16<T>::value>(acc[i][j], fa[i], fb[j][0], fb[j][1]);
+            }
+        }
+      }
+    }
+    if (MODE == 0) {  // promotion: at most 32 K products ever sum in the tensor core
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) { pro[i][j][e] += acc[i][j][e]; acc[i][j][e] = 0.f; }
+    }
+  }
+  float (&res)[4][4][4] = MODE == 0 ? pro : acc;
+
+  // Fragment (i, j): rows r0 + i*16 + {0, 8}, columns c0 + j*8 + {0, 1}.
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + wm * 64 + g, c0 = n0 + wn * 32 + 2 * t;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + j * 8 + e;
+      if (col >= N) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r0 + i * 16 + h * 8;
+          if (row < M) c[(long long)row * ldc + col] = from_acc<T>(epilogue(res[i][j][2 * h + e], col, bias, alpha, beta));
+        }
+    }
+
+  if (part) {
+    cp_async_wait<0>();
+    __syncthreads();  // the pipeline's smem is free: reuse it for 16 slots x BN partials
+    float* s_mean = reinterpret_cast<float*>(smem);
+    float* s_m2 = s_mean + 16 * BN;
+    float* s_cnt = s_m2 + 16 * BN;
+    const int slot = wm * 8 + g;
+    bool valid[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) valid[2 * i + h] = r0 + i * 16 + h * 8 < M;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v[8], n, mean, m2;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) v[2 * i + h] = res[i][j][2 * h + e];
+        local_stats(v, valid, n, mean, m2);
+        const int col = wn * 32 + j * 8 + 2 * t + e;
+        s_mean[slot * BN + col] = mean;
+        s_m2[slot * BN + col] = m2;
+        if (wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
+      }
+    __syncthreads();
+    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+  }
+}
+
+// ---- CUDA-core kernel (float64) ----------------------------------------------------
+// 64x64 tile, 16x16 threads, each computes rows ty + 16*i and columns tx + 16*j.
+template <typename T>
+__global__ void __launch_bounds__(256)
+gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
+            long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
+            const typename acc_of<T>::type* __restrict__ alpha,
+            const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
+  typedef typename acc_of<T>::type A;
+  constexpr int TS = 64, KT = 16;
+  __shared__ A sm[2 * KT * (TS + 1)];  // [k][m] tiles of A and B; later the stats slots
+  A* sa = sm;
+  A* sb = sm + KT * (TS + 1);
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const int mt = blockIdx.x, m0 = mt * TS, n0 = blockIdx.y * TS;
+  A acc[4][4] = {};
+  for (int k0 = 0; k0 < K; k0 += KT) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int e = threadIdx.x + 256 * q, r = e >> 4, k = k0 + (e & 15);
+      sa[(e & 15) * (TS + 1) + r] = (m0 + r < M && k < K) ? to_acc(a[(long long)(m0 + r) * lda + k]) : (A)0;
+      sb[(e & 15) * (TS + 1) + r] = (n0 + r < N && k < K) ? to_acc(b[(long long)(n0 + r) * ldb + k]) : (A)0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < KT; ++k)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += sa[k * (TS + 1) + ty + 16 * i] * sb[k * (TS + 1) + tx + 16 * j];
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = m0 + ty + 16 * i, col = n0 + tx + 16 * j;
+      if (row < M && col < N) c[(long long)row * ldc + col] = from_acc<T>(epilogue(acc[i][j], col, bias, alpha, beta));
+    }
+  if (part) {  // slots = ty (16), columns = tx + 16*j (64); sm is free after the last sync
+    A* s_mean = sm;
+    A* s_m2 = sm + 16 * TS;
+    A* s_cnt = s_m2 + 16 * TS;
+    bool valid[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) valid[i] = m0 + ty + 16 * i < M;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      A v[4], n, mean, m2;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = acc[i][j];
+      local_stats(v, valid, n, mean, m2);
+      s_mean[ty * TS + tx + 16 * j] = mean;
+      s_m2[ty * TS + tx + 16 * j] = m2;
+      if (tx == 0 && j == 0) s_cnt[ty] = n;
+    }
+    __syncthreads();
+    merge_slots<A, 16, TS>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+  }
+}
+
+// ---- Hopper tensor cores: wgmma (sm_90a), float32 data, aligned rows ---------------
+// Same 128x128 tile and cp.async pipeline, but each stage is stored in the wgmma
+// 128-byte-swizzle K-major layout (16-byte chunk c of row r at r*128 + (c ^ r%8)*16,
+// 8-row groups 1024 B apart) and each of the 2 warpgroups issues m64n128k8 wgmma on
+// its 64 rows. MODE 0 (3xTF32): before a slice is consumed, all threads write the
+// rounded TF32 remainders of A and B into a second buffer (the big halves are the
+// raw fp32 bits, which the tensor core truncates to TF32), then big*small,
+// small*big and big*big accumulate into one tensor-core sum that is promoted into an
+// fp32 register accumulator after every 32-wide K slice. MODE 1: TF32.
+// The split of slice kt+1 and the loads run while slice kt's wgmma are in flight.
+// TMA-free: the cp.async loader handles M/N/K edges with zero fill.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CK_WGMMA 1
+#else
+#define CK_WGMMA 0
+#endif
+
+namespace wg_cfg {
+constexpr int BM = 128, BN = 128, THREADS = 256, GROUP_M = 16;
+constexpr int TILE = (BM + BN) * 128;  // bytes per stage (A then B)
+// MODE 0 drains every slice's wgmma (to promote); MODE 1 keeps one slice in flight
+// while the next is issued, so a stage may be refilled only once it is 2 slices old.
+template <int MODE> struct Pipe {
+  static constexpr int STAGES = MODE == 0 ? 5 : 7;
+  static constexpr int IN_FLIGHT = MODE == 0 ? 0 : 1;
+  static constexpr int AHEAD = STAGES - 2 - IN_FLIGHT;  // slices loading beyond the next one
+  static constexpr int SMEM = (STAGES + (MODE == 0 ? 2 : 0)) * TILE + 1024;  // + 1 KB alignment slack
+};
+}  // namespace wg_cfg
+
+__device__ __forceinline__ void load_swizzled(unsigned dst, const float* __restrict__ g, long long ld,
+                                              int rows_left, int k0, int K) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = threadIdx.x + i * 256, r = c >> 3, kc = c & 7, k = k0 + kc * 4;
+    const bool ok = r < rows_left && k < K;
+    cp_async16(dst + r * 128 + ((kc ^ (r & 7)) << 4), ok ? g + (long long)r * ld + k : g, ok ? 16 : 0);
+  }
+}
+
+// Shared-memory matrix descriptor: 128B swizzle, 8-row groups 1024 B apart.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if CK_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// Make the compiler treat the accumulators as live across async wgmma boundaries.
+__device__ __forceinline__ void wg_fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wg_arrive() {
+#if CK_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#if CK_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wg_wait() {
+#if CK_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// d (+)= A(64x8, smem) * B(128x8, smem)^T; scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], unsigned long long da, unsigned long long db,
+                                           int scale_d) {
+#if CK_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+#else
+  __trap();
+#endif
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(256, 1)
+gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
+           int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
+           const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
+  using namespace wg_cfg;
+  constexpr int STAGES = Pipe<MODE>::STAGES, AHEAD = Pipe<MODE>::AHEAD, IN_FLIGHT = Pipe<MODE>::IN_FLIGHT;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle pattern is anchored to 1024-byte boundaries of the address.
+  const unsigned s0 = (smem_addr(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (s0 - smem_addr(smem_raw));
+  const unsigned small0 = s0 + STAGES * TILE;  // MODE 0: two buffers of remainders
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+
+  const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
+  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
+  const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
+  const int mt = first_m + (pid % (GROUP_M * ntiles)) % gsz;
+  const int nt = (pid % (GROUP_M * ntiles)) / gsz;
+  const int m0 = mt * BM, n0 = nt * BN;
+  const float* ga = a + (long long)m0 * lda;
+  const float* gb = b + (long long)n0 * ldb;
+  const int ktiles = (K + 31) / 32;
+
+  auto load = [&](int kt) {
+    const unsigned st = s0 + (kt % STAGES) * TILE;
+    load_swizzled(st, ga, lda, M - m0, kt * 32, K);
+    load_swizzled(st + BM * 128, gb, ldb, N - n0, kt * 32, K);
+  };
+  // MODE 0: remainders of slice kt (elementwise, so the swizzled layout carries over).
+  auto split = [&](int kt) {
+    const unsigned src = s0 + (kt % STAGES) * TILE, dst = small0 + (kt & 1) * TILE;
+#pragma unroll
+    for (int i = 0; i < TILE / 16 / 256; ++i) {
+      const unsigned off = (tid + i * 256) * 16;
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
+      unsigned* e = &v.x;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float f = __uint_as_float(e[q]);
+        e[q] = to_tf32(f - __uint_as_float(e[q] & 0xffffe000u));
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+    }
+  };
+
+  float acc[64], pro[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = pro[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s <= AHEAD; ++s) {
+    if (s < ktiles) load(s);
+    cp_async_commit();
+  }
+  cp_async_wait<AHEAD>();
+  fence_proxy_async();
+  __syncthreads();
+  if (MODE == 0 && ktiles > 0) {
+    split(0);
+    fence_proxy_async();
+    __syncthreads();
+  }
+
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const unsigned st = s0 + (kt % STAGES) * TILE;
+    const unsigned a_big = st + wg * 64 * 128, b_big = st + BM * 128;
+    const unsigned sm = small0 + (kt & 1) * TILE;
+    wg_fence_regs(acc);
+    wg_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // 4 K steps of 8 floats = 32 bytes of the swizzled row
+      const unsigned long long da = wg_desc(a_big + ks * 32), db = wg_desc(b_big + ks * 32);
+      if (MODE == 0) {
+        wgmma_tf32(acc, wg_desc(sm + wg * 64 * 128 + ks * 32), db, ks > 0);
+        wgmma_tf32(acc, da, wg_desc(sm + BM * 128 + ks * 32), 1);
+      }
+      wgmma_tf32(acc, da, db, MODE == 0 ? 1 : (kt > 0 || ks > 0));
+    }
+    wg_commit();
+    if (kt + 1 < ktiles) {
+      cp_async_wait<AHEAD - 1>();  // slice kt+1 landed (this thread's copies)
+      fence_proxy_async();
+      __syncthreads();  // ... everyone's; and every warpgroup finished slice kt-1-IN_FLIGHT
+      if (MODE == 0) {
+        split(kt + 1);
+        fence_proxy_async();
+        __syncthreads();
+      }
+    }
+    // The stage refilled here was last read by slice kt-1-IN_FLIGHT, now complete.
+    if (kt + 1 + AHEAD < ktiles) load(kt + 1 + AHEAD);
+    cp_async_commit();
+    wg_wait<IN_FLIGHT>();
+    wg_fence_regs(acc);
+    if (MODE == 0) {  // promotion; the next slice's first wgmma overwrites acc
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pro[i] += acc[i];
+    }
+  }
+  wg_wait<0>();
+  wg_fence_regs(acc);
+  float (&res)[64] = MODE == 0 ? pro : acc;
+
+  // Accumulator (j, 2h+e): row wg*64 + (warp%4)*16 + g + 8h, column 8j + 2t + e.
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = n0 + 8 * j + 2 * t + e;
+      if (col >= N) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h;
+        if (row < M) c[(long long)row * ldc + col] = epilogue(res[4 * j + 2 * h + e], col, bias, alpha, beta);
+      }
+    }
+
+  if (part) {
+    cp_async_wait<0>();
+    __syncthreads();  // pipeline smem is free: 64 slots (one per thread row) x BN partials
+    float* s_mean = reinterpret_cast<float*>(smem);
+    float* s_m2 = s_mean + 64 * BN;
+    float* s_cnt = s_m2 + 64 * BN;
+    const int slot = wg * 32 + (warp & 3) * 8 + g;
+    const bool valid[2] = {r0 < M, r0 + 8 < M};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v[2] = {res[4 * j + e], res[4 * j + 2 + e]};
+        float n, mean, m2;
+        local_stats(v, valid, n, mean, m2);
+        s_mean[slot * BN + 8 * j + 2 * t + e] = mean;
+        s_m2[slot * BN + 8 * j + 2 * t + e] = m2;
+        if (t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
+      }
+    __syncthreads();
+    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+  }
+}

@@ -1,0 +1,81 @@
+// BatchNorm of y = s * (z + b), z = x @ W^T, folded into out = ca[n] * z + cc[n].
+// T: parameter/buffer dtype; A: accumulation type (acc_of<T>). Any pointer among
+// bias, gamma (bn weight), beta (bn bias) may be null (0, 1, 0).
+#include "common.cuh"
+#include "stats.cuh"
+
+template <typename T, typename A>
+__device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
+
+// Training: merge the GEMM's per-M-tile (mean, M2) partials of z in tile order
+// (Chan), then write the coefficients and update running stats like BatchNorm1d:
+// mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
+// factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
+// (the caller increments num_batches_tracked after this kernel).
+template <typename T>
+__global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
+                              int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
+                              const T* __restrict__ gamma, const T* __restrict__ beta,
+                              T* __restrict__ rmean, T* __restrict__ rvar,
+                              const long long* __restrict__ nbt, double factor, double eps,
+                              typename acc_of<T>::type* __restrict__ ca,
+                              typename acc_of<T>::type* __restrict__ cc) {
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  A cnt = 0, mean = 0, m2 = 0;
+  for (int t = 0; t < mtiles; ++t)
+    chan_merge(cnt, mean, m2, (A)min(bm, M - t * bm), part[2LL * t * N + n], part[(2LL * t + 1) * N + n]);
+  const A var = m2 / (A)M, s = to_acc(scale[n]);
+  const A a = opt(gamma, n, (A)1) * s / sqrt(s * s * var + (A)eps);
+  ca[n] = a;
+  cc[n] = opt(beta, n, (A)0) - a * mean;
+  if (rmean) {
+    const A f = factor < 0 ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
+    const A mean_y = s * (mean + opt(bias, n, (A)0));
+    const A var_y = s * s * var * (A)M / (A)(M - 1);
+    rmean[n] = from_acc<T>(((A)1 - f) * to_acc(rmean[n]) + f * mean_y);
+    rvar[n] = from_acc<T>(((A)1 - f) * to_acc(rvar[n]) + f * var_y);
+  }
+}
+
+// Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cc.
+template <typename T>
+__global__ void bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
+                             const T* __restrict__ gamma, const T* __restrict__ beta,
+                             const T* __restrict__ rmean, const T* __restrict__ rvar, double eps,
+                             typename acc_of<T>::type* __restrict__ ca, typename acc_of<T>::type* __restrict__ cc) {
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const A gi = opt(gamma, n, (A)1) / sqrt(to_acc(rvar[n]) + (A)eps), s = to_acc(scale[n]);
+  ca[n] = gi * s;
+  cc[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
+}
+
+// z = ca[n]*z + cc[n] in place over an (M, N) array with row stride ldz. Each thread
+// owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows.
+template <typename T, int VEC>
+__global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
+                         const typename acc_of<T>::type* __restrict__ ca,
+                         const typename acc_of<T>::type* __restrict__ cc, int rows) {
+  typedef typename acc_of<T>::type A;
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (col >= N) return;
+  A fa[VEC], fc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fc[e] = cc[col + e]; }
+  const int r1 = min(M, (blockIdx.y + 1) * rows);
+  for (int r = blockIdx.y * rows; r < r1; ++r) {
+    T* p = z + (long long)r * ldz + col;
+    if (VEC > 1) {
+      Vec16<T> v;
+      v.u = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v.e[e] = from_acc<T>(fa[e] * to_acc(v.e[e]) + fc[e]);
+      *reinterpret_cast<uint4*>(p) = v.u;
+    } else {
+      *p = from_acc<T>(fa[0] * to_acc(*p) + fc[0]);
+    }
+  }
+}

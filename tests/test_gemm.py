@@ -1,0 +1,137 @@
+"""cupykern.linear: every precision against float64 and PyTorch, odd shapes, bad input."""
+import numpy as np
+import pytest
+
+import cupykern
+from cupykern.gemm import reference
+
+torch = pytest.importorskip("torch")
+
+# (M, N, K): tile edges, K = 1, M = 1, K not a multiple of the 16-byte chunk, big K.
+SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 257, 33),
+          (256, 384, 1024), (200, 136, 4100), (513, 129, 8192)]
+# Max |error| / (|x| @ |w|.T) allowed per precision (bf16 / tf32 rounding of both operands).
+REL_BOUND = {"high": 4e-3, "medium": 1.6e-2}
+
+
+def _data(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) / k ** 0.5
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+def test_numpy_reference_path():
+    x, w, b = (t.numpy() for t in _data(5, 4, 3, torch.float32))
+    np.testing.assert_allclose(cupykern.linear(x, w, b), x @ w.T + b, rtol=1e-6, atol=1e-6)
+    xt, wt, bt = _data(5, 4, 3, torch.float32)
+    assert torch.allclose(cupykern.linear(xt, wt, bt), torch.nn.functional.linear(xt, wt, bt))
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda x, w, b: cupykern.linear(x, w[:, :-1], b), ValueError, "in_features"),
+    (lambda x, w, b: cupykern.linear(x, w.astype(np.float64), b), TypeError, "dtype"),
+    (lambda x, w, b: cupykern.linear(x, w[0], b), ValueError, "2-D"),
+    (lambda x, w, b: cupykern.linear(x, w, b[:-1]), ValueError, "bias"),
+    (lambda x, w, b: cupykern.linear(x, torch.from_numpy(w), b), TypeError, "do not mix"),
+    (lambda x, w, b: cupykern.linear(x, w, b, precision="low"), ValueError, "precision"),
+    (lambda x, w, b: cupykern.linear(x.astype(np.int32), w, b), TypeError, "dtype"),
+])
+def test_bad_input(bad, exc, match):
+    x, w, b = (t.numpy() for t in _data(5, 4, 3, torch.float32))
+    with pytest.raises(exc, match=match):
+        bad(x, w, b)
+
+
+def _errors(out, x, w, b):
+    """(max |out - ref64|, max of |x| @ |w|.T + |b|) on the float64 reference."""
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    return (out.double() - ref).abs().max().item(), mag.max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_highest_matches_sgemm(shape):
+    x, w, b = (t.cuda() for t in _data(*shape, torch.float32))
+    out = cupykern.linear(x, w, b, precision="highest")
+    ref = torch.nn.functional.linear(x, w, b)  # cuBLAS, TF32 off by default
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    err, mag = _errors(out, x, w, b)
+    err_cublas, _ = _errors(ref, x, w, b)
+    # At small K SGEMM is nearly exact; allow a few fp32 ulps of |x| @ |w|.T there.
+    assert err <= 2 * err_cublas + 5e-7 * mag, (err, err_cublas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_reduced_precision(shape, precision):
+    x, w, b = (t.cuda() for t in _data(*shape, torch.float32))
+    err, mag = _errors(cupykern.linear(x, w, b, precision=precision), x, w, b)
+    assert err <= REL_BOUND[precision] * mag
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES[:7], ids=lambda s: "x".join(map(str, s)))
+def test_other_dtypes(shape, dtype):
+    x, w, b = (t.cuda() for t in _data(*shape, dtype))
+    out = cupykern.linear(x, w, b)
+    assert out.dtype == dtype
+    err, mag = _errors(out, x, w, b)
+    assert err <= (1e-12 if dtype == torch.float64 else 1.6e-2) * mag
+
+
+@pytest.mark.gpu
+def test_precision_follows_torch():
+    x, w, b = (t.cuda() for t in _data(64, 64, 4096, torch.float32))
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        tf32 = cupykern.linear(x, w, b)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert torch.equal(tf32, cupykern.linear(x, w, b, precision="high"))
+    assert not torch.equal(tf32, cupykern.linear(x, w, b))
+
+
+@pytest.mark.gpu
+def test_layouts_and_out():
+    x, w, b = (t.cuda() for t in _data(70, 40, 64, torch.float32))
+    ref = torch.nn.functional.linear(x, w, b)
+    big = torch.zeros(70, 80, device="cuda")
+    big[:, 3:67] = x
+    sliced = big[:, 3:67]                      # row-strided, rows not 16-byte aligned
+    transposed = x.t().contiguous().t()        # column-major: copied
+    for xv in (sliced, transposed):
+        assert torch.allclose(cupykern.linear(xv, w, b), ref, atol=1e-4, rtol=1e-4)
+    x3 = x.reshape(7, 10, 64)
+    assert torch.allclose(cupykern.linear(x3, w, b), ref.reshape(7, 10, 40), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(cupykern.linear(x[0], w, b), ref[0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(cupykern.linear(x, w), ref - b, atol=1e-4, rtol=1e-4)
+    out = torch.empty(70, 40, device="cuda")
+    assert cupykern.linear(x, w, b, out=out) is out
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    wt = w.t().contiguous().t()
+    assert torch.allclose(cupykern.linear(x, wt, b), ref, atol=1e-4, rtol=1e-4)
+    # K = 0: only the bias; M = 0: empty
+    assert torch.equal(cupykern.linear(x[:, :0], w[:, :0], b), b.expand(70, 40))
+    assert cupykern.linear(x[:0], w, b).shape == (0, 40)
+
+
+@pytest.mark.gpu
+def test_cupy_in_cupy_out():
+    cp = pytest.importorskip("cupy")
+    x, w, b = (t.numpy() for t in _data(33, 20, 48, torch.float32))
+    out = cupykern.linear(cp.asarray(x), cp.asarray(w), cp.asarray(b))
+    assert isinstance(out, cp.ndarray)
+    np.testing.assert_allclose(cp.asnumpy(out), reference(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    x, w, b = _data(5, 4, 3, torch.float32)
+    with pytest.raises(TypeError, match="do not mix"):
+        cupykern.linear(x.cuda(), w, b.cuda())

@@ -1,0 +1,148 @@
+"""GemmScaleBatchNorm: outputs, running statistics, eval, errors, against PyTorch."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupykern  # noqa: E402
+from cupykern.models import gemm_scale_batchnorm as model3  # noqa: E402
+from cupykern.torch import GemmScaleBatchNorm  # noqa: E402
+
+
+def _pair(fin, fout, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = model3.Model(fin, fout, (fout,), **kw)
+    torch.manual_seed(seed)
+    new = GemmScaleBatchNorm(fin, fout, (fout,), **kw)
+    return ref, new
+
+
+def test_same_parameters_and_state_dict():
+    ref, new = _pair(16, 8)
+    sr, sn = ref.state_dict(), new.state_dict()
+    assert list(sr) == list(sn)
+    assert all(torch.equal(sr[k], sn[k]) for k in sr)
+    new.load_state_dict(sr)
+    ref.load_state_dict(sn)
+
+
+def test_cpu_reference_path_and_numpy():
+    ref, new = _pair(12, 6)
+    x = torch.randn(10, 12)
+    for _ in range(2):
+        assert torch.allclose(new(x), ref(x), atol=1e-5)
+    assert torch.allclose(new.bn.running_var, ref.bn.running_var)
+    # NumPy port against torch
+    ref2, _ = _pair(12, 6)
+    bn = ref2.bn
+    args = [t.detach().numpy().copy() for t in (ref2.gemm.weight, ref2.gemm.bias, ref2.scale,
+                                                  bn.weight, bn.bias, bn.running_mean, bn.running_var)]
+    nbt = np.zeros((), np.int64)
+    out = cupykern.gemm_scale_batchnorm(x.numpy(), *args, nbt, training=True)
+    with torch.no_grad():
+        expect = ref2(x)
+    np.testing.assert_allclose(out, expect.numpy(), atol=1e-5)
+    np.testing.assert_allclose(args[5], bn.running_mean.numpy(), atol=1e-6)
+    np.testing.assert_allclose(args[6], bn.running_var.numpy(), atol=1e-6)
+    assert nbt == 1
+
+
+def test_batch_of_one_raises_like_torch():
+    ref, new = _pair(12, 6)
+    x = torch.randn(1, 12)
+    with pytest.raises(ValueError) as e_ref:
+        ref(x)
+    with pytest.raises(ValueError) as e_new:
+        new(x)
+    assert str(e_new.value) == str(e_ref.value)
+
+
+def test_bad_input():
+    _, new = _pair(12, 6)
+    with pytest.raises(ValueError, match="in_features"):
+        new(torch.randn(4, 11))
+    with pytest.raises(ValueError, match="2-D"):
+        new(torch.randn(2, 4, 12))
+    with pytest.raises(TypeError, match="dtype"):
+        new(torch.randn(4, 12, dtype=torch.float64))
+
+
+SHAPES = [(37, 50, 23), (128, 1024, 512), (300, 96, 130), (2, 8, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_training_steps_and_eval(shape, momentum):
+    m, fin, fout = shape
+    ref, new = _pair(fin, fout, momentum=momentum)
+    ref, new = ref.cuda(), new.cuda()
+    for step in range(3):
+        x = torch.randn(m, fin, device="cuda") + step
+        with torch.no_grad():
+            r, n = ref(x), new(x)
+        assert torch.allclose(n, r, atol=1e-4, rtol=1e-4), (n - r).abs().max()
+    for name in ("running_mean", "running_var"):
+        a, b = getattr(new.bn, name), getattr(ref.bn, name)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max())
+    assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item() == 3
+    ref.eval(), new.eval()
+    x = torch.randn(m, fin, device="cuda")
+    with torch.no_grad():
+        assert torch.allclose(new(x), ref(x), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # eval also works on one row
+        assert torch.allclose(new(x[:1]), ref(x[:1]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_deterministic_and_precisions():
+    ref, new = _pair(1024, 512)
+    ref, new = ref.cuda(), new.cuda()
+    x = torch.randn(1000, 1024, device="cuda")
+    with torch.no_grad():
+        r = ref(x)
+        a, b = new(x), new(x)
+    assert torch.equal(a, b)
+    old = torch.get_float32_matmul_precision()
+    try:
+        for prec in ("high", "medium"):
+            torch.set_float32_matmul_precision(prec)
+            with torch.no_grad():
+                assert torch.allclose(new(x), r, atol=1e-2 if prec == "high" else 5e-2, rtol=1e-2)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.gpu
+def test_backward_raises():
+    _, new = _pair(32, 16)
+    new = new.cuda()
+    out = new(torch.randn(8, 32, device="cuda"))
+    with pytest.raises(NotImplementedError, match="no backward"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_float64_and_cupy():
+    cp = pytest.importorskip("cupy")
+    ref, new = _pair(40, 24)
+    ref, new = ref.cuda().double(), new.cuda().double()
+    x = torch.randn(50, 40, device="cuda", dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(new(x), ref(x), atol=1e-10, rtol=1e-10)
+    assert torch.allclose(new.bn.running_var, ref.bn.running_var, atol=1e-12)
+    # CuPy arrays in, CuPy out, buffers updated in place
+    ref, _ = _pair(40, 24)
+    ref = ref.cuda()
+    bn = ref.bn
+    c = [cp.asarray(t.detach().cpu().numpy()) for t in (ref.gemm.weight, ref.gemm.bias, ref.scale,
+                                                         bn.weight, bn.bias, bn.running_mean, bn.running_var)]
+    xc = torch.randn(50, 40, device="cuda")
+    nbt = cp.zeros((), cp.int64)
+    out = cupykern.gemm_scale_batchnorm(cp.asarray(xc.cpu().numpy()), *c, nbt)
+    with torch.no_grad():
+        expect = ref(xc)
+    assert isinstance(out, cp.ndarray)
+    np.testing.assert_allclose(cp.asnumpy(out), expect.cpu().numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(c[6]), bn.running_var.cpu().numpy(), atol=1e-5)
+    assert int(nbt) == 1

@@ -1,0 +1,423 @@
+"""matmul_sum_max_mean_logsumexp, MatmulSumPlan and the MatmulSumMaxMeanLogSumExp module
+against the documented PyTorch model (nan/inf, odd shapes, stale caches, autograd)."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import cupykern
+from cupykern import matmul_reduce as mr
+from cupykern.models import matmul_sum_max_mean_logsumexp as model4
+from cupykern.torch import MatmulSumMaxMeanLogSumExp
+from cupykern.torch import matmul_reduce as tmr
+
+# allclose tolerance (atol = rtol) against the same-dtype PyTorch model. PyTorch rounds
+# each of the N Linear outputs to bfloat16 (half-ulp 2**-9 relative) before summing, so
+# its own error grows like sqrt(N) * 2**-9 * |z|: 5e-2 keeps these shapes clear of it.
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+gpu = pytest.mark.gpu
+
+
+def chain(x, w, b=None):
+    """The documented model's ops, verbatim."""
+    return model4.Model.forward(_Lin(w, b), x)
+
+
+class _Lin:
+    def __init__(self, w, b):
+        self.linear = lambda x: torch.nn.functional.linear(x, w, b)
+
+
+def assert_same(got, want, tol):
+    """Same shape and dtype, the same nan/+inf/-inf positions, finite values allclose."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    got, want = got.cpu().double(), want.cpu().double()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+    assert torch.equal(torch.isposinf(got), torch.isposinf(want)), (got, want)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), (got, want)
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=tol, rtol=tol)
+
+
+def rand(*shape, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+
+
+def specials(device="cpu", dtype=torch.float32):
+    """x, W, b (B=6, K=4, N=3) with inf/nan in some rows of x and the cancellation traps."""
+    inf, nan = float("inf"), float("nan")
+    x = rand(6, 4, dtype=torch.float64)
+    x[1, 0] = inf            # W[:, 0] sums to 0.501 (identity: inf) but torch sums +-inf: nan
+    x[2, 2] = nan
+    x[3, 1] = -inf
+    x[4, 3] = 3e38           # finite, but z overflows float32 with opposite signs: nan
+    w = rand(3, 4, dtype=torch.float64, seed=1)
+    w[:, 0] = torch.tensor([1.0, -0.999, 0.5])
+    w[:, 3] = torch.tensor([2.0, -2.0, 0.5])
+    b = rand(3, dtype=torch.float64, seed=2)
+    return x.to(dtype).to(device), w.to(dtype).to(device), b.to(dtype).to(device)
+
+
+# ------------------------------------------------------------------- CPU (no GPU needed)
+
+@pytest.mark.parametrize("shape", [(5, 7, 3), (1, 1, 1), (0, 4, 3), (3, 0, 2), (3, 4, 0), (64, 300, 33)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_numpy_path_matches_torch(shape, with_bias):
+    bsz, k, n = shape
+    x, w, b = rand(bsz, k), rand(n, k, seed=1), rand(n, seed=2) if with_bias else None
+    got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), w.numpy(), None if b is None else b.numpy())
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (bsz, 1)
+    assert_same(torch.from_numpy(got), chain(x, w, b), 1e-4)
+    want64 = chain(x.double(), w.double(), None if b is None else b.double())
+    assert_same(torch.from_numpy(got).double(), want64, 1e-5)
+
+
+def test_numpy_path_nan_inf_like_torch():
+    x, w, b = specials()
+    got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), w.numpy(), b.numpy())
+    assert_same(torch.from_numpy(got), chain(x, w, b), 1e-4)
+    for wb in ((w.clone().index_put_((torch.tensor([0]), torch.tensor([1])), torch.tensor(float("inf"))), b),
+               (w, torch.tensor([1.0, float("nan"), 0.0]))):
+        got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), wb[0].numpy(), wb[1].numpy())
+        assert_same(torch.from_numpy(got), chain(x, *wb), 1e-4)
+
+
+def test_dot_overflows_before_the_bias_like_torch():
+    # torch rounds x . W[j] to float32 (inf here) before adding bias[j]
+    x, w, b = torch.tensor([[3e38, 1.0]]), torch.tensor([[2.0, 0.0], [1.0, 1.0]]), torch.tensor([-3e38, 0.0])
+    assert torch.isposinf(chain(x, w, b)).all()
+    got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), w.numpy(), b.numpy())
+    assert_same(torch.from_numpy(got), chain(x, w, b), 0)
+    if torch.cuda.is_available():
+        got = cupykern.matmul_sum_max_mean_logsumexp(x.cuda(), w.cuda(), b.cuda())
+        assert_same(got, chain(x.cuda(), w.cuda(), b.cuda()), 0)
+
+
+def test_torch_cpu_tensors_and_plan():
+    x, w, b = rand(4, 6, dtype=torch.float64), rand(5, 6, dtype=torch.float64, seed=1), None
+    plan = cupykern.prepare_matmul_sum(w, b)
+    got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b, plan=plan)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
+    assert_same(got, chain(x, w, b), 1e-12)
+    assert_same(plan(x), got, 0)
+    with pytest.raises(ValueError, match="plan: was prepared from other weight"):
+        cupykern.matmul_sum_max_mean_logsumexp(x, w.clone(), b, plan=plan)
+
+
+def test_module_cpu_matches_model_and_state_dict():
+    torch.manual_seed(3)
+    ref = model4.Model(10, 5)
+    torch.manual_seed(3)
+    new = model4.ModelNew(10, 5)
+    assert list(new.state_dict()) == ["linear.weight", "linear.bias"]
+    for (ka, va), (kb, vb) in zip(ref.state_dict().items(), new.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    x = torch.randn(128, 10)
+    assert_same(new(x), ref(x), 1e-6)
+    # checkpoints load both ways
+    other = MatmulSumMaxMeanLogSumExp(10, 5)
+    other.load_state_dict(ref.state_dict())
+    ref2 = model4.Model(10, 5)
+    ref2.load_state_dict(new.state_dict())
+    assert_same(other(x), ref2(x), 0)
+    assert copy.deepcopy(new)._cache is None
+    assert model4.get_init_inputs() == [8192, 8192] and len(model4.CASES) >= 2
+
+
+def _key_changes(module, change):
+    w, b = module.linear.weight, module.linear.bias
+    before = (tmr._key(module.linear.weight), tmr._key(module.linear.bias))
+    change(module)
+    after = (tmr._key(module.linear.weight), tmr._key(module.linear.bias))
+    replaced = module.linear.weight is not w or module.linear.bias is not b
+    return replaced or before != after
+
+
+def _sgd_step(m):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+
+
+def _adam_step(m):
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+
+
+def _no_grad(fn):
+    def run(m):
+        with torch.no_grad():
+            fn(m)
+    return run
+
+
+STALE = {
+    "sgd_step": _sgd_step,
+    "adam_step": _adam_step,
+    "load_state_dict": lambda m: m.load_state_dict(MatmulSumMaxMeanLogSumExp(8, 3).state_dict()),
+    "load_state_dict_assign": lambda m: m.load_state_dict(MatmulSumMaxMeanLogSumExp(8, 3).state_dict(),
+                                                          assign=True),
+    "weight_copy_": _no_grad(lambda m: m.linear.weight.copy_(torch.randn(3, 8))),
+    "weight_mul_": _no_grad(lambda m: m.linear.weight.mul_(2)),
+    "bias_mul_": _no_grad(lambda m: m.linear.bias.mul_(2)),
+    "row_view_add_": _no_grad(lambda m: m.linear.weight[1].add_(1)),
+    "to_float64": lambda m: m.to(torch.float64),
+    "replace_weight": lambda m: setattr(m.linear, "weight", torch.nn.Parameter(torch.randn(3, 8))),
+    "replace_bias_none": lambda m: setattr(m.linear, "bias", None),
+    "data_assign": _no_grad(lambda m: setattr(m.linear.weight, "data", torch.randn(3, 8))),
+}
+
+
+@pytest.mark.parametrize("name", STALE)
+def test_cache_key_sees_every_weight_change(name):
+    assert _key_changes(MatmulSumMaxMeanLogSumExp(8, 3), STALE[name])
+
+
+def test_plan_is_reused_until_the_weights_change():
+    m = MatmulSumMaxMeanLogSumExp(8, 3)
+    p = m.plan()
+    m(torch.randn(2, 8))
+    assert m.plan() is p
+    with torch.no_grad():
+        m.linear.weight.mul_(1.0)
+    assert m.plan() is not p
+
+
+# ------------------------------------------------------------------------------- bad input
+
+def test_bad_input_errors():
+    x, w, b = np.ones((4, 3), np.float32), np.ones((2, 3), np.float32), np.ones(2, np.float32)
+    f = cupykern.matmul_sum_max_mean_logsumexp
+    with pytest.raises(ValueError, match=r"x: has 4 features .* in_features = 3"):
+        f(np.ones((4, 4), np.float32), w, b)
+    with pytest.raises(ValueError, match="x: expected a 2-D array"):
+        f(np.ones((2, 4, 3), np.float32), w, b)
+    with pytest.raises(ValueError, match="x: expected a 2-D array"):
+        f(np.ones(3, np.float32), w, b)
+    with pytest.raises(ValueError, match="weight: expected a 2-D array"):
+        f(x, np.ones(3, np.float32), b)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(2,\)"):
+        f(x, w, np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="weight: dtype float64 does not match x's dtype float32"):
+        f(x, w.astype(np.float64), None)
+    with pytest.raises(TypeError, match="bias: dtype float16 does not match weight's dtype float32"):
+        f(x, w, b.astype(np.float16))
+    with pytest.raises(TypeError, match="x: unsupported dtype int64"):
+        f(x.astype(np.int64), w, b)
+    with pytest.raises(TypeError, match="weight: expected a cupy.ndarray"):
+        f(x, w.tolist(), b)
+    with pytest.raises(TypeError, match="weight: is a torch CPU tensor but x is a NumPy array"):
+        f(x, torch.from_numpy(w), None)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+def cuda_pair(k, n, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    ref = model4.Model(k, n).to("cuda", dtype)
+    torch.manual_seed(seed)
+    new = model4.ModelNew(k, n).to("cuda", dtype)
+    return ref, new
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("shape", [(1024, 8192, 8192), (37, 1000, 130), (1, 1, 1), (3, 5, 2), (0, 8, 4),
+                                   (1029, 64, 1), (5, 3, 4000)])
+def test_module_matches_model(dtype, shape):
+    bsz, k, n = shape
+    if dtype != torch.float32 and (bsz * k * n > 2**26 or n > 1000):
+        pytest.skip("float32 only: PyTorch's per-output rounding in 16 bits grows with N")
+    ref, new = cuda_pair(k, n, dtype)
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.rand(bsz, k, device="cuda").to(dtype)
+            assert_same(new(x), ref(x), TOL[dtype])
+            # against the exact (float64) chain: within rounding of the output (float32:
+            # W.sum(0) adds 8 rows at a time in float32, ~1e-7 relative)
+            want64 = chain(x.double(), ref.linear.weight.double(), ref.linear.bias.double())
+            tol64 = {torch.float32: 2e-5, torch.float64: 1e-10}.get(dtype, 1e-2)
+            assert_same(new(x).double(), want64.to(dtype).double(), tol64)
+
+
+@gpu
+def test_float32_accuracy_at_k65536():
+    ref, new = cuda_pair(65536, 256)
+    with torch.no_grad():
+        x = torch.rand(64, 65536, device="cuda")
+        assert_same(new(x), ref(x), 1e-4)
+        want = chain(x.double(), ref.linear.weight.double(), ref.linear.bias.double())
+        assert_same(new(x).double(), want, 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_nan_inf_like_torch(dtype):
+    x, w, b = specials("cuda", torch.float64)
+    if dtype == torch.float16:
+        x[4, 3] = 6e4  # z = +-1.2e5 overflows float16 with opposite signs: nan
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    f = cupykern.matmul_sum_max_mean_logsumexp
+    assert_same(f(x, w, b), chain(x, w, b), TOL[dtype])
+    assert_same(f(x, w, None), chain(x, w, None), TOL[dtype])
+    for i, j, v in ((0, 1, float("inf")), (2, 0, float("nan")), (1, 2, float("-inf"))):
+        w2 = w.clone()
+        w2[i, j] = v
+        assert_same(f(x, w2, b), chain(x, w2, b), TOL[dtype])
+    for v in (float("inf"), float("nan")):
+        b2 = b.clone()
+        b2[1] = v
+        assert_same(f(x, w, b2), chain(x, w, b2), TOL[dtype])
+
+
+@gpu
+def test_cupy_inputs_odd_layouts_and_streams():
+    import cupy
+
+    rng = cupy.random.default_rng(0)
+    big = rng.standard_normal((40, 103), dtype=cupy.float32)
+    x = big[:, 1:101]                     # row stride 103, not 16-byte aligned
+    w = rng.standard_normal((100, 70), dtype=cupy.float32).T  # non-contiguous weight
+    b = rng.standard_normal(70, dtype=cupy.float32)
+    want = chain(torch.from_dlpack(cupy.ascontiguousarray(x)), torch.from_dlpack(cupy.ascontiguousarray(w)),
+                 torch.from_dlpack(b))
+    with cupy.cuda.Stream():
+        got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
+        assert isinstance(got, cupy.ndarray) and got.shape == (40, 1) and got.dtype == cupy.float32
+        assert_same(torch.from_dlpack(got), want, 1e-4)
+        plan = cupykern.prepare_matmul_sum(w, b)
+        got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b, plan=plan)
+        assert_same(torch.from_dlpack(got), want, 1e-4)
+    xt = torch.from_dlpack(cupy.ascontiguousarray(x)).t().contiguous().t()  # column-major x
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        got = cupykern.matmul_sum_max_mean_logsumexp(xt, torch.from_dlpack(cupy.ascontiguousarray(w)),
+                                                     torch.from_dlpack(b))
+    s.synchronize()
+    assert_same(got, want, 1e-4)
+
+
+@gpu
+def test_deterministic():
+    ref, new = cuda_pair(4096, 2048)
+    x = torch.rand(333, 4096, device="cuda")
+    with torch.no_grad():
+        a = new(x)
+        p1 = mr.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
+        p2 = mr.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
+        assert torch.equal(p1.data, p2.data)
+        for _ in range(3):
+            assert torch.equal(new(x), a)
+            assert torch.equal(p1(x), a)
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in STALE if "step" not in n])
+def test_stale_cache_gpu(name):
+    ref, new = cuda_pair(8, 3)
+    x = torch.randn(16, 8, device="cuda")
+    with torch.no_grad():
+        new(x)  # builds and caches the plan
+        assert new.plan() is new._cache[4]
+    STALE[name](new)
+    for p in new.parameters():  # replacements above are created on the CPU
+        if not p.is_cuda:
+            p.data = p.data.cuda()
+    with torch.no_grad():
+        xx = x.to(new.linear.weight.dtype)
+        want = tmr.reference(xx, new.linear.weight, new.linear.bias)
+        assert_same(new(xx), want, 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
+def test_stale_cache_optimizer_step(opt):
+    ref, new = cuda_pair(64, 32)
+    kw = {"fused": True} if opt is torch.optim.AdamW else {}
+    o_ref, o_new = opt(ref.parameters(), lr=0.05, **kw), opt(new.parameters(), lr=0.05, **kw)
+    for step in range(3):
+        x = torch.rand(8, 64, device="cuda")
+        for m, o in ((ref, o_ref), (new, o_new)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+        with torch.no_grad():
+            assert_same(new(x), ref(x), 1e-4)
+
+
+@gpu
+def test_stale_cache_device_and_dtype_moves():
+    ref, new = cuda_pair(32, 16)
+    x = torch.rand(8, 32, device="cuda")
+    with torch.no_grad():
+        new(x)
+        new.cpu()
+        assert_same(new(x.cpu()), ref.cpu()(x.cpu()), 1e-6)
+        new.cuda()
+        ref.cuda()
+        new.linear.weight.mul_(3)
+        ref.linear.weight.mul_(3)
+        assert_same(new(x), ref(x), 1e-4)
+        new.half()
+        ref.half()
+        assert_same(new(x.half()), ref(x.half()), 1e-2)
+        if torch.cuda.device_count() > 1:
+            new.to("cuda:1")
+            ref.to("cuda:1")
+            assert_same(new(x.to("cuda:1").half()), ref(x.to("cuda:1").half()), 1e-2)
+
+
+@gpu
+def test_gradcheck_float64():
+    x = torch.randn(5, 7, device="cuda", dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 7, device="cuda", dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, device="cuda", dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(tmr.matmul_sum_max_mean_logsumexp, (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: tmr.matmul_sum_max_mean_logsumexp(x, w), (x, w))
+
+
+@gpu
+@pytest.mark.parametrize("special", [False, True])
+def test_grads_match_model_float32(special):
+    ref, new = cuda_pair(300, 70)
+    x = torch.rand(50, 300, device="cuda")
+    if special:
+        x[3, 4] = float("inf")
+        x[7, 0] = float("nan")
+    xr, xn = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g = torch.randn(50, 1, device="cuda")
+    (ref(xr) * g).sum().backward()
+    (new(xn) * g).sum().backward()
+    for a, b_ in ((xn.grad, xr.grad), (new.linear.weight.grad, ref.linear.weight.grad),
+                  (new.linear.bias.grad, ref.linear.bias.grad)):
+        assert_same(a, b_, 1e-4)
+
+
+@gpu
+def test_inplace_change_between_forward_and_backward_raises_like_torch():
+    ref, new = cuda_pair(8, 3)
+    x = torch.rand(4, 8, device="cuda", requires_grad=True)
+    y = new(x).sum()
+    with torch.no_grad():
+        new.linear.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@gpu
+def test_bad_input_gpu():
+    ref, new = cuda_pair(8, 3)
+    with pytest.raises(TypeError, match="weight: is a torch CUDA tensor but x is a torch CPU tensor"):
+        new(torch.rand(4, 8))
+    with pytest.raises(TypeError, match="weight: dtype float32 does not match x's dtype float16"):
+        new(torch.rand(4, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="x: has 9 features"):
+        new(torch.rand(4, 9, device="cuda"))
+    with pytest.raises(ValueError, match="x: expected a 2-D array"):
+        new(torch.rand(2, 4, 8, device="cuda"))
+    with pytest.raises(TypeError, match="bias: is a"):
+        cupykern.matmul_sum_max_mean_logsumexp(torch.rand(4, 8, device="cuda"),
+                                               torch.rand(3, 8, device="cuda"), torch.rand(3))
