@@ -30,37 +30,70 @@ def _gpu_name() -> str | None:
 
 
 def _cpu_check() -> int:
-    """Exercise every array function's NumPy path on small shapes."""
+    """Exercise every array function's NumPy path on small shapes against float64 math."""
     import cupykern
-    from cupykern import normalize
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 1024)).astype(np.float32)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((24, 64)).astype(np.float32) / 8
+    b = rng.standard_normal(24).astype(np.float32)
+    s, g, beta = (rng.standard_normal(24).astype(np.float32) for _ in range(3))
+    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), b.astype(np.float64)
+    z = x64 @ w64.T
+    ys = s * (z + b64)
+    want_bn = g * (ys - ys.mean(0)) / np.sqrt(ys.var(0) + 1e-5) + beta
+    checks = {
+        "l1_normalize": (cupykern.l1_normalize(x), x64 / np.abs(x64).mean(1, keepdims=True)),
+        "l2_normalize": (cupykern.l2_normalize(x), x64 / np.sqrt((x64 * x64).sum(1, keepdims=True))),
+        "linear": (cupykern.linear(x, w, b), z + b64),
+        "matmul_sum_max_mean_logsumexp": (cupykern.matmul_sum_max_mean_logsumexp(x, w, b),
+                                          (z + b64).sum(1, keepdims=True)),
+        "gemm_scale_batchnorm": (cupykern.gemm_scale_batchnorm(x, w, b, s, g, beta), want_bn),
+    }
     failures = 0
-    for name, kind in (("l1_normalize", "l1"), ("l2_normalize", "l2")):
-        got = getattr(cupykern, name)(x)
-        want = normalize.reference(x.astype(np.float64), 1, kind)
-        ok = np.allclose(got, want, atol=1e-5, rtol=1e-5)
+    for name, (got, want) in checks.items():
+        ok = np.allclose(got, want, atol=1e-4, rtol=1e-4)
         failures += not ok
-        print(f"  {name:<36} {'ok' if ok else 'MISMATCH'}")
+        print(f"  {name:<32} {'ok' if ok else 'MISMATCH'}")
     return failures
 
 
 def _check(case, ref, new, seeds=3):
+    """Compare with the reference on fresh inputs: ("yes" | "yes*" | "NO", max |err|).
+
+    "yes*": outside allclose of PyTorch's float32 result, yet within it of a float64
+    run of the reference and closer to that than PyTorch is (PyTorch's own rounding
+    is the difference, e.g. a long float32 sum whose result lands near zero).
+    """
     import torch
 
-    worst = 0.0
+    verdict, worst = "yes", 0.0
     for s in range(seeds):
         torch.manual_seed(1000 + s)
         inputs = case.make_inputs("cuda")
         with torch.no_grad():
             want, got = ref(*inputs), new(*inputs)
+        err = (got.float() - want.float()).abs().max().item()
+        worst = max(worst, err)
         if not torch.allclose(got, want, atol=case.atol, rtol=case.atol):
-            err = (got.float() - want.float()).abs().max().item()
-            return False, err
-        worst = max(worst, (got.float() - want.float()).abs().max().item())
+            if not _closer_to_float64(case, ref, inputs, got, want):
+                return "NO", err
+            verdict = "yes*"
         del inputs, want, got
-    return True, worst
+    return verdict, worst
+
+
+def _closer_to_float64(case, ref, inputs, got, want) -> bool:
+    import copy
+
+    import torch
+
+    if sum(t.numel() for t in inputs) > 2**28:  # keep the float64 copy small
+        return False
+    with torch.no_grad():
+        exact = copy.deepcopy(ref).double()(*(t.double() for t in inputs))
+    ours, theirs = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+    return bool(torch.allclose(got.double(), exact, atol=case.atol, rtol=case.atol) and ours <= theirs)
 
 
 def _run_case(module, case, iters):
@@ -81,10 +114,11 @@ def _run_case(module, case, iters):
         new(*inputs)
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    ok, err = _check(case, ref, new)
-
-    row = {"model": module.__name__.rsplit(".", 1)[1], "case": case.label, "correct": ok and same_params,
-           "max_abs_err": err, "first_call_ms": first_ms}
+    verdict, err = _check(case, ref, new)
+    if not same_params:
+        verdict = "NO"
+    row = {"model": module.__name__.rsplit(".", 1)[1], "case": case.label, "verdict": verdict,
+           "correct": verdict != "NO", "max_abs_err": err, "first_call_ms": first_ms}
     with torch.no_grad():
         row["ms"] = time_ms(lambda: new(*inputs), iters=iters)
         row["eager_ms"] = time_ms(lambda: ref(*inputs), iters=iters)
@@ -104,14 +138,14 @@ def _run_case(module, case, iters):
 
 
 def _print_table(rows):
-    head = (f"{'model':<30} {'case':<28} {'ok':<3} {'ms':>8} {'eager':>8} {'compile':>8} "
+    head = (f"{'model':<30} {'case':<28} {'ok':<4} {'ms':>8} {'eager':>8} {'compile':>8} "
             f"{'x eager':>8} {'x comp':>7} {'%copyBW':>8} {'TFLOP/s':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
         pct = f"{r['pct_copy_bw']:.1f}" if "pct_copy_bw" in r else "-"
         tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
-        print(f"{r['model']:<30} {r['case']:<28} {'yes' if r['correct'] else 'NO':<3} "
+        print(f"{r['model']:<30} {r['case']:<28} {r['verdict']:<4} "
               f"{r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['compile_ms']:>8.3f} "
               f"{r['speedup_eager']:>8.2f} {r['speedup_compile']:>7.2f} {pct:>8} {tf:>8}")
 
@@ -144,11 +178,15 @@ def main(argv=None) -> int:
                 continue
             print(f"[{name}] {case.label}: compiling, verifying, timing ...", flush=True)
             row = _run_case(module, case, args.iters)
-            print(f"    {'ok' if row['correct'] else 'MISMATCH'} (max |err| {row['max_abs_err']:.2e}),"
+            print(f"    {'ok' if row['correct'] else 'MISMATCH'} ({row['verdict']}, max |err| vs PyTorch"
+                  f" {row['max_abs_err']:.2e}),"
                   f" first call {row['first_call_ms']:.0f} ms, {row['ms']:.3f} ms", flush=True)
             rows.append(row)
     print()
     _print_table(rows)
+    if any(r["verdict"] == "yes*" for r in rows):
+        print("yes*: outside allclose of PyTorch's float32 output, but within it of a float64 run of"
+              " the reference and closer to it than PyTorch.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "rows": rows}, f, indent=2)

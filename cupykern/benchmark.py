@@ -6,15 +6,20 @@ from __future__ import annotations
 import statistics
 
 
-def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
-    """Mean milliseconds of ``fn()`` on torch's current stream (L2 flushed before each call)."""
+def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:
+    """Mean milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
+    untimed ``setup()`` run before each call)."""
     import torch
 
     scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush else None
     for _ in range(warmup):
+        if setup:
+            setup()
         fn()
     times = []
     for _ in range(iters):
+        if setup:
+            setup()
         if scratch is not None:
             scratch.zero_()  # evicts the 50-60 MB L2
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

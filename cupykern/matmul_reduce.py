@@ -62,17 +62,6 @@ for _dt in CTYPE:
         _loader.register(_FILE, [_partial_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in _ROWS])
     _loader.register(_FILE, [_final_expr(_dt)])
 
-_sm_counts: dict = {}
-
-
-def _sm_count(device: int) -> int:
-    n = _sm_counts.get(device)
-    if n is None:
-        import cupy
-        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return n
-
-
 def _rows_2d(a):
     """Row stride (elements) of a 2-D operand, or None if its last dim is not contiguous."""
     n, k = a.shape
@@ -154,7 +143,7 @@ class MatmulSumPlan:
             b = operand(contiguous(b), "bias")
         self._w, self._b, self._ldw = w, b, ldw
         self._zlim = _zlim(w.dtype, n)
-        self._sms = _sm_count(w.device)
+        self._sms = _loader.sm_count(w.device)
         dt = w.dtype
         self.data = empty(w, (k + 3,), "float64")
         self.wsum = self.data[:k]

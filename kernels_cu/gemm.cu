@@ -70,6 +70,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+
+// Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2.
+template <int BM, int BN, int GROUP_M>
+__device__ __forceinline__ void grouped_tile(int M, int N, int& m0, int& n0) {
+  const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
+  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
+  const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
+  m0 = (first_m + (pid % (GROUP_M * ntiles)) % gsz) * BM;
+  n0 = ((pid % (GROUP_M * ntiles)) / gsz) * BN;
+}
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2,
                                         unsigned& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -162,13 +172,8 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm*64.., cols wn*32..
 
-  // Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2.
-  const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
-  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
-  const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
-  const int mt = first_m + (pid % (GROUP_M * ntiles)) % gsz;
-  const int nt = (pid % (GROUP_M * ntiles)) / gsz;
-  const int m0 = mt * BM, n0 = nt * BN;
+  int m0, n0;
+  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const T* ga = a + (long long)m0 * lda;
   const T* gb = b + (long long)n0 * ldb;
 
@@ -503,12 +508,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const unsigned small0 = s0 + STAGES * TILE;  // MODE 0: two buffers of remainders
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
 
-  const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
-  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
-  const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
-  const int mt = first_m + (pid % (GROUP_M * ntiles)) % gsz;
-  const int nt = (pid % (GROUP_M * ntiles)) / gsz;
-  const int m0 = mt * BM, n0 = nt * BN;
+  int m0, n0;
+  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const float* ga = a + (long long)m0 * lda;
   const float* gb = b + (long long)n0 * ldb;
   const int ktiles = (K + 31) / 32;

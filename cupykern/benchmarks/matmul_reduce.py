@@ -15,35 +15,13 @@ back-to-back calls instead, so host overhead is included.
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from cupykern import matmul_reduce as mr
-from cupykern.benchmark import copy_ms, gbps
+from cupykern.benchmark import copy_ms, gbps, time_ms
 from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
-
-
-def _events_ms(fn, setup=None, iters=30, warmup=3):
-    """Mean ms of fn() between CUDA events, L2 flushed (and setup() run) before each call."""
-    scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    times = []
-    for _ in range(iters):
-        if setup:
-            setup()
-        scratch.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.fmean(times)
 
 
 def _wall_us(fn, n=3000):
@@ -93,9 +71,9 @@ def main():
         comp(xs[0])  # compile outside the timing
 
         xbytes, wbytes = 4 * B * K, 4 * N * K
-        eager = _events_ms(lambda: ref(nxt()))
-        compiled = _events_ms(lambda: comp(nxt()))
-        ours = _events_ms(lambda: new(nxt()))
+        eager = time_ms(lambda: ref(nxt()))
+        compiled = time_ms(lambda: comp(nxt()))
+        ours = time_ms(lambda: new(nxt()))
         print(f"  weights cached:  ours {ours:.4f} ms  eager {eager:.3f} ms  compile "
               f"{compiled:.3f} ms  -> {eager / ours:.0f}x eager, {compiled / ours:.0f}x compile, "
               f"{100 * gbps(xbytes, ours) / ceiling:.0f}% of copy BW (bytes: x)", flush=True)
@@ -104,7 +82,7 @@ def main():
         for pf in (True, False):
             mr.PREFETCH[1] = pf
             for rows in mr._ROWS:
-                t = _events_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
+                t = time_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
                 print(f"    row kernel, {rows} rows/block, L2 prefetch {pf}: {t:.4f} ms "
                       f"({100 * gbps(xbytes, t) / ceiling:.0f}% of copy BW)", flush=True)
         mr.PREFETCH[:] = default
@@ -115,13 +93,13 @@ def main():
         def flip():  # an in-place change of the weights before every call
             w.mul_(-1.0)
             wr.mul_(-1.0)
-        eager_w = _events_ms(lambda: ref(nxt()), setup=flip)
-        comp_w = _events_ms(lambda: comp(nxt()), setup=flip)
-        ours_w = _events_ms(lambda: new(nxt()), setup=flip)
+        eager_w = time_ms(lambda: ref(nxt()), setup=flip)
+        comp_w = time_ms(lambda: comp(nxt()), setup=flip)
+        ours_w = time_ms(lambda: new(nxt()), setup=flip)
         build = {}
         for pf in (True, False):
             mr.PREFETCH[0] = pf
-            build[pf] = _events_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
+            build[pf] = time_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
         mr.PREFETCH[:] = default
         print(f"    plan build alone: L2 prefetch on {build[True]:.4f} ms, off {build[False]:.4f} ms",
               flush=True)

@@ -4,7 +4,8 @@ The module caches a :class:`cupykern.matmul_reduce.MatmulSumPlan` (W.sum(0), b.s
 max|W|, max|b|) and rebuilds it whenever the weight or bias it was built from might have
 changed: another object (``.weight`` replaced, ``load_state_dict(assign=True)``), a new
 version counter (any in-place op: optimizer steps, ``load_state_dict``, ``copy_``,
-``mul_``), or another data pointer, device, dtype, shape or strides (``.to()``,
+``mul_``), any optimizer step (fused optimizers skip the version counter), or another
+data pointer, device, dtype, shape or strides (``.to()``,
 ``.data = ...``). The one change it cannot see is an in-place op through ``.data``, which
 bypasses the version counter (PyTorch's own saved-tensor checks miss it too).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..matmul_reduce import MatmulSumPlan
 
@@ -78,14 +80,26 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     return plan(x)
 
 
+# Fused optimizers (e.g. AdamW(fused=True)) update parameters without bumping their
+# version counters, so every optimizer step anywhere also invalidates cached plans.
+_optimizer_steps = [0]
+
+
+def _count_step(optimizer, args, kwargs):
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
 def _key(t):
     if t is None:
-        return None
+        return _optimizer_steps[0]
     try:
         version = t._version
     except RuntimeError:  # inference tensors have no version counter: never trust a cache
         version = object()
-    return (version, t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
+    return (version, _optimizer_steps[0], t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
 
 
 class MatmulSumMaxMeanLogSumExp(nn.Module):
