@@ -339,7 +339,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
         if (wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
       }
     __syncthreads();
-    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, m0 / BM, n0, N);
   }
 }
 
@@ -631,6 +631,6 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
         if (t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
       }
     __syncthreads();
-    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, m0 / BM, n0, N);
   }
 }
