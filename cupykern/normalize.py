@@ -17,20 +17,25 @@ _FILE = "normalize.cu"
 _P = {"l1": 1, "l2": 2}
 # (cluster CTAs, threads per CTA, 16-byte vectors per thread), smallest first.
 # A row of ncols elements needs C*T*V >= ncols // (16 // itemsize) vectors.
-# Per item size. 4/8-byte clusters use 256 x 8 (2-3% faster than 512 x 4 at
-# 32768x65535 float32 on H200); 2-byte types use 512 x 4 (x 8 would spill).
+# (C, T, V[, prefetch]) per item size, measured at 32768x65535 on H200: float32
+# clusters 256 x 8 with prefetch (1.18x copy time; 512 x 4: 1.21x); 2-byte types
+# 512 x 4 without prefetch, three CTAs per SM (float16 1.21x; with prefetch 1.34x).
 _SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
-_CLUSTER_CONFIGS = {2: _SINGLE + ((2, 512, 4), (4, 512, 4), (8, 512, 4)),
+_CLUSTER_CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
                     4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8)),
                     8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
-# Alternatives the benchmark sweeps at the float32 main shape (benchmarks/normalize.py).
-TUNING_CONFIGS = ((8, 512, 4), (4, 1024, 4), (4, 512, 8))
+# Alternatives the benchmark sweeps (benchmarks/normalize.py); a 4th entry False
+# drops the next-row prefetch (one register buffer, more CTAs per SM).
+TUNING_CONFIGS = {2: ((4, 512, 4), (4, 256, 8, False)),
+                  4: ((8, 512, 4), (4, 1024, 4), (4, 512, 8), (8, 256, 8, False), (8, 512, 4, False)),
+                  8: ()}
 _TWO_PASS_CHUNK = 65536
 
 
 def _cluster_expr(p, dtype, cfg):
-    c, t, v = cfg
-    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}>"
+    c, t, v = cfg[:3]
+    prefetch = "true" if len(cfg) < 4 or cfg[3] else "false"
+    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {prefetch}>"
 
 
 def _two_pass_exprs(p, dtype):
@@ -40,7 +45,7 @@ def _two_pass_exprs(p, dtype):
 for _p in _P.values():
     for _dt in CTYPE:
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
-        for _cfg in _CLUSTER_CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS * (_dt == "float32"):
+        for _cfg in _CLUSTER_CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
@@ -182,10 +187,10 @@ def _plan(src, xs, ys, p, config=None):
     cfg = config or _pick_config(ncols, dt, _loader.device_cc(dev))
     if cfg is not None:
         c, t = cfg[0], cfg[1]
-        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg[:3]), dev)
+        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev)
         # Each cluster walks ~4 rows so its next row loads while it finishes the
         # current one; small row counts get one row per cluster.
-        per = cfg[3] if len(cfg) > 3 else 4
+        per = cfg[4] if len(cfg) > 4 else 4
         nclusters = min(nrows, max(-(-nrows // per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
         tail = (nrows, ncols, xs, ys)
         return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail)

@@ -49,13 +49,15 @@ struct RowSplit {
 
 // One cluster of C CTAs per row; the row stays in registers between the
 // reduction and the scaling, so x is read from DRAM exactly once. Each cluster
-// walks rows row0, row0 + nclusters, ... and loads its next row while it waits
-// at the cluster barrier and scales the current one (two register buffers).
+// walks rows row0, row0 + nclusters, ... With PREFETCH it loads its next row
+// while it waits at the cluster barrier and scales the current one (two
+// register buffers); without, it keeps one buffer and more CTAs fit per SM.
 // Capacity: C * THREADS * VPT 16-byte vectors per row (the caller checks it).
-// Register cap: <= 64 per thread for VPT <= 4 and <= 128 for VPT 8 (two row
-// buffers of VPT*4 words), so at least two 512-thread CTAs fit on an SM.
-template <int P, typename T, int C, int THREADS, int VPT>
-__global__ void __launch_bounds__(THREADS, (VPT <= 4 ? 1024 : 512) / THREADS > 0 ? (VPT <= 4 ? 1024 : 512) / THREADS : 1)
+// Register cap: two (PREFETCH) or three 512 x 4 / 256 x 8 CTAs per SM, the
+// most that each variant's buffers fit without spilling.
+template <int P, typename T, int C, int THREADS, int VPT, bool PREFETCH = true,
+          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) * (PREFETCH ? 2 : 3) / 2 / THREADS>
+__global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long long ncols,
                long long xs, long long ys) {
@@ -83,8 +85,9 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
   };
 
   long long row = blockIdx.x / C;
-  if (row < nrows) load(buf, sc, row);
+  if (PREFETCH && row < nrows) load(buf, sc, row);
   for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) {
+    if constexpr (!PREFETCH) load(buf, sc, row);
     const RowSplit rs(x + row * xs, ncols);
     A s = 0;
 #pragma unroll
@@ -105,7 +108,7 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
       cluster_arrive();
     }
     const long long next = row + nclusters;
-    if (next < nrows) load(nxt, nsc, next);  // in flight across the barrier
+    if (PREFETCH && next < nrows) load(nxt, nsc, next);  // in flight across the barrier
     if constexpr (C > 1) {
       cluster_wait();
       total = 0;
@@ -123,9 +126,11 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
       }
     }
     if (has_scalar) y[row * ys + rs.scalar_pos(threadIdx.x)] = from_acc<T>(scale(sc));
+    if constexpr (PREFETCH) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) buf[i] = nxt[i];
-    sc = nsc;
+      for (int i = 0; i < VPT; ++i) buf[i] = nxt[i];
+      sc = nsc;
+    }
   }
 }
 

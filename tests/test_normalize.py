@@ -240,7 +240,8 @@ def test_modules_cuda_and_autograd(mod, cls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(8, 256, 8), (8, 512, 4, 1), (4, 512, 8, 16), (1, 1024, 4)],
+@pytest.mark.parametrize("config", [(8, 256, 8), (8, 512, 4, True, 1), (4, 512, 8, True, 16),
+                                    (8, 256, 8, False), (8, 512, 4, False, 3), (1, 1024, 4)],
                          ids=str)
 @pytest.mark.parametrize("kind", FUNCS)
 def test_every_kernel_path(kind, config):

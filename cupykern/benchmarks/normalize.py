@@ -46,16 +46,18 @@ def big(shape, dtypes, iters):
         torch.cuda.empty_cache()
 
 
-def sweep(shape, iters):
-    """Cluster shapes for the float32 main shape (capacity >= 65535 // 4 vectors)."""
-    x = torch.rand(shape, device="cuda")
+def sweep(shape, dtype, iters):
+    """Kernel configurations at the main shape (capacity >= a row's 16-byte vectors)."""
+    x = torch.rand(shape, device="cuda").to(dtype)
     copy = copy_ms(x, iters)
-    print(f"\n== config sweep, {shape[0]}x{shape[1]} float32, l2 (ratio to copy {copy:.3f} ms)")
-    nvec = shape[1] // 4
-    for cfg in normalize._CLUSTER_CONFIGS[4] + normalize.TUNING_CONFIGS:
+    print(f"\n== config sweep, {shape[0]}x{shape[1]} {str(dtype)[6:]}, l2 (ratio to copy {copy:.3f} ms)")
+    isz = x.element_size()
+    nvec = shape[1] // (16 // isz)
+    for cfg in normalize._CLUSTER_CONFIGS[isz] + normalize.TUNING_CONFIGS[isz]:
         if cfg[0] * cfg[1] * cfg[2] >= nvec:
             t = time_ms(lambda: ours("l2", cfg)(x), iters=iters)
-            print(f"  cluster {cfg[0]} x {cfg[1]} threads x {cfg[2]} vec: {t:.3f} ms ({t / copy:.3f}x)",
+            pf = "" if len(cfg) < 4 or cfg[3] else ", no prefetch"
+            print(f"  cluster {cfg[0]} x {cfg[1]} threads x {cfg[2]} vec{pf}: {t:.3f} ms ({t / copy:.3f}x)",
                   flush=True)
     del x
 
@@ -108,7 +110,8 @@ def main():
     compile_times()
     small([(16, 16384), (128, 4096)])
     shape = (4096, 65535) if args.quick else (32768, 65535)
-    sweep(shape, args.iters)
+    sweep(shape, torch.float32, args.iters)
+    sweep(shape, torch.float16, args.iters)
     big(shape, (torch.float32, torch.float16, torch.bfloat16), args.iters)
 
 
