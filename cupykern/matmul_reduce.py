@@ -26,9 +26,6 @@ from ._array import (CTYPE, ITEMSIZE, contiguous, empty, launch, on_cpu, operand
                      scalar)
 
 _FILE = "matmul_reduce.cu"
-# L2 prefetch of the next step in (plan build, row kernel). Off until measured: the
-# benchmark times both settings (python -m cupykern.benchmarks.matmul_reduce).
-PREFETCH = [False, False]
 _ROWS = (1, 2, 4)  # rows per block of msml_rows
 # Largest finite value of each dtype and of the type torch accumulates it in.
 _FMAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
@@ -165,8 +162,7 @@ class MatmulSumPlan:
             launch(w, fn, (gx, nchunks), (32, 8), (
                 scalar(w.ptr, "ptr"), scalar(ldw, "long long"), scalar(n, "long long"),
                 scalar(k, "long long"), scalar(rows_per_chunk, "long long"),
-                scalar(psum.ptr, "ptr"), scalar(pmax.ptr, "ptr"),
-                scalar(PREFETCH[0] and v > 1, "int")))
+                scalar(psum.ptr, "ptr"), scalar(pmax.ptr, "ptr")))
         fn = _loader.function(_FILE, _final_expr(dt), dev)
         launch(w, fn, (_cdiv(k, 256) + 1,), (256,), (
             scalar(psum.ptr, "ptr"), scalar(pmax.ptr, "ptr"), scalar(nchunks, "long long"),
@@ -202,8 +198,7 @@ class MatmulSumPlan:
             scalar(w.ptr, "ptr"), scalar(self._ldw, "long long"),
             scalar(b.ptr if b is not None else 0, "ptr"), scalar(self.out_features, "long long"),
             scalar(self._zlim, "double"),
-            scalar(out.data_ptr() if a.kind == "torch" else out.data.ptr, "ptr"),
-            scalar(PREFETCH[1] and v > 1, "int")))
+            scalar(out.data_ptr() if a.kind == "torch" else out.data.ptr, "ptr")))
         return out
 
 

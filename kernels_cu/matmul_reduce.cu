@@ -64,12 +64,6 @@ template <int V> __device__ __forceinline__ void load_f64(double (&d)[V], const 
 
 // ---------------------------------------------------------------- plan build
 
-// Pull the 16-byte vector at p toward L2 without waiting for it (or using a register):
-// the next step's DRAM transfer then overlaps this step's arithmetic.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Pass 1: block (32, 8) sums a tile of 32*V columns over one chunk of rows of W.
 // Each thread loads U rows at once (one step), adds them in the accumulation type and
 // then once into float64 (an eighth of the slow 64-bit conversions; the rounding is that
@@ -78,8 +72,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
 msml_colsum_partial(const T* __restrict__ w, long long ldw, long long N, long long K,
-                    long long rows_per_chunk, double* __restrict__ psum, double* __restrict__ pmax,
-                    int prefetch) {
+                    long long rows_per_chunk, double* __restrict__ psum, double* __restrict__ pmax) {
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
   constexpr int BX = 32, BY = 8, U = 8;
@@ -100,11 +93,6 @@ msml_colsum_partial(const T* __restrict__ w, long long ldw, long long N, long lo
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (r + u * BY < r1) load_pack(p[u], w + (r + u * BY) * ldw + c0);
-      if (prefetch) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (r + (U + u) * BY < r1) prefetch_l2(w + (r + (U + u) * BY) * ldw + c0);
-      }
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         A g = 0;
@@ -236,7 +224,7 @@ __device__ double exact_row_sum(const T* __restrict__ xr, long long K, const T* 
 }
 
 // R rows per block (wsum is read once from L2 for R rows); each thread issues U*R loads
-// of 16 bytes before using any, and (prefetch) pulls the next step's into L2.
+// of 16 bytes before using any.
 // plan = [wsum (K), bsum, max|W|, max|bias|] in float64.
 // Row b takes the fast path when z_bound = K*max|x[b]|*max|W| + max|bias| < zlim, where
 // zlim (host) keeps every z, every partial sum and the output finite in T and in torch's
@@ -245,8 +233,7 @@ template <typename T, int V, int R>
 __global__ void __launch_bounds__(256)
 msml_rows(const T* __restrict__ x, long long ldx, long long B, long long K,
           const double* __restrict__ plan, const T* __restrict__ w, long long ldw,
-          const T* __restrict__ bias, long long N, double zlim, T* __restrict__ out,
-          int prefetch) {
+          const T* __restrict__ bias, long long N, double zlim, T* __restrict__ out) {
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
   constexpr int THREADS = 256, NW = THREADS / 32, U = R == 1 ? 8 : 16 / R;
@@ -271,15 +258,6 @@ msml_rows(const T* __restrict__ x, long long ldx, long long B, long long K,
 #pragma unroll
       for (int r = 0; r < R; ++r)
         if (i < nv && r < nrows) load_pack(p[u][r], x0 + r * ldx + i * V);
-    }
-    if (prefetch) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const long long i = base + (long long)(U + u) * THREADS;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          if (i < nv && r < nrows) prefetch_l2(x0 + r * ldx + i * V);
-      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

@@ -78,14 +78,10 @@ def main():
               f"{compiled:.3f} ms  -> {eager / ours:.0f}x eager, {compiled / ours:.0f}x compile, "
               f"{100 * gbps(xbytes, ours) / ceiling:.0f}% of copy BW (bytes: x)", flush=True)
         plan = new.plan()
-        default = list(mr.PREFETCH)
-        for pf in (True, False):
-            mr.PREFETCH[1] = pf
-            for rows in mr._ROWS:
-                t = time_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
-                print(f"    row kernel, {rows} rows/block, L2 prefetch {pf}: {t:.4f} ms "
-                      f"({100 * gbps(xbytes, t) / ceiling:.0f}% of copy BW)", flush=True)
-        mr.PREFETCH[:] = default
+        for rows in mr._ROWS:
+            t = time_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
+            print(f"    row kernel, {rows} rows/block: {t:.4f} ms "
+                  f"({100 * gbps(xbytes, t) / ceiling:.0f}% of copy BW)", flush=True)
 
         w = new.linear.weight
         wr = ref.linear.weight
@@ -96,14 +92,7 @@ def main():
         eager_w = time_ms(lambda: ref(nxt()), setup=flip)
         comp_w = time_ms(lambda: comp(nxt()), setup=flip)
         ours_w = time_ms(lambda: new(nxt()), setup=flip)
-        build = {}
-        for pf in (True, False):
-            mr.PREFETCH[0] = pf
-            build[pf] = time_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
-        mr.PREFETCH[:] = default
-        print(f"    plan build alone: L2 prefetch on {build[True]:.4f} ms, off {build[False]:.4f} ms",
-              flush=True)
-        build = build[default[0]]
+        build = time_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
         err = (new(xs[0]) - ref(xs[0])).abs().max().item()
         print(f"  weights changed: ours {ours_w:.4f} ms  eager {eager_w:.3f} ms  compile "
               f"{comp_w:.3f} ms  -> {eager_w / ours_w:.0f}x eager, {comp_w / ours_w:.0f}x compile, "
