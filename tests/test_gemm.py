@@ -135,3 +135,14 @@ def test_device_mismatch():
     x, w, b = _data(5, 4, 3, torch.float32)
     with pytest.raises(TypeError, match="do not mix"):
         cupykern.linear(x.cuda(), w, b.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_second_device():
+    x, w, b = (t.to("cuda:1") for t in _data(130, 257, 33, torch.float32))
+    out = cupykern.linear(x, w, b, precision="highest")
+    assert out.device == x.device
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cuda:0"):
+        cupykern.linear(x, w.to("cuda:0"), b)

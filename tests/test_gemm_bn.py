@@ -146,3 +146,15 @@ def test_float64_and_cupy():
     np.testing.assert_allclose(cp.asnumpy(out), expect.cpu().numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(cp.asnumpy(c[6]), bn.running_var.cpu().numpy(), atol=1e-5)
     assert int(nbt) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_module_on_second_device():
+    ref, new = (m.to("cuda:1") for m in _pair(96, 40))
+    x = torch.randn(64, 96, device="cuda:1")
+    with torch.no_grad():
+        out = new(x)
+        assert out.device == x.device
+        assert torch.allclose(out, ref(x), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(new.bn.running_var, ref.bn.running_var, atol=1e-5, rtol=1e-5)

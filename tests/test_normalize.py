@@ -206,6 +206,13 @@ def test_second_device():
     assert_matches(got, torch_ref(x, "l2"), torch.float32)
     with pytest.raises(ValueError, match="cuda:0"):
         cupykern.l2_normalize(x, out=torch.empty(17, 5000, device="cuda:0"))
+    import cupy as cp
+
+    with cp.cuda.Device(1):
+        xc = cp.random.standard_normal((17, 5000), dtype=cp.float32)
+    got = cupykern.l1_normalize(xc)  # launched on the array's device, whatever is current
+    assert got.device.id == 1
+    assert_matches(torch.from_dlpack(got), torch_ref(torch.from_dlpack(xc), "l1"), torch.float32)
 
 
 @pytest.mark.gpu
