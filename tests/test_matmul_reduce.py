@@ -229,13 +229,15 @@ def cuda_pair(k, n, dtype=torch.float32, seed=0):
                                    (1029, 64, 1), (5, 3, 4000)])
 def test_module_matches_model(dtype, shape):
     bsz, k, n = shape
-    if dtype != torch.float32 and (bsz * k * n > 2**26 or n > 1000):
-        pytest.skip("float32 only: PyTorch's per-output rounding in 16 bits grows with N")
+    # PyTorch rounds each of the N outputs to 16 bits before summing, so at large N its
+    # own error exceeds the 16-bit tolerance: there, compare with the float64 chain only.
+    vs_torch = dtype in (torch.float32, torch.float64) or (bsz * k * n <= 2**26 and n <= 1000)
     ref, new = cuda_pair(k, n, dtype)
     with torch.no_grad():
         for seed in range(3):
             x = torch.rand(bsz, k, device="cuda").to(dtype)
-            assert_same(new(x), ref(x), TOL[dtype])
+            if vs_torch:
+                assert_same(new(x), ref(x), TOL[dtype])
             # against the exact (float64) chain: within rounding of the output (float32:
             # W.sum(0) adds 8 rows at a time in float32, ~1e-7 relative)
             want64 = chain(x.double(), ref.linear.weight.double(), ref.linear.bias.double())
