@@ -26,9 +26,12 @@ _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
 _MODE = {"highest": 0, "high": 1, "medium": 2}
 _MMA = {"BM": 128, "BN": 128, "THREADS": 256, "SMEM": 4 * 256 * 144}
-# gemm_wgmma<MODE> (Hopper, float32 "highest"/"high", 16-byte aligned rows): smem bytes
-# (stages of 32 KB, two remainder buffers for 3xTF32, 1 KB alignment slack).
-_WGMMA_SMEM = {0: 7 * 32768 + 1024, 1: 7 * 32768 + 1024}
+# gemm_wgmma<MODE> (Hopper, float32 "highest"/"high", 16-byte aligned rows), as wg_cfg::Cfg
+# in gemm.cu: tile width BN and dynamic smem (stages of 32-float K slices of A and B,
+# 3xTF32 with their remainders; mbarriers; 1 KB alignment slack).
+_WGMMA = {0: {"BN": 128, "SMEM": 3 * 256 * 256 + 48 + 1024},
+          1: {"BN": 256, "SMEM": 4 * 384 * 128 + 64 + 1024}}
+_WGMMA_THREADS = 384
 _SIMPLE_TILE = 64
 
 
@@ -40,7 +43,7 @@ for _al in (True, False):
     _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()])
     _loader.register(_FILE, [_mma_expr(d, 3, _al) for d in ("float16", "bfloat16")])
 _loader.register(_FILE, ["gemm_simple<double>"])
-_loader.register(_FILE, [f"gemm_wgmma<{m}>" for m in _WGMMA_SMEM], min_cc=90)
+_loader.register(_FILE, [f"gemm_wgmma<{m}>" for m in _WGMMA], min_cc=90)
 
 
 def resolve_precision(precision, x) -> str:
@@ -121,14 +124,14 @@ def gemm(a, b, c, precision: str, bias=None, alpha=None, beta=None, part=None) -
         return ts
     mode = _MODE[precision] if dt == "float32" else 3
     aligned = _aligned(a, isz) and _aligned(b, isz)
-    tiles = -(-M // _MMA["BM"]) * -(-N // _MMA["BN"])
-    if mode in _WGMMA_SMEM and aligned and _loader.device_cc(a.device) == 90:
-        smem = _WGMMA_SMEM[mode]
-        fn = _loader.function(_FILE, f"gemm_wgmma<{mode}>", a.device, smem)
+    if mode in _WGMMA and aligned and _loader.device_cc(a.device) == 90:
+        cfg, threads = _WGMMA[mode], _WGMMA_THREADS
+        fn = _loader.function(_FILE, f"gemm_wgmma<{mode}>", a.device, cfg["SMEM"])
     else:
-        smem = _MMA["SMEM"]
-        fn = _loader.function(_FILE, _mma_expr(dt, mode, aligned), a.device, smem)
-    launch(a, fn, (tiles,), (_MMA["THREADS"],), args, shared_mem=smem)
+        cfg, threads = _MMA, _MMA["THREADS"]
+        fn = _loader.function(_FILE, _mma_expr(dt, mode, aligned), a.device, cfg["SMEM"])
+    tiles = -(-M // _MMA["BM"]) * -(-N // cfg["BN"])  # both kernels use 128-row tiles
+    launch(a, fn, (tiles,), (threads,), args, shared_mem=cfg["SMEM"])
     return _MMA["BM"]
 
 

@@ -39,11 +39,10 @@ __device__ __forceinline__ void local_stats(const A (&v)[V], const bool (&valid)
     if (valid[i]) { const A d = v[i] - mean; m2 += d * d; }
 }
 
-// Threads 0..COLS-1 merge SLOTS per-thread partials of their column, in slot order.
+// Threads with col in 0..COLS-1 merge the SLOTS partials of that column, in slot order.
 template <typename A, int SLOTS, int COLS>
 __device__ __forceinline__ void merge_slots(const A* s_mean, const A* s_m2, const A* s_cnt,
-                                            A* part, int mt, int n0, int N) {
-  const int col = threadIdx.x;
+                                            A* part, int col, int mt, int n0, int N) {
   if (col >= COLS || n0 + col >= N) return;
   A n = 0, mean = 0, m2 = 0;
   for (int s = 0; s < SLOTS; ++s) chan_merge(n, mean, m2, s_cnt[s], s_mean[s * COLS + col], s_m2[s * COLS + col]);
@@ -339,7 +338,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
         if (wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
       }
     __syncthreads();
-    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, m0 / BM, n0, N);
+    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
   }
 }
 
@@ -400,21 +399,27 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
       if (tx == 0 && j == 0) s_cnt[ty] = n;
     }
     __syncthreads();
-    merge_slots<A, 16, TS>(s_mean, s_m2, s_cnt, part, mt, n0, N);
+    merge_slots<A, 16, TS>(s_mean, s_m2, s_cnt, part, threadIdx.x, mt, n0, N);
   }
 }
 
-// ---- Hopper tensor cores: wgmma (sm_90a), float32 data, aligned rows ---------------
-// Same 128x128 tile and cp.async pipeline, but each stage is stored in the wgmma
-// 128-byte-swizzle K-major layout (16-byte chunk c of row r at r*128 + (c ^ r%8)*16,
-// 8-row groups 1024 B apart) and each of the 2 warpgroups issues m64n128k8 wgmma on
-// its 64 rows. MODE 0 (3xTF32): before a slice is consumed, all threads write the
-// rounded TF32 remainders of A and B into a second buffer (the big halves are the
-// raw fp32 bits, which the tensor core truncates to TF32), then big*small,
-// small*big and big*big accumulate into one tensor-core sum that is promoted into an
-// fp32 register accumulator after every 32-wide K slice. MODE 1: TF32.
-// The split of slice kt+1 and the loads run while slice kt's wgmma are in flight.
-// TMA-free: the cp.async loader handles M/N/K edges with zero fill.
+// ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32, aligned rows ----
+// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers, each
+// owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, operands in smem).
+// The producer streams 32-float K slices of A and B with cp.async into a ring of
+// STAGES stages in the wgmma 128-byte-swizzle K-major layout (16-byte chunk c of row r
+// at r*128 + (c ^ r%8)*16, 8-row groups 1024 B apart); full/empty mbarriers hand the
+// stages over, so loads, the 3xTF32 split and the tensor cores overlap without any
+// block-wide barrier. setmaxnreg gives the consumers the registers.
+//   MODE 1 (TF32), BN = 256: cp.async.mbarrier.arrive signals a stage as soon as its
+//     copies land; each consumer keeps one slice of wgmma in flight.
+//   MODE 0 (3xTF32), BN = 128: once a slice has landed, each producer thread writes
+//     the rounded TF32 remainders of the chunks it copied into the stage's second half
+//     (the big halves are the raw fp32 bits, which the tensor core truncates), then
+//     arrives. Consumers accumulate big*small + small*big + big*big for the slice in
+//     the tensor core and promote that sum into an fp32 register accumulator (32 K
+//     products at most ever sum in the tensor core: GEMM.md); the other consumer's
+//     wgmma keep the tensor core busy meanwhile.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CK_WGMMA 1
 #else
@@ -422,26 +427,87 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 #endif
 
 namespace wg_cfg {
-constexpr int BM = 128, BN = 128, THREADS = 256, GROUP_M = 16;
-constexpr int TILE = (BM + BN) * 128;  // bytes per stage (A then B)
-// MODE 0 drains every slice's wgmma (to promote); MODE 1 keeps one slice in flight
-// while the next is issued, so a stage may be refilled only once it is 2 slices old.
-template <int MODE> struct Pipe {
-  static constexpr int STAGES = MODE == 0 ? 5 : 7;
-  static constexpr int IN_FLIGHT = MODE == 0 ? 0 : 1;
-  static constexpr int AHEAD = STAGES - 2 - IN_FLIGHT;  // slices loading beyond the next one
-  static constexpr int SMEM = (STAGES + (MODE == 0 ? 2 : 0)) * TILE + 1024;  // + 1 KB alignment slack
+constexpr int BM = 128, THREADS = 384, GROUP_M = 16;
+template <int MODE> struct Cfg {
+  static constexpr int BN = MODE == 1 ? 256 : 128;
+  static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one 32-float K slice
+  static constexpr int HALF = A_BYTES + B_BYTES;                 // big operands (+ remainders)
+  static constexpr int STAGE = HALF * (MODE == 0 ? 2 : 1);
+  static constexpr int STAGES = MODE == 0 ? 3 : 4;
+  static constexpr int LAG = 1;  // MODE 0: slices in flight while the producer splits
+  static constexpr int SMEM = STAGES * STAGE + 2 * STAGES * 8 + 1024;  // + barriers, alignment slack
 };
 }  // namespace wg_cfg
 
+// 16-byte chunk c of a K slice (8 chunks per 128-byte row) -> swizzled smem offset.
+__device__ __forceinline__ unsigned swz_off(int c) {
+  const int r = c >> 3;
+  return r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+// Producer thread t of NT copies its chunks t, t+NT, ... of a ROWS-row slice: always
+// chunk t%8 of rows t/8 + i*NT/8, whose swizzled offsets are 16*NT bytes apart.
+template <int ROWS, int NT>
 __device__ __forceinline__ void load_swizzled(unsigned dst, const float* __restrict__ g, long long ld,
-                                              int rows_left, int k0, int K) {
+                                              int rows_left, int k0, int K, int t) {
+  static_assert(NT % 64 == 0, "each step must move whole 8-row swizzle groups");
+  const int r = t >> 3, k = k0 + (t & 7) * 4;
+  const float* src = g + (long long)r * ld + k;
+  dst += swz_off(t);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = threadIdx.x + i * 256, r = c >> 3, kc = c & 7, k = k0 + kc * 4;
-    const bool ok = r < rows_left && k < K;
-    cp_async16(dst + r * 128 + ((kc ^ (r & 7)) << 4), ok ? g + (long long)r * ld + k : g, ok ? 16 : 0);
+  for (int i = 0; i < ROWS * 8 / NT; ++i) {
+    const bool ok = r + i * (NT / 8) < rows_left && k < K;
+    cp_async16(dst + i * 16 * NT, ok ? src : g, ok ? 16 : 0);
+    src += (NT / 8) * ld;
   }
+}
+// Remainders x - tf32trunc(x), rounded to TF32, of the same chunks (already landed).
+template <int ROWS, int NT>
+__device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t) {
+#pragma unroll
+  for (int i = 0; i < ROWS * 8 / NT; ++i) {
+    const unsigned off = swz_off(t + i * NT);
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
+    unsigned* e = &v.x;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & 0xffffe000u));
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+  }
+}
+
+// ---- mbarriers and wgmma (PTX, sm_90) ----------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+#if CK_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+#if CK_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+// Arrive once every cp.async this thread issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+#if CK_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+#if CK_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void set_max_regs() {
+#if CK_WGMMA
+  if (N > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+__device__ __forceinline__ void consumer_sync() {  // named barrier over the 256 consumer threads
+  asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
 // Shared-memory matrix descriptor: 128B swizzle, 8-row groups 1024 B apart.
@@ -454,9 +520,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 // Make the compiler treat the accumulators as live across async wgmma boundaries.
-__device__ __forceinline__ void wg_fence_regs(float (&d)[64]) {
+template <int R> __device__ __forceinline__ void wg_fence_regs(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ void wg_arrive() {
 #if CK_WGMMA
@@ -473,154 +539,95 @@ template <int N> __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 #endif
 }
-// d (+)= A(64x8, smem) * B(128x8, smem)^T; scale_d = 0 overwrites d.
+#define CK_D8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
+                 "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+// d (+)= A(64x8, smem) * B(BNx8, smem)^T with d holding BN/2 floats; scale_d = 0 overwrites d.
 __device__ __forceinline__ void wgmma_tf32(float (&d)[64], unsigned long long da, unsigned long long db,
                                            int scale_d) {
 #if CK_WGMMA
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : CK_D8(0),
+        CK_D8(8),
+        CK_D8(16),
+        CK_D8(24),
+        CK_D8(32),
+        CK_D8(40),
+        CK_D8(48),
+        CK_D8(56)
       : "l"(da), "l"(db), "r"(scale_d));
-#else
-  __trap();
 #endif
 }
+__device__ __forceinline__ void wgmma_tf32(float (&d)[128], unsigned long long da, unsigned long long db,
+                                           int scale_d) {
+#if CK_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1;\n}\n"
+      : CK_D8(0),
+        CK_D8(8),
+        CK_D8(16),
+        CK_D8(24),
+        CK_D8(32),
+        CK_D8(40),
+        CK_D8(48),
+        CK_D8(56),
+        CK_D8(64),
+        CK_D8(72),
+        CK_D8(80),
+        CK_D8(88),
+        CK_D8(96),
+        CK_D8(104),
+        CK_D8(112),
+        CK_D8(120)
+      : "l"(da), "l"(db), "r"(scale_d));
+#endif
+}
+#undef CK_D8
 
-template <int MODE>
-__global__ void __launch_bounds__(256, 1)
-gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
-           int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
-           const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
-  using namespace wg_cfg;
-  constexpr int STAGES = Pipe<MODE>::STAGES, AHEAD = Pipe<MODE>::AHEAD, IN_FLIGHT = Pipe<MODE>::IN_FLIGHT;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // The swizzle pattern is anchored to 1024-byte boundaries of the address.
-  const unsigned s0 = (smem_addr(smem_raw) + 1023) & ~1023u;
-  unsigned char* smem = smem_raw + (s0 - smem_addr(smem_raw));
-  const unsigned small0 = s0 + STAGES * TILE;  // MODE 0: two buffers of remainders
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-
-  int m0, n0;
-  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
-  const float* ga = a + (long long)m0 * lda;
-  const float* gb = b + (long long)n0 * ldb;
-  const int ktiles = (K + 31) / 32;
-
-  auto load = [&](int kt) {
-    const unsigned st = s0 + (kt % STAGES) * TILE;
-    load_swizzled(st, ga, lda, M - m0, kt * 32, K);
-    load_swizzled(st + BM * 128, gb, ldb, N - n0, kt * 32, K);
-  };
-  // MODE 0: remainders of slice kt (elementwise, so the swizzled layout carries over).
-  auto split = [&](int kt) {
-    const unsigned src = s0 + (kt % STAGES) * TILE, dst = small0 + (kt & 1) * TILE;
-#pragma unroll
-    for (int i = 0; i < TILE / 16 / 256; ++i) {
-      const unsigned off = (tid + i * 256) * 16;
-      uint4 v;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
-      unsigned* e = &v.x;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float f = __uint_as_float(e[q]);
-        e[q] = to_tf32(f - __uint_as_float(e[q] & 0xffffe000u));
-      }
-      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-    }
-  };
-
-  float acc[64], pro[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = pro[i] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s <= AHEAD; ++s) {
-    if (s < ktiles) load(s);
-    cp_async_commit();
-  }
-  cp_async_wait<AHEAD>();
-  fence_proxy_async();
-  __syncthreads();
-  if (MODE == 0 && ktiles > 0) {
-    split(0);
-    fence_proxy_async();
-    __syncthreads();
-  }
-
-  for (int kt = 0; kt < ktiles; ++kt) {
-    const unsigned st = s0 + (kt % STAGES) * TILE;
-    const unsigned a_big = st + wg * 64 * 128, b_big = st + BM * 128;
-    const unsigned sm = small0 + (kt & 1) * TILE;
-    wg_fence_regs(acc);
-    wg_arrive();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {  // 4 K steps of 8 floats = 32 bytes of the swizzled row
-      const unsigned long long da = wg_desc(a_big + ks * 32), db = wg_desc(b_big + ks * 32);
-      if (MODE == 0) {
-        wgmma_tf32(acc, wg_desc(sm + wg * 64 * 128 + ks * 32), db, ks > 0);
-        wgmma_tf32(acc, da, wg_desc(sm + BM * 128 + ks * 32), 1);
-      }
-      wgmma_tf32(acc, da, db, MODE == 0 ? 1 : (kt > 0 || ks > 0));
-    }
-    wg_commit();
-    if (kt + 1 < ktiles) {
-      cp_async_wait<AHEAD - 1>();  // slice kt+1 landed (this thread's copies)
-      fence_proxy_async();
-      __syncthreads();  // ... everyone's; and every warpgroup finished slice kt-1-IN_FLIGHT
-      if (MODE == 0) {
-        split(kt + 1);
-        fence_proxy_async();
-        __syncthreads();
-      }
-    }
-    // The stage refilled here was last read by slice kt-1-IN_FLIGHT, now complete.
-    if (kt + 1 + AHEAD < ktiles) load(kt + 1 + AHEAD);
-    cp_async_commit();
-    wg_wait<IN_FLIGHT>();
-    wg_fence_regs(acc);
-    if (MODE == 0) {  // promotion; the next slice's first wgmma overwrites acc
-#pragma unroll
-      for (int i = 0; i < 64; ++i) pro[i] += acc[i];
-    }
-  }
-  wg_wait<0>();
-  wg_fence_regs(acc);
-  float (&res)[64] = MODE == 0 ? pro : acc;
-
-  // Accumulator (j, 2h+e): row wg*64 + (warp%4)*16 + g + 8h, column 8j + 2t + e.
+// Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2)
+// over 64 slots (one per consumer thread row pair), merged in slot order.
+template <int BN>
+__device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
+                                         int M, int N, long long ldc, int m0, int n0,
+                                         const float* __restrict__ bias, const float* __restrict__ alpha,
+                                         const float* __restrict__ beta, float* __restrict__ part) {
+  constexpr int R = BN / 2;
+  const int tid = threadIdx.x, lane = tid & 31, cw = (tid >> 5) - 4, cwg = cw >> 2;
+  // Accumulator (j, 2h+e): row (cw%4)*16 + g + 8h of this warpgroup's 64, column 8j + 2t + e.
   const int g = lane >> 2, t = lane & 3;
-  const int r0 = m0 + wg * 64 + (warp & 3) * 16 + g;
+  const int r0 = m0 + cwg * 64 + (cw & 3) * 16 + g;
+  const bool pairs = (ldc & 1) == 0 && (reinterpret_cast<size_t>(c) & 7) == 0;
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < R / 4; ++j) {
+    const int col = n0 + 8 * j + 2 * t;
+    if (col >= N) continue;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = n0 + 8 * j + 2 * t + e;
-      if (col >= N) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 8 * h;
-        if (row < M) c[(long long)row * ldc + col] = epilogue(res[4 * j + 2 * h + e], col, bias, alpha, beta);
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + 8 * h;
+      if (row >= M) continue;
+      float* p = c + (long long)row * ldc + col;
+      const float v0 = epilogue(res[4 * j + 2 * h], col, bias, alpha, beta);
+      if (col + 1 < N) {
+        const float v1 = epilogue(res[4 * j + 2 * h + 1], col + 1, bias, alpha, beta);
+        if (pairs) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+        else { p[0] = v0; p[1] = v1; }
+      } else {
+        p[0] = v0;
       }
     }
+  }
 
   if (part) {
-    cp_async_wait<0>();
-    __syncthreads();  // pipeline smem is free: 64 slots (one per thread row) x BN partials
+    consumer_sync();  // every consumer is done reading the ring: reuse it for 64 slots x BN partials
     float* s_mean = reinterpret_cast<float*>(smem);
     float* s_m2 = s_mean + 64 * BN;
     float* s_cnt = s_m2 + 64 * BN;
-    const int slot = wg * 32 + (warp & 3) * 8 + g;
+    const int slot = cw * 8 + g;
     const bool valid[2] = {r0 < M, r0 + 8 < M};
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < R / 4; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float v[2] = {res[4 * j + e], res[4 * j + 2 + e]};
@@ -630,7 +637,117 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
         s_m2[slot * BN + 8 * j + 2 * t + e] = m2;
         if (t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
       }
-    __syncthreads();
-    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, m0 / BM, n0, N);
+    consumer_sync();
+    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / wg_cfg::BM, n0, N);
   }
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(384, 1)
+gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
+           int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
+           const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
+  using namespace wg_cfg;
+  typedef Cfg<MODE> C;
+  constexpr int BN = C::BN, STAGES = C::STAGES, R = BN / 2;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle pattern is anchored to 1024-byte boundaries of the address.
+  const unsigned s0 = (smem_addr(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (s0 - smem_addr(smem_raw));
+  const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  int m0, n0;
+  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
+  const int ktiles = (K + 31) / 32;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 128);  // every producer thread
+      mbar_init(empty0 + 8 * s, 8);   // every consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---- producer warpgroup
+    set_max_regs<56>();
+    const float* ga = a + (long long)m0 * lda;
+    const float* gb = b + (long long)n0 * ldb;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % STAGES;
+      if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
+      const unsigned st = s0 + s * C::STAGE;
+      load_swizzled<BM, 128>(st, ga, lda, M - m0, kt * 32, K, tid);
+      load_swizzled<BN, 128>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
+      if (MODE == 1) {
+        mbar_arrive_cp_async(full0 + 8 * s);
+      } else {
+        cp_async_commit();
+        if (kt >= C::LAG) {
+          cp_async_wait<C::LAG>();
+          const int j = kt - C::LAG;
+          const unsigned sj = s0 + (j % STAGES) * C::STAGE;
+          split_swizzled<BM, 128>(sj, sj + C::HALF, tid);
+          split_swizzled<BN, 128>(sj + C::A_BYTES, sj + C::HALF + C::A_BYTES, tid);
+          fence_proxy_async();
+          mbar_arrive(full0 + 8 * (j % STAGES));
+        }
+      }
+    }
+    if (MODE == 0) {
+      cp_async_wait<0>();
+      for (int j = max(0, ktiles - C::LAG); j < ktiles; ++j) {
+        const unsigned sj = s0 + (j % STAGES) * C::STAGE;
+        split_swizzled<BM, 128>(sj, sj + C::HALF, tid);
+        split_swizzled<BN, 128>(sj + C::A_BYTES, sj + C::HALF + C::A_BYTES, tid);
+        fence_proxy_async();
+        mbar_arrive(full0 + 8 * (j % STAGES));
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  set_max_regs<224>();
+  const int cw = warp - 4, cwg = cw >> 2;
+  float acc[R], pro[MODE == 0 ? R : 1];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
+
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const int s = kt % STAGES;
+    mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+    fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    const unsigned st = s0 + s * C::STAGE;
+    const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
+    wg_fence_regs(acc);
+    wg_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // 4 K steps of 8 floats = 32 bytes of the swizzled row
+      const unsigned long long da = wg_desc(a_big + ks * 32), db = wg_desc(b_big + ks * 32);
+      if (MODE == 0) {
+        wgmma_tf32(acc, wg_desc(a_big + C::HALF + ks * 32), db, ks > 0);
+        wgmma_tf32(acc, da, wg_desc(b_big + C::HALF + ks * 32), 1);
+        wgmma_tf32(acc, da, db, 1);
+      } else {
+        wgmma_tf32(acc, da, db, kt > 0 || ks > 0);
+      }
+    }
+    wg_commit();
+    if (MODE == 0) {
+      wg_wait<0>();
+      wg_fence_regs(acc);
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+      for (int i = 0; i < R; ++i) pro[i] += acc[i];  // promotion; the next slice overwrites acc
+    } else {
+      wg_wait<1>();  // slice kt-1 is done: its stage may be refilled
+      if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+    }
+  }
+  wg_wait<0>();
+  wg_fence_regs(acc);
+  if constexpr (MODE == 0) wg_store<BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  else wg_store<BN>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
 }
