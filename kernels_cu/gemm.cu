@@ -411,13 +411,15 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 // at r*128 + (c ^ r%8)*16, 8-row groups 1024 B apart); full/empty mbarriers hand the
 // stages over, so loads, the 3xTF32 split and the tensor cores overlap without any
 // block-wide barrier. setmaxnreg gives the consumers the registers.
-//   MODE 1 (TF32), BN = 256: cp.async.mbarrier.arrive signals a stage as soon as its
-//     copies land; each consumer keeps one slice of wgmma in flight.
-//   MODE 0 (3xTF32), BN = 128: once a slice has landed, each producer thread writes
-//     the rounded TF32 remainders of the chunks it copied into the stage's second half
-//     (the big halves are the raw fp32 bits, which the tensor core truncates), then
-//     arrives. Consumers accumulate big*small + small*big + big*big for the slice in
-//     the tensor core and promote that sum into an fp32 register accumulator (32 K
+//   MODE 1 (TF32), BN = 256: all 128 producer threads copy; cp.async.mbarrier.arrive
+//     marks a stage full as soon as its copies land; each consumer keeps one slice of
+//     wgmma in flight.
+//   MODE 0 (3xTF32), BN = 128: two producer warps copy (marking the stage `loaded`),
+//     the other two write the rounded TF32 remainders of each landed slice into the
+//     stage's second half (the big halves are the raw fp32 bits, which the tensor core
+//     truncates), then mark it full, so copies run up to STAGES slices ahead of the
+//     split. Consumers accumulate big*small + small*big + big*big for the slice in the
+//     tensor core and promote that sum into an fp32 register accumulator (32 K
 //     products at most ever sum in the tensor core: GEMM.md); the other consumer's
 //     wgmma keep the tensor core busy meanwhile.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -434,8 +436,8 @@ template <int MODE> struct Cfg {
   static constexpr int HALF = A_BYTES + B_BYTES;                 // big operands (+ remainders)
   static constexpr int STAGE = HALF * (MODE == 0 ? 2 : 1);
   static constexpr int STAGES = MODE == 0 ? 3 : 4;
-  static constexpr int LAG = 1;  // MODE 0: slices in flight while the producer splits
-  static constexpr int SMEM = STAGES * STAGE + 2 * STAGES * 8 + 1024;  // + barriers, alignment slack
+  static constexpr int LOADERS = MODE == 0 ? 64 : 128;  // producer threads issuing copies
+  static constexpr int SMEM = STAGES * STAGE + 3 * STAGES * 8 + 1024;  // + barriers, alignment slack
 };
 }  // namespace wg_cfg
 
@@ -460,12 +462,13 @@ __device__ __forceinline__ void load_swizzled(unsigned dst, const float* __restr
     src += (NT / 8) * ld;
   }
 }
-// Remainders x - tf32trunc(x), rounded to TF32, of the same chunks (already landed).
+// Remainders x - tf32trunc(x), rounded to TF32, of chunks t, t+NT, ... of a landed
+// ROWS-row slice, written at the same offsets from dst (elementwise: any chunk order).
 template <int ROWS, int NT>
 __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t) {
 #pragma unroll
   for (int i = 0; i < ROWS * 8 / NT; ++i) {
-    const unsigned off = swz_off(t + i * NT);
+    const unsigned off = (t + i * NT) * 16;
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
     unsigned* e = &v.x;
@@ -654,7 +657,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   // The swizzle pattern is anchored to 1024-byte boundaries of the address.
   const unsigned s0 = (smem_addr(smem_raw) + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (s0 - smem_addr(smem_raw));
-  const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8;
+  const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   int m0, n0;
@@ -662,45 +665,36 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const int ktiles = (K + 31) / 32;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 128);  // every producer thread
-      mbar_init(empty0 + 8 * s, 8);   // every consumer warp
+      mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : C::LOADERS);
+      mbar_init(empty0 + 8 * s, 8);  // every consumer warp
+      mbar_init(loaded0 + 8 * s, C::LOADERS);
     }
   }
   __syncthreads();
 
   if (warp < 4) {  // ---- producer warpgroup
     set_max_regs<56>();
-    const float* ga = a + (long long)m0 * lda;
-    const float* gb = b + (long long)n0 * ldb;
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const int s = kt % STAGES;
-      if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
-      const unsigned st = s0 + s * C::STAGE;
-      load_swizzled<BM, 128>(st, ga, lda, M - m0, kt * 32, K, tid);
-      load_swizzled<BN, 128>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
-      if (MODE == 1) {
-        mbar_arrive_cp_async(full0 + 8 * s);
-      } else {
-        cp_async_commit();
-        if (kt >= C::LAG) {
-          cp_async_wait<C::LAG>();
-          const int j = kt - C::LAG;
-          const unsigned sj = s0 + (j % STAGES) * C::STAGE;
-          split_swizzled<BM, 128>(sj, sj + C::HALF, tid);
-          split_swizzled<BN, 128>(sj + C::A_BYTES, sj + C::HALF + C::A_BYTES, tid);
-          fence_proxy_async();
-          mbar_arrive(full0 + 8 * (j % STAGES));
-        }
+    if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
+      const float* ga = a + (long long)m0 * lda;
+      const float* gb = b + (long long)n0 * ldb;
+      const unsigned landed0 = MODE == 0 ? loaded0 : full0;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt % STAGES;
+        if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
+        const unsigned st = s0 + s * C::STAGE;
+        load_swizzled<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid);
+        load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
+        mbar_arrive_cp_async(landed0 + 8 * s);
       }
-    }
-    if (MODE == 0) {
-      cp_async_wait<0>();
-      for (int j = max(0, ktiles - C::LAG); j < ktiles; ++j) {
-        const unsigned sj = s0 + (j % STAGES) * C::STAGE;
-        split_swizzled<BM, 128>(sj, sj + C::HALF, tid);
-        split_swizzled<BN, 128>(sj + C::A_BYTES, sj + C::HALF + C::A_BYTES, tid);
+    } else if (MODE == 0) {  // splitters: slice landed -> remainders written -> `full`
+      const int t = tid - C::LOADERS;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(loaded0 + 8 * s, (kt / STAGES) & 1);
+        const unsigned st = s0 + s * C::STAGE;
+        split_swizzled<BM + BN, 128 - C::LOADERS>(st, st + C::HALF, t);
         fence_proxy_async();
-        mbar_arrive(full0 + 8 * (j % STAGES));
+        mbar_arrive(full0 + 8 * s);
       }
     }
     return;
