@@ -24,8 +24,19 @@ __global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part,
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
   A cnt = 0, mean = 0, m2 = 0;
-  for (int t = 0; t < mtiles; ++t)
-    chan_merge(cnt, mean, m2, (A)min(bm, M - t * bm), part[2LL * t * N + n], part[(2LL * t + 1) * N + n]);
+  constexpr int BATCH = 16;  // loads issued together: the merge chain is latency-bound
+  for (int t0 = 0; t0 < mtiles; t0 += BATCH) {
+    A pm[BATCH], pv[BATCH];
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+      const int t = min(t0 + i, mtiles - 1);
+      pm[i] = part[2LL * t * N + n];
+      pv[i] = part[(2LL * t + 1) * N + n];
+    }
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i)
+      if (t0 + i < mtiles) chan_merge(cnt, mean, m2, (A)min(bm, M - (t0 + i) * bm), pm[i], pv[i]);
+  }
   const A var = m2 / (A)M, s = to_acc(scale[n]);
   const A a = opt(gamma, n, (A)1) * s / sqrt(s * s * var + (A)eps);
   ca[n] = a;
@@ -54,28 +65,38 @@ __global__ void bn_eval_coef(int N, const T* __restrict__ bias, const T* __restr
 }
 
 // z = ca[n]*z + cc[n] in place over an (M, N) array with row stride ldz. Each thread
-// owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows.
+// owns VEC consecutive columns (16-byte vectors when VEC > 1) for `rows` rows, loading
+// UNROLL rows before storing any (the stores may alias later loads for all the
+// compiler knows, so without this each row would wait for the previous one's load).
 template <typename T, int VEC>
 __global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
                          const typename acc_of<T>::type* __restrict__ ca,
                          const typename acc_of<T>::type* __restrict__ cc, int rows) {
   typedef typename acc_of<T>::type A;
+  constexpr int UNROLL = 8;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col >= N) return;
   A fa[VEC], fc[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fc[e] = cc[col + e]; }
   const int r1 = min(M, (blockIdx.y + 1) * rows);
-  for (int r = blockIdx.y * rows; r < r1; ++r) {
-    T* p = z + (long long)r * ldz + col;
-    if (VEC > 1) {
-      Vec16<T> v;
-      v.u = *reinterpret_cast<const uint4*>(p);
+  for (int r = blockIdx.y * rows; r < r1; r += UNROLL) {
+    Vec16<T> v[UNROLL];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) v.e[e] = from_acc<T>(fa[e] * to_acc(v.e[e]) + fc[e]);
-      *reinterpret_cast<uint4*>(p) = v.u;
-    } else {
-      *p = from_acc<T>(fa[0] * to_acc(*p) + fc[0]);
+    for (int u = 0; u < UNROLL; ++u) {
+      if (r + u >= r1) break;
+      const T* p = z + (long long)(r + u) * ldz + col;
+      if (VEC > 1) v[u].u = *reinterpret_cast<const uint4*>(p);
+      else v[u].e[0] = *p;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (r + u >= r1) break;
+      T* p = z + (long long)(r + u) * ldz + col;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v[u].e[e] = from_acc<T>(fa[e] * to_acc(v[u].e[e]) + fc[e]);
+      if (VEC > 1) *reinterpret_cast<uint4*>(p) = v[u].u;
+      else *p = v[u].e[0];
     }
   }
 }
