@@ -189,10 +189,13 @@ def on_cpu(fn, *arrays):
     return t.from_numpy(np.ascontiguousarray(res)).to(dtype)
 
 
+_SCALAR = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64,
+           "ptr": np.uint64}
+
+
 def scalar(value, ctype: str):
     """A kernel scalar argument of exactly the C type the kernel declares."""
-    return {"int": np.int32, "long long": np.int64, "float": np.float32,
-            "double": np.float64, "ptr": np.uint64}[ctype](value)
+    return _SCALAR[ctype](value)
 
 
 def launch(a: Operand, fn, grid, block, args, shared_mem: int = 0) -> None:

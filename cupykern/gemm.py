@@ -30,9 +30,9 @@ _MODE = {"highest": 0, "high": 1, "medium": 2}
 _MMA = {"BM": 128, "BN": 128, "THREADS": 256, "SMEM": 4 * 256 * 144}
 # gemm_wgmma<MODE> (Hopper, float32 "highest"/"high", 16-byte aligned rows), as wg_cfg::Cfg
 # in gemm.cu: tile width BN and dynamic smem (stages of 32-float K slices of A and B,
-# 3xTF32 with their remainders; mbarriers; 1 KB alignment slack).
-_WGMMA = {0: {"BN": 128, "SMEM": 3 * 256 * 256 + 72 + 1024},
-          1: {"BN": 256, "SMEM": 4 * 384 * 128 + 96 + 1024}}
+# 3xTF32 also B's remainders; mbarriers; 1 KB alignment slack).
+_WGMMA = {0: {"BN": 128, "SMEM": 4 * (128 + 2 * 128) * 128 + 96 + 1024},
+          1: {"BN": 256, "SMEM": 4 * (128 + 256) * 128 + 96 + 1024}}
 _WGMMA_THREADS = 384
 _SIMPLE_TILE = 64
 

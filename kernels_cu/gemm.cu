@@ -415,13 +415,14 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 //     marks a stage full as soon as its copies land; each consumer keeps one slice of
 //     wgmma in flight.
 //   MODE 0 (3xTF32), BN = 128: two producer warps copy (marking the stage `loaded`),
-//     the other two write the rounded TF32 remainders of each landed slice into the
-//     stage's second half (the big halves are the raw fp32 bits, which the tensor core
-//     truncates), then mark it full, so copies run up to STAGES slices ahead of the
-//     split. Consumers accumulate big*small + small*big + big*big for the slice in the
-//     tensor core and promote that sum into an fp32 register accumulator (32 K
-//     products at most ever sum in the tensor core: GEMM.md); the other consumer's
-//     wgmma keep the tensor core busy meanwhile.
+//     the other two write the rounded TF32 remainders of each landed B slice behind it
+//     and mark the stage full, so copies run up to STAGES slices ahead of the split.
+//     Consumers take A from registers: each loads its warp's fragments of the slice and
+//     splits them in place. The big halves are the raw fp32 bits, which the tensor core
+//     truncates. Per slice the tensor core sums big*small + small*big + big*big, and the
+//     consumer promotes that sum into an fp32 register accumulator (32 K products at
+//     most ever sum in the tensor core: GEMM.md) while the other consumer's wgmma keep
+//     the tensor core busy.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CK_WGMMA 1
 #else
@@ -433,9 +434,9 @@ constexpr int BM = 128, THREADS = 384, GROUP_M = 16;
 template <int MODE> struct Cfg {
   static constexpr int BN = MODE == 1 ? 256 : 128;
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one 32-float K slice
-  static constexpr int HALF = A_BYTES + B_BYTES;                 // big operands (+ remainders)
-  static constexpr int STAGE = HALF * (MODE == 0 ? 2 : 1);
-  static constexpr int STAGES = MODE == 0 ? 3 : 4;
+  static constexpr int B_SMALL = A_BYTES + B_BYTES;  // MODE 0: B's remainders follow B
+  static constexpr int STAGE = B_SMALL + (MODE == 0 ? B_BYTES : 0);
+  static constexpr int STAGES = 4;
   static constexpr int LOADERS = MODE == 0 ? 64 : 128;  // producer threads issuing copies
   static constexpr int SMEM = STAGES * STAGE + 3 * STAGES * 8 + 1024;  // + barriers, alignment slack
 };
@@ -587,7 +588,43 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[128], unsigned long long d
       : "l"(da), "l"(db), "r"(scale_d));
 #endif
 }
+// d (+)= A(64x8, registers: the m16n8k8 tf32 fragment per warp) * B(128x8, smem)^T.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4], unsigned long long db,
+                                           int scale_d) {
+#if CK_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : CK_D8(0),
+        CK_D8(8),
+        CK_D8(16),
+        CK_D8(24),
+        CK_D8(32),
+        CK_D8(40),
+        CK_D8(48),
+        CK_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+#endif
+}
 #undef CK_D8
+
+// This warp's 16 rows of a consumer's 64-row A slice (swizzled smem at `a`) as wgmma
+// register fragments for the 4 K steps: element (row g + 8*(q&1), k 8*ks + t + 4*(q>>1)),
+// big = raw fp32 bits, small = rounded TF32 remainder. Rows g and g+8 share the
+// swizzle phase g, so a warp's 32 loads hit 32 different banks.
+__device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], unsigned (&small)[4][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const unsigned row = a + ((threadIdx.x >> 5) & 3) * 16 * 128 + g * 128 + t * 4;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      unsigned v;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
+      big[ks][q] = v;
+      small[ks][q] = to_tf32(__uint_as_float(v) - __uint_as_float(v & 0xffffe000u));
+    }
+}
 
 // Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2)
 // over 64 slots (one per consumer thread row pair), merged in slot order.
@@ -692,7 +729,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
         const int s = kt % STAGES;
         mbar_wait(loaded0 + 8 * s, (kt / STAGES) & 1);
         const unsigned st = s0 + s * C::STAGE;
-        split_swizzled<BM + BN, 128 - C::LOADERS>(st, st + C::HALF, t);
+        split_swizzled<BN, 128 - C::LOADERS>(st + C::A_BYTES, st + C::B_SMALL, t);
         fence_proxy_async();
         mbar_arrive(full0 + 8 * s);
       }
@@ -715,15 +752,17 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
     const unsigned st = s0 + s * C::STAGE;
     const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
+    unsigned ab[MODE == 0 ? 4 : 1][4], as[MODE == 0 ? 4 : 1][4];  // MODE 0: A fragments, split
+    if constexpr (MODE == 0) load_split_a(a_big, ab, as);
     wg_fence_regs(acc);
     wg_arrive();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {  // 4 K steps of 8 floats = 32 bytes of the swizzled row
       const unsigned long long da = wg_desc(a_big + ks * 32), db = wg_desc(b_big + ks * 32);
-      if (MODE == 0) {
-        wgmma_tf32(acc, wg_desc(a_big + C::HALF + ks * 32), db, ks > 0);
-        wgmma_tf32(acc, da, wg_desc(b_big + C::HALF + ks * 32), 1);
-        wgmma_tf32(acc, da, db, 1);
+      if constexpr (MODE == 0) {
+        wgmma_tf32(acc, as[ks], db, ks > 0);
+        wgmma_tf32(acc, ab[ks], wg_desc(st + C::B_SMALL + ks * 32), 1);
+        wgmma_tf32(acc, ab[ks], db, 1);
       } else {
         wgmma_tf32(acc, da, db, kt > 0 || ks > 0);
       }
