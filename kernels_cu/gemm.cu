@@ -430,7 +430,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 #endif
 
 namespace wg_cfg {
-constexpr int BM = 128, THREADS = 384, GROUP_M = 16;
+constexpr int BM = 128, GROUP_M = 16;  // 384 threads: see the kernel
 template <int MODE> struct Cfg {
   static constexpr int BN = MODE == 1 ? 256 : 128;
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one 32-float K slice

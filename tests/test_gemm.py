@@ -8,8 +8,12 @@ from cupykern.gemm import reference
 torch = pytest.importorskip("torch")
 
 # (M, N, K): tile edges, K = 1, M = 1, K not a multiple of the 16-byte chunk, big K.
+# Rows of 16-byte multiples take the Hopper wgmma kernel, the others mma.sync; the
+# aligned ones include M = 1, N = 1, K = 4 (one partial 32-wide K slice) and edges of
+# its 128x128 and 128x256 tiles.
 SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 257, 33),
-          (256, 384, 1024), (200, 136, 4100), (513, 129, 8192)]
+          (256, 384, 1024), (200, 136, 4100), (513, 129, 8192), (1, 300, 64), (5, 1, 4),
+          (129, 520, 36)]
 # Max |error| / (|x| @ |w|.T) allowed per precision (bf16 / tf32 rounding of both operands).
 REL_BOUND = {"high": 4e-3, "medium": 1.6e-2}
 
