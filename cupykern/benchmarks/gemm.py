@@ -1,6 +1,7 @@
 """GEMM and GemmScaleBatchNorm benchmark: ``python -m cupykern.benchmarks.gemm`` (GPU only).
 
-FLOP model: 2*M*N*K. Part 1 times ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in
+FLOP model: 2*M*N*K; ceiling: the same-run cuBLAS TF32 rate (a third of it for
+3xTF32, which does three tensor-core products per output FLOP). Part 1 times ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in
 each precision against cuBLAS through torch in the same run (TF32 off = SGEMM, TF32
 on, bf16 inputs for "medium") and prints the max |error| against a float64 GEMM.
 Part 2 times GemmScaleBatchNorm (training mode, as the model is normally called) at
@@ -52,6 +53,13 @@ def bench_gemm(m, n, k, iters):
         print(f"{prec:<9} {t_ours:>11.3f} {tflops(flops, t_ours):>8.1f} {t_ref:>10.3f} "
               f"{tflops(flops, t_ref):>8.1f} {t_ref / t_ours:>7.2f}x {e_ours:>14.3e} {e_ref:>9.3e}")
     print(f"(max |ref64| = {ref64.abs().max().item():.1f}; cuBLAS 'medium' = bf16 inputs)")
+    # Ceiling: the same-run cuBLAS TF32 rate stands in for the TF32 tensor-core peak;
+    # 3xTF32 does three tensor-core products per output FLOP, so its ceiling is a third.
+    t = {prec: (ours, ref) for prec, ours, ref in rows}
+    peak = tflops(flops, t["high"][1])
+    print(f"TF32 ceiling (cuBLAS TF32, same run) {peak:.0f} TFLOP/s: 'high' at "
+          f"{100 * tflops(flops, t['high'][0]) / peak:.0f}%, 'highest' at "
+          f"{100 * tflops(flops, t['highest'][0]) / (peak / 3):.0f}% of a third of it")
     return rows
 
 
