@@ -699,6 +699,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
         load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
         mbar_arrive_cp_async(landed0 + 8 * s);
       }
+      cp_async_commit();  // exit only once this thread's copies (and their arrivals) are done
+      cp_async_wait<0>();
     } else if (MODE == 0) {  // splitters: slice landed -> remainders written -> `full`
       const int t = tid - C::LOADERS;
       for (int kt = 0; kt < ktiles; ++kt) {
