@@ -1,9 +1,10 @@
 """GEMM and GemmScaleBatchNorm benchmark: ``python -m cupykern.benchmarks.gemm`` (GPU only).
 
 FLOP model: 2*M*N*K; ceiling: the same-run cuBLAS TF32 rate (a third of it for
-3xTF32, which does three tensor-core products per output FLOP). Part 1 times ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in
-each precision against cuBLAS through torch in the same run (TF32 off = SGEMM, TF32
-on, bf16 inputs for "medium") and prints the max |error| against a float64 GEMM.
+3xTF32, which does three tensor-core products per output FLOP). Part 1 times
+``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in each precision against cuBLAS
+through torch in the same run (TF32 off = SGEMM, TF32 on, bf16 inputs for "medium")
+and prints the max |error| against a float64 GEMM.
 Part 2 times GemmScaleBatchNorm (training mode, as the model is normally called) at
 both benchmark shapes, ours at the default precision ("highest") and at "high",
 against PyTorch eager and torch.compile at float32 (the baseline of both targets)
