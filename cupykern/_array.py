@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from ._geometry import byte_extent, extents_meet, self_overlapping
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CTYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -66,6 +68,8 @@ class Operand:
 def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
     """Validate ``x`` (argument ``name``) and describe it. Raises TypeError."""
     if is_torch(x):
+        if x.layout is not _torch().strided:
+            raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
         dtype = str(x.dtype).removeprefix("torch.")
         _check_dtype(dtype, name, dtypes)
         if x.is_cuda:
@@ -82,7 +86,8 @@ def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
         return Operand(x, "cupy", dtype, x.shape, strides, x.data.ptr, x.device.id, name)
     if isinstance(x, np.ndarray):
         _check_dtype(x.dtype.name, name, dtypes)
-        return Operand(x, "cpu", x.dtype.name, x.shape, None, 0, None, name)
+        strides = tuple(s // x.itemsize for s in x.strides)
+        return Operand(x, "cpu", x.dtype.name, x.shape, strides, 0, None, name)
     raise TypeError(f"{name}: expected a cupy.ndarray, torch.Tensor or numpy.ndarray, "
                     f"got {type(x).__name__}")
 
@@ -160,14 +165,33 @@ def contiguous(a: Operand, copy: bool = False):
         return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
 
 
-def check_out(out, ref: Operand, shape, dtype: str | None = None) -> Operand:
-    """Validate a user-supplied ``out=``: kind, device, shape and dtype must match."""
+def check_out(out, ref: Operand, shape, dtype: str | None = None, inputs=(),
+              in_place: bool = False) -> Operand:
+    """Validate a user-supplied ``out=``: kind, device, shape and dtype must match, it
+    must be writable with distinct elements, and on the GPU it must not share memory
+    with any of ``inputs`` (Operands or None), except that with ``in_place`` it may be
+    exactly one of them (the same view)."""
     o = operand(out, "out")
     same_place(ref, o)
     if tuple(o.shape) != tuple(shape):
         raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(o.shape)}")
     if o.dtype != (dtype or ref.dtype):
         raise TypeError(f"out: expected dtype {dtype or ref.dtype}, got {o.dtype}")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out: is read-only")
+    if self_overlapping(o.shape, o.strides):
+        raise ValueError("out: some of its elements share memory (an expanded or stride-0 "
+                         "view); pass an array whose elements are distinct")
+    if o.kind != "cpu":  # the CPU path computes the whole result before writing out
+        span = byte_extent(o.ptr, o.shape, o.strides, ITEMSIZE[o.dtype])
+        for a in inputs:
+            if a is None or (in_place and (a.ptr, tuple(a.shape), a.strides) ==
+                             (o.ptr, tuple(o.shape), o.strides)):
+                continue
+            if extents_meet(span, byte_extent(a.ptr, a.shape, a.strides, ITEMSIZE[a.dtype])):
+                raise ValueError(f"out: overlaps {a.name} in memory"
+                                 + (" without being the same view" if in_place else "")
+                                 + "; pass a separate output array")
     return o
 
 

@@ -60,8 +60,10 @@ def resolve_precision(precision, x) -> str:
     return precision
 
 
-def check_vector(v, name: str, like, n: int, dtype: str | None = None):
-    """Validate an optional 1-D length-``n`` parameter living where ``like`` lives."""
+def check_vector(v, name: str, like, n: int, dtype: str | None = None, in_place: bool = False):
+    """Validate an optional 1-D length-``n`` parameter living where ``like`` lives.
+    A strided GPU vector is copied, unless ``in_place`` (a buffer the op updates), which
+    must then be contiguous."""
     if v is None:
         return None
     o = operand(v, name)
@@ -70,8 +72,14 @@ def check_vector(v, name: str, like, n: int, dtype: str | None = None):
         raise ValueError(f"{name}: expected shape ({n},), got {tuple(o.shape)}")
     if o.dtype != (dtype or like.dtype):
         raise TypeError(f"{name}: dtype {o.dtype} does not match x's dtype {like.dtype}")
-    if o.kind != "cpu" and o.strides[0] != 1 and n > 1:
-        o = operand(contiguous(o), name)
+    if in_place and isinstance(v, np.ndarray) and not v.flags.writeable:
+        raise ValueError(f"{name}: is read-only, but it is updated in place")
+    if o.strides[0] != 1 and n > 1:
+        if in_place:
+            raise ValueError(f"{name}: must be contiguous (it is updated in place), got "
+                             f"stride {o.strides[0]}")
+        if o.kind != "cpu":
+            o = operand(contiguous(o), name)
     return o
 
 
@@ -173,7 +181,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     bo = check_vector(bias, "bias", xo, N)
     prec = resolve_precision(precision, x)
     shape = tuple(xo.shape[:-1]) + (N,)
-    o = check_out(out, xo, shape) if out is not None else None
+    o = check_out(out, xo, shape, inputs=(xo, wo, bo)) if out is not None else None
     if xo.kind == "cpu":
         res = on_cpu(reference, x, weight, bias)
         if o is None:

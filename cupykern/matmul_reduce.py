@@ -122,7 +122,7 @@ class MatmulSumPlan:
             if tuple(b.shape) != (n,):
                 raise ValueError(f"bias: expected shape ({n},) (out_features), got {tuple(b.shape)}")
         if _x is not None:
-            _check_x(_x, w)
+            check_x(_x, w)
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = n, k
         self.dtype, self.kind, self.device = w.dtype, w.kind, w.device
@@ -176,7 +176,7 @@ class MatmulSumPlan:
 
     def _apply(self, a, rows=None):
         w = self._w if self.kind != "cpu" else operand(self.weight, "weight")
-        _check_x(a, w, self.in_features)
+        check_x(a, w, self.in_features)
         if a.kind == "cpu":
             return on_cpu(reference, a.obj, self.weight, self.bias)
         bsz, k = a.shape
@@ -202,7 +202,7 @@ class MatmulSumPlan:
         return out
 
 
-def _check_x(a, w, k=None):
+def check_x(a, w, k=None):
     """x must be 2-D, match weight's place and dtype, and have in_features columns."""
     same_place(a, w)
     if w.dtype != a.dtype:

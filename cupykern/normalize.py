@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
+from ._geometry import row_stride
 from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, data_ptr, empty, launch,
                      moveaxis, normalize_axis, on_cpu, operand)
 
@@ -102,38 +103,39 @@ def _normalize(x, axis, out, kind, _config=None):
     if a.ndim == 0:
         raise ValueError("x: expected an array with at least 1 dimension, got a 0-d array")
     ax = normalize_axis(axis, a.ndim)
-    o = check_out(out, a, a.shape) if out is not None else None
+    o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
     if a.kind == "cpu":
         res = on_cpu(lambda v: reference(v, ax, kind), x)
         return res if o is None else _fill(out, res)
     if a.size == 0:
         return out if o is not None else empty(a, a.shape)
 
+    xs = _rows(a, ax)
     if o is None and _config is None:  # the common call: cached plan, one allocation
         key = (a.shape, a.strides, a.dtype, a.device, a.ptr & 15, ax, kind)
         plan = _plans.get(key)
         if plan is None:
             if len(_plans) > 4096:
                 _plans.clear()
-            ok = _rows_view(a, ax) and a.ptr % 16 == 0 and \
-                (_row_stride(a) - a.shape[-1]) * ITEMSIZE[a.dtype] % 16 == 0
-            plan = _plans[key] = ok and _plan(a, _row_stride(a), a.shape[-1], _P[kind])
+            ok = xs is not None and a.ptr % 16 == 0 and (xs - a.shape[-1]) * ITEMSIZE[a.dtype] % 16 == 0
+            plan = _plans[key] = ok and _plan(a, xs, a.shape[-1], _P[kind])
         if plan:
             y = empty(a, a.shape)
             plan(a, a.ptr, data_ptr(y))
             return y
 
-    rows = _rows_view(a, ax)
-    if o is not None and rows and _rows_view(o, ax) and _co_aligned(a, o):
-        _plan(a, _row_stride(a), _row_stride(o), _P[kind], _config)(a, a.ptr, o.ptr)
+    if o is not None and xs is not None and _rows(o, ax) is not None and _co_aligned(a, xs, o, _rows(o, ax)):
+        _plan(a, xs, _rows(o, ax), _P[kind], _config)(a, a.ptr, o.ptr)
         return out  # straight into out, no copies
 
-    src = a if rows else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
+    src = a if xs is not None else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
     dst = operand(empty(src, src.shape), "out")
-    if not _co_aligned(src, dst):  # e.g. x = big[:, 1:] is offset from any fresh buffer
+    ss, ds = _rows(src, src.ndim - 1), src.shape[-1]
+    if not _co_aligned(src, ss, dst, ds):  # e.g. x = big[:, 1:] is offset from any fresh buffer
         src = operand(contiguous(src, copy=True), "x")
-    _plan(src, _row_stride(src), _row_stride(dst), _P[kind], _config)(src, src.ptr, dst.ptr)
-    res = dst.obj if rows else moveaxis(dst.obj, -1, ax)
+        ss = ds
+    _plan(src, ss, ds, _P[kind], _config)(src, src.ptr, dst.ptr)
+    res = dst.obj if xs is not None else moveaxis(dst.obj, -1, ax)
     return res if o is None else _fill(out, res)
 
 
@@ -142,29 +144,16 @@ def _fill(out, res):
     return out
 
 
-def _rows_view(a, ax) -> bool:
-    """True if ``a`` is (rows, ncols) with contiguous rows along axis ``ax`` == last."""
-    if ax != a.ndim - 1 or (a.shape[-1] > 1 and a.strides[-1] != 1):
-        return False
-    # Leading dims must collapse into one evenly strided row index.
-    for i in range(a.ndim - 2):
-        if a.shape[i + 1] > 1 and a.shape[i] > 1 and a.strides[i] != a.strides[i + 1] * a.shape[i + 1]:
-            return False
-    return True
+def _rows(a, ax):
+    """Row stride of ``a`` as rows along axis ``ax``, or None unless ``ax`` is the last
+    axis and ``a`` is a row view (see :func:`cupykern._geometry.row_stride`)."""
+    return row_stride(a.shape, a.strides) if ax == a.ndim - 1 else None
 
 
-def _row_stride(a) -> int:
-    for n, s in zip(reversed(a.shape[:-1]), reversed(a.strides[:-1])):
-        if n > 1:
-            return s
-    return a.shape[-1]
-
-
-def _co_aligned(src, dst) -> bool:
-    """Every row of src and dst starts at the same offset modulo 16 bytes."""
+def _co_aligned(src, ss, dst, ds) -> bool:
+    """Every row of src and dst (row strides ss, ds) starts at the same offset modulo 16 bytes."""
     isz = ITEMSIZE[src.dtype]
-    return ((src.ptr - dst.ptr) % 16 == 0
-            and ((_row_stride(src) - _row_stride(dst)) * isz) % 16 == 0)
+    return (src.ptr - dst.ptr) % 16 == 0 and ((ss - ds) * isz) % 16 == 0
 
 
 def _pick_config(ncols: int, dtype: str, cc: int):

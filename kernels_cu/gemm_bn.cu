@@ -1,4 +1,7 @@
-// BatchNorm of y = s * (z + b), z = x @ W^T, folded into out = ca[n] * z + cc[n].
+// BatchNorm of y = s * (z + b), z = x @ W^T, as out = ca[n] * (z - cm[n]) + cb[n] (training)
+// or out = ca[n] * z + cc[n] (eval, fused into the GEMM epilogue). Training subtracts the
+// batch mean before scaling: folding it into cc would cancel catastrophically when the
+// column's mean is large against its spread (tiny batches, offset data).
 // T: parameter/buffer dtype; A: accumulation type (acc_of<T>). Any pointer among
 // bias, gamma (bn weight), beta (bn bias) may be null (0, 1, 0).
 #include "common.cuh"
@@ -19,7 +22,8 @@ __global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part,
                               T* __restrict__ rmean, T* __restrict__ rvar,
                               const long long* __restrict__ nbt, double factor, double eps,
                               typename acc_of<T>::type* __restrict__ ca,
-                              typename acc_of<T>::type* __restrict__ cc) {
+                              typename acc_of<T>::type* __restrict__ cm,
+                              typename acc_of<T>::type* __restrict__ cb) {
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
@@ -40,7 +44,8 @@ __global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part,
   const A var = m2 / (A)M, s = to_acc(scale[n]);
   const A a = opt(gamma, n, (A)1) * s / sqrt(s * s * var + (A)eps);
   ca[n] = a;
-  cc[n] = opt(beta, n, (A)0) - a * mean;
+  cm[n] = mean;
+  cb[n] = opt(beta, n, (A)0);
   if (rmean) {
     const A f = factor < 0 ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
     const A mean_y = s * (mean + opt(bias, n, (A)0));
@@ -64,21 +69,22 @@ __global__ void bn_eval_coef(int N, const T* __restrict__ bias, const T* __restr
   cc[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
-// z = ca[n]*z + cc[n] in place over an (M, N) array with row stride ldz. Each thread
+// z = ca[n]*(z - cm[n]) + cb[n] in place over an (M, N) array with row stride ldz. Each thread
 // owns VEC consecutive columns (16-byte vectors when VEC > 1) for `rows` rows, loading
 // UNROLL rows before storing any (the stores may alias later loads for all the
 // compiler knows, so without this each row would wait for the previous one's load).
 template <typename T, int VEC>
 __global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
                          const typename acc_of<T>::type* __restrict__ ca,
-                         const typename acc_of<T>::type* __restrict__ cc, int rows) {
+                         const typename acc_of<T>::type* __restrict__ cm,
+                         const typename acc_of<T>::type* __restrict__ cb, int rows) {
   typedef typename acc_of<T>::type A;
   constexpr int UNROLL = 8;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col >= N) return;
-  A fa[VEC], fc[VEC];
+  A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fc[e] = cc[col + e]; }
+  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fm[e] = cm[col + e]; fb[e] = cb[col + e]; }
   const int r1 = min(M, (blockIdx.y + 1) * rows);
   for (int r = blockIdx.y * rows; r < r1; r += UNROLL) {
     Vec16<T> v[UNROLL];
@@ -94,7 +100,7 @@ __global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
       if (r + u >= r1) break;
       T* p = z + (long long)(r + u) * ldz + col;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) v[u].e[e] = from_acc<T>(fa[e] * to_acc(v[u].e[e]) + fc[e]);
+      for (int e = 0; e < VEC; ++e) v[u].e[e] = from_acc<T>(fa[e] * (to_acc(v[u].e[e]) - fm[e]) + fb[e]);
       if (VEC > 1) *reinterpret_cast<uint4*>(p) = v[u].u;
       else *p = v[u].e[0];
     }

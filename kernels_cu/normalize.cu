@@ -86,6 +86,10 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
 
   long long row = blockIdx.x / C;
   if (PREFETCH && row < nrows) load(buf, sc, row);
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cluster_arrive();
+    cluster_wait();
+  }
   for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) {
     if constexpr (!PREFETCH) load(buf, sc, row);
     const RowSplit rs(x + row * xs, ncols);

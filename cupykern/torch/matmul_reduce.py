@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..matmul_reduce import MatmulSumPlan
+from .._array import operand
+from ..matmul_reduce import MatmulSumPlan, check_x
+from ._checks import require_submodule, require_tensor
 
 
 def _tail(s: torch.Tensor) -> torch.Tensor:
@@ -128,9 +130,12 @@ class MatmulSumMaxMeanLogSumExp(nn.Module):
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        require_tensor(x)
         w, b = self.linear.weight, self.linear.bias
-        if not (x.is_cuda or w.is_cuda):
-            return reference(x, w, b)
+        if not (x.is_cuda or w.is_cuda):  # the reference model itself
+            check_x(operand(x, "x"), operand(w, "weight"))
+            return _tail(torch.sum(self.linear(x), dim=1, keepdim=True))
+        require_submodule(self, "linear", nn.Linear)
         if _needs_grad(x, w, b):
             return _MatmulSum.apply(x, w, b, self.plan())
         return self.plan()(x)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .. import normalize as _nz
+from ._checks import require_tensor
 
 
 def _reference(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -38,6 +39,7 @@ class _NormModule(nn.Module):
     kind = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        require_tensor(x)
         if not x.is_cuda:
             return _reference(x, self.kind)
         if x.requires_grad and torch.is_grad_enabled():
