@@ -12,7 +12,9 @@
 //   MODE 1  "high": TF32 (raw fp32 bits; the tensor core ignores the low 13 bits).
 //   MODE 2  "medium": fp32 data rounded to bf16 in registers, bf16 MMA.
 //   MODE 3  native float16 / bfloat16 inputs.
-// gemm_simple: CUDA-core kernel for float64.
+// gemm_simple: CUDA-core kernel (FFMA) for float64, and for float32 at a few rows, where
+//   reading W bounds the time and SGEMM's accuracy is worth keeping (tiny BatchNorm
+//   batches amplify any GEMM error by up to 1/sqrt(eps)).
 //
 // Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
@@ -343,7 +345,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   }
 }
 
-// ---- CUDA-core kernel (float64) ----------------------------------------------------
+// ---- CUDA-core kernel (float64; float32 at a few rows) ----------------------------------------------------
 // 64x64 tile, 16x16 threads, each computes rows ty + 16*i and columns tx + 16*j.
 template <typename T>
 __global__ void __launch_bounds__(256)
@@ -416,10 +418,11 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 //     marks a stage full as soon as its copies land; each consumer keeps one slice of
 //     wgmma in flight.
 //   MODE 0 (3xTF32), BN = 128: two producer warps copy (marking the stage `loaded`),
-//     the other two split each landed B slice (big halves rounded to TF32 in place, the
-//     rounded remainders behind it) and mark the stage full, so copies run up to STAGES
-//     slices ahead of the split. Consumers take A from registers: each loads its warp's
-//     fragments of the slice and splits them the same way (split_tf32). Per slice the tensor core sums big*small + small*big + big*big, and the
+//     the other two write the rounded TF32 remainders of each landed B slice behind it
+//     and mark the stage full, so copies run up to STAGES slices ahead of the split.
+//     Consumers take A from registers: each loads its warp's fragments of the slice and
+//     splits them in place. The big halves are the raw fp32 bits, which the tensor core
+//     truncates. Per slice the tensor core sums big*small + small*big + big*big, and the
 //     consumer promotes that sum into an fp32 register accumulator (32 K products at
 //     most ever sum in the tensor core: GEMM.md) while the other consumer's wgmma keep
 //     the tensor core busy.
@@ -463,10 +466,8 @@ __device__ __forceinline__ void load_swizzled(unsigned dst, const float* __restr
     src += (NT / 8) * ld;
   }
 }
-// Splits chunks t, t+NT, ... of a landed ROWS-row slice in place: the big halves,
-// rounded to TF32, replace x at src and the remainders go to the same offsets from dst
-// (elementwise: any chunk order). Rounding rather than letting the tensor core truncate
-// halves |small| and so quarters the dropped small*small term.
+// Remainders x - tf32trunc(x), rounded to TF32, of chunks t, t+NT, ... of a landed
+// ROWS-row slice, written at the same offsets from dst (elementwise: any chunk order).
 template <int ROWS, int NT>
 __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t) {
 #pragma unroll
@@ -474,12 +475,10 @@ __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t
     const unsigned off = (t + i * NT) * 16;
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
-    uint4 r;
-    unsigned *e = &v.x, *f = &r.x;
+    unsigned* e = &v.x;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) split_tf32(e[q], e[q], f[q]);
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(src + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(r.x), "r"(r.y), "r"(r.z), "r"(r.w));
+    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & 0xffffe000u));
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
   }
 }
 
@@ -590,7 +589,7 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
 
 // This warp's 16 rows of a consumer's 64-row A slice (swizzled smem at `a`) as wgmma
 // register fragments for the 4 K steps: element (row g + 8*(q&1), k 8*ks + t + 4*(q>>1)),
-// split into rounded TF32 big and small halves. Rows g and g+8 share the
+// big = raw fp32 bits, small = rounded TF32 remainder. Rows g and g+8 share the
 // swizzle phase g, so a warp's 32 loads hit 32 different banks.
 __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], unsigned (&small)[4][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -601,7 +600,8 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
     for (int q = 0; q < 4; ++q) {
       unsigned v;
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
-      split_tf32(v, big[ks][q], small[ks][q]);
+      big[ks][q] = v;
+      small[ks][q] = to_tf32(__uint_as_float(v) - __uint_as_float(v & 0xffffe000u));
     }
 }
 
