@@ -11,8 +11,7 @@ Precision of float32 inputs follows PyTorch's names:
   likewise allows any algorithm at least as accurate as bf16).
 
 float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
-float64, and float32 with at most ``FFMA_ROWS`` rows in any precision, use a CUDA-core
-(FMA) kernel. Any M, N, K work: tiles are bounds-checked, and
+float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
 float32 "highest"/"high" with 16-byte aligned rows use wgmma (sm_90a); everything
 else uses mma.sync (sm_80+).
@@ -36,9 +35,6 @@ _WGMMA = {0: {"BN": 128, "SMEM": 4 * (128 + 2 * 128) * 128 + 96 + 1024},
           1: {"BN": 256, "SMEM": 4 * (128 + 256) * 128 + 96 + 1024}}
 _WGMMA_THREADS = 384
 _SIMPLE_TILE = 64
-# float32 GEMMs of at most this many rows run on CUDA cores (FFMA, SGEMM's accuracy in
-# every precision): at a few rows reading W bounds the time, not the arithmetic.
-FFMA_ROWS = 16
 
 
 def _mma_expr(dtype: str, mode: int, aligned: bool) -> str:
@@ -48,7 +44,7 @@ def _mma_expr(dtype: str, mode: int, aligned: bool) -> str:
 for _al in (True, False):
     _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()])
     _loader.register(_FILE, [_mma_expr(d, 3, _al) for d in ("float16", "bfloat16")])
-_loader.register(_FILE, ["gemm_simple<double>", "gemm_simple<float>"])
+_loader.register(_FILE, ["gemm_simple<double>"])
 _loader.register(_FILE, [f"gemm_wgmma<{m}>" for m in _WGMMA], min_cc=90)
 
 
@@ -129,11 +125,11 @@ def gemm(a, b, c, precision: str, bias=None, alpha=None, beta=None, part=None) -
     args = (ptr(a), ptr(b), ptr(c), scalar(M, "int"), scalar(N, "int"), scalar(K, "int"),
             scalar(a.strides[0], "long long"), scalar(b.strides[0], "long long"),
             scalar(c.strides[0], "long long"), ptr(bias), ptr(alpha), ptr(beta), ptr(part))
-    if dt != "float64" and _loader.device_cc(a.device) < 80:
-        raise NotImplementedError("cupykern.linear: float32/16-bit GEMM needs compute capability >= 8.0")
-    if dt == "float64" or (dt == "float32" and M <= FFMA_ROWS):
+    if dt == "float64" or _loader.device_cc(a.device) < 80:
+        if dt != "float64":
+            raise NotImplementedError("cupykern.linear: float32/16-bit GEMM needs compute capability >= 8.0")
         ts = _SIMPLE_TILE
-        fn = _loader.function(_FILE, f"gemm_simple<{CTYPE[dt]}>", a.device)
+        fn = _loader.function(_FILE, "gemm_simple<double>", a.device)
         launch(a, fn, (-(-M // ts), -(-N // ts)), (256,), args)
         return ts
     mode = _MODE[precision] if dt == "float32" else 3

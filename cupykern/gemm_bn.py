@@ -97,6 +97,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     if num_batches_tracked is not None:
         nbt = operand(num_batches_tracked, "num_batches_tracked", dtypes=("int64",))
         same_place(xo, nbt)
+        if isinstance(num_batches_tracked, np.ndarray) and not num_batches_tracked.flags.writeable:
+            raise ValueError("num_batches_tracked: is read-only, but it is incremented in place")
         if nbt.size != 1 or nbt.ndim > 1:
             raise ValueError(f"num_batches_tracked: expected a 0-d int64 array, got shape "
                              f"{tuple(nbt.shape)}")

@@ -239,6 +239,8 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     if plan is None:
         a = operand(x, "x")
         return MatmulSumPlan(weight, bias, _x=a)._apply(a)
+    if not isinstance(plan, MatmulSumPlan):
+        raise TypeError(f"plan: expected a MatmulSumPlan or None, got {type(plan).__name__}")
     if weight is not plan.weight or bias is not plan.bias:
         raise ValueError("plan: was prepared from other weight/bias objects; pass those, "
                          "or plan=None")

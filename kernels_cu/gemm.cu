@@ -12,16 +12,15 @@
 //   MODE 1  "high": TF32 (raw fp32 bits; the tensor core ignores the low 13 bits).
 //   MODE 2  "medium": fp32 data rounded to bf16 in registers, bf16 MMA.
 //   MODE 3  native float16 / bfloat16 inputs.
-// gemm_simple: CUDA-core kernel (FFMA) for float64, and for float32 at a few rows, where
-//   reading W bounds the time and SGEMM's accuracy is worth keeping (tiny BatchNorm
-//   batches amplify any GEMM error by up to 1/sqrt(eps)).
+// gemm_simple: CUDA-core kernel for float64.
 //
 // Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
-// M tile mt and every column n, the (mean, M2) over the tile's valid rows of the
-// values as stored in C (rounded to T), so that they agree exactly with what BatchNorm
-// then normalises (a batch of two makes any mismatch ~1/eps-fold larger): part[2*mt*N + n], part[(2*mt+1)*N + n]. Partials are merged in
-// a fixed order (Chan's formula), so the statistics are deterministic.
+// M tile mt and every column n, the (mean, M2) over the tile's valid rows of the values
+// as stored in C (rounded to T, so that they agree with what BatchNorm then normalises:
+// a batch of two amplifies any mismatch up to 1/sqrt(eps)-fold): part[2*mt*N + n],
+// part[(2*mt+1)*N + n]. Partials are merged in a fixed order (Chan's formula), so the
+// statistics are deterministic.
 #include "common.cuh"
 #include "stats.cuh"
 
@@ -345,7 +344,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   }
 }
 
-// ---- CUDA-core kernel (float64; float32 at a few rows) ----------------------------------------------------
+// ---- CUDA-core kernel (float64) ----------------------------------------------------
 // 64x64 tile, 16x16 threads, each computes rows ty + 16*i and columns tx + 16*j.
 template <typename T>
 __global__ void __launch_bounds__(256)

@@ -6,9 +6,11 @@ from torch import nn
 
 
 def require_tensor(x, name: str = "x") -> None:
-    """TypeError naming ``name`` unless ``x`` is a torch.Tensor."""
+    """TypeError naming ``name`` unless ``x`` is a dense torch.Tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout is not torch.strided:
+        raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
 
 
 def require_submodule(owner: nn.Module, attr: str, kind: type) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..gemm_bn import check_inputs, gemm_scale_batchnorm
+from ..gemm_bn import batch_size_error, check_inputs, gemm_scale_batchnorm
 from ._checks import require_submodule, require_tensor
 
 
@@ -47,7 +47,10 @@ class GemmScaleBatchNorm(nn.Module):
     def forward(self, x):
         require_tensor(x)
         if not x.is_cuda:  # the reference model itself: trains, honours any submodule
-            check_inputs(x, self.gemm.weight)
+            if isinstance(self.gemm, nn.Linear):
+                check_inputs(x, self.gemm.weight)
+                if self.bn.training and x.shape[0] <= 1:  # before bn counts the batch
+                    raise batch_size_error((x.shape[0], self.gemm.out_features), True)
             return self.bn(self.gemm(x) * self.scale)
         require_submodule(self, "gemm", nn.Linear)
         bn = self.bn
