@@ -1,0 +1,352 @@
+"""Every cupykern kernel family at small edge shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tests/sanitize_driver.py [--only GROUP ...]
+
+GROUP is one of normalize, linear, gemm_bn, matmul_sum (racecheck is slow: run the groups
+separately). Every result is checked loosely against a float64 reference, so a run under
+the sanitizer also proves that the kernels ran and computed the right thing; the script
+exits 1 on a wrong result and prints "sanitize driver done" when all is well.
+Shapes are tiny (a few rows, N, K <= 300) except the rows of the two-pass normalize kernel.
+"""
+import argparse
+import copy
+import sys
+
+import cupy
+import torch
+
+import cupykern
+from cupykern import matmul_reduce as mr
+from cupykern import normalize as nz
+from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CUPY_DTYPES = (torch.float16, torch.float32, torch.float64)  # CuPy has no bfloat16
+PRECISIONS = ("highest", "high", "medium")
+NAME = {d: str(d).removeprefix("torch.") for d in DTYPES}
+_failures: list[str] = []
+_checks = [0]
+
+
+def tol(dtype, precision="highest"):
+    """Loose relative tolerance: catches wrong indexing, not rounding differences."""
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 1e-4 if precision == "highest" else 1e-2  # TF32 / bf16 operands
+    return 1e-2 if dtype == torch.float16 else 2e-2
+
+
+def randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def dev(t, dtype, lib="torch"):
+    """A CPU tensor as a GPU array of ``dtype``: a torch CUDA tensor or a CuPy array."""
+    t = t.to(dtype)
+    return cupy.asarray(t.numpy()) if lib == "cupy" else t.cuda()
+
+
+def host(a):
+    """A GPU array's exact values as a CPU float64 tensor (references start from these)."""
+    if isinstance(a, cupy.ndarray):
+        return torch.from_numpy(cupy.asnumpy(a)).double()
+    return a.detach().cpu().double()
+
+
+def check(name, got, want, rtol, bound=None):
+    """``got`` (GPU) against the float64 reference ``want``: same shape, same nan / +inf /
+    -inf positions, and ``|got - want| <= rtol * bound`` on finite entries (``bound``
+    broadcasts; default max|want|)."""
+    _checks[0] += 1
+    g = host(got)
+    if g.shape != want.shape:
+        _failures.append(f"{name}: shape {tuple(g.shape)}, expected {tuple(want.shape)}")
+        return
+    fin = torch.isfinite(want)
+    # nan_to_num maps nan -> 0 and +-inf -> +-max, so this compares the special values too
+    if not (torch.equal(fin, torch.isfinite(g)) and torch.equal(g[~fin].nan_to_num(), want[~fin].nan_to_num())):
+        _failures.append(f"{name}: nan/inf positions differ from the reference")
+        return
+    if bound is None:
+        bound = want[fin].abs().max() if fin.any() else torch.tensor(0.0)
+    bound = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64), want.shape)
+    err = (g - want).abs()
+    bad = fin & ~(err <= rtol * bound)
+    if bad.any():
+        _failures.append(f"{name}: {int(bad.sum())} of {want.numel()} values off, worst error "
+                         f"{err[bad].max().item():.3g} (allowed {rtol:g} x bound)")
+
+
+# ---------------------------------------------------------------- normalize
+
+def norm_ref(x, kind, dim=1):
+    d = x.abs().mean(dim, keepdim=True) if kind == "l1" else x.square().sum(dim, keepdim=True).sqrt()
+    return x / d
+
+
+def run_normalize():
+    devp = cupy.cuda.Device()
+    clusters = int(devp.compute_capability) >= 90
+    sms = devp.attributes["MultiProcessorCount"]
+    for dtype in DTYPES:
+        isz = dtype.itemsize
+        per_vec = 16 // isz
+        configs = [c for c in nz._CLUSTER_CONFIGS[isz] if c[0] == 1 or clusters]
+        for kind in ("l1", "l2"):
+            t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
+            tag = f"{kind} {NAME[dtype]}"
+            # Cluster kernel, every config: rows of 1 and 7 (head/tail scalars only), 1001
+            # (odd: rows 1, 2 start off 16-byte boundaries) and nearly the config's capacity
+            # (every CTA of the cluster holds data).
+            for cfg in configs:
+                cap = cfg[0] * cfg[1] * cfg[2]  # 16-byte vectors per row
+                for ncols in (1, 7, 1001, cap * per_vec - 3):
+                    if ncols // per_vec > cap:
+                        continue
+                    x = dev(randn(3, ncols, seed=ncols), dtype)
+                    check(f"{tag} config {cfg} ncols {ncols}",
+                          nz._normalize(x, 1, None, kind, _config=cfg), norm_ref(host(x), kind), t)
+            if kind == "l2":
+                # 12 * SMs rows: each of the 4 * SMs clusters walks 3 rows, so the
+                # prefetch buffers and the double-buffered partial sums are reused.
+                x = dev(randn(12 * sms, 40, seed=3), dtype)
+                for cfg in configs:
+                    check(f"{tag} config {cfg} many rows",
+                          nz._normalize(x, 1, None, kind, _config=cfg), norm_ref(host(x), kind), t)
+            # Rows longer than any cluster holds: the two-pass kernel (aligned, then offset).
+            x = dev(randn(3, 300_001, seed=4), dtype)
+            check(f"{tag} two-pass", fn(x), norm_ref(host(x), kind), t)
+            x = dev(randn(2, 300_002, seed=5), dtype)[:, 1:]
+            check(f"{tag} two-pass offset rows", fn(x), norm_ref(host(x), kind), t)
+            # Public paths: cached plan (twice), offset rows, another axis, 3-D, out=.
+            x = dev(randn(5, 1000, seed=6), dtype)
+            for i in range(2):
+                check(f"{tag} plan call {i}", fn(x), norm_ref(host(x), kind), t)
+            xs = dev(randn(5, 1002, seed=7), dtype)[:, 1:]
+            check(f"{tag} offset rows", fn(xs), norm_ref(host(xs), kind), t)
+            check(f"{tag} axis 0", fn(x, axis=0), norm_ref(host(x), kind, 0), t)
+            x3 = dev(randn(2, 3, 130, seed=8), dtype)
+            check(f"{tag} 3-D axis -1", fn(x3, axis=-1), norm_ref(host(x3), kind, -1), t)
+            xi = x.clone()
+            want = norm_ref(host(xi), kind)
+            check(f"{tag} out=x (in place)", fn(xi, out=xi), want, t)
+            out = torch.empty(5, 1002, dtype=dtype, device="cuda")[:, 1:]  # offset like xs: direct
+            check(f"{tag} out= offset rows", fn(xs, out=out), norm_ref(host(xs), kind), t)
+            out = torch.empty(5, 1001, dtype=dtype, device="cuda")  # offset unlike xs: copied
+            check(f"{tag} out= other alignment", fn(xs, out=out), norm_ref(host(xs), kind), t)
+            if dtype in CUPY_DTYPES:
+                xc = dev(randn(5, 1001, seed=9), dtype, "cupy")
+                check(f"{tag} cupy", fn(xc), norm_ref(host(xc), kind), t)
+                xc = dev(randn(5, 1002, seed=10), dtype, "cupy")[:, 1:]
+                outc = cupy.empty((5, 1002), dtype=xc.dtype)[:, 1:]
+                check(f"{tag} cupy offset rows out=", fn(xc, out=outc), norm_ref(host(xc), kind), t)
+    for mod, kind in ((L1Norm(), "l1"), (L2Norm(), "l2")):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = dev(randn(4, 777, seed=11), dtype)
+            check(f"{type(mod).__name__} {NAME[dtype]}", mod(x), norm_ref(host(x), kind), tol(dtype))
+
+
+# ---------------------------------------------------------------- linear
+
+def check_linear(name, got, x, w, b, rtol):
+    """Against x @ w.T + b, error bounded by the sum of |terms| (cancellation-proof)."""
+    x, w = host(x), host(w)
+    b = host(b) if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    check(name, got, x @ w.T + b, rtol, x.abs() @ w.abs().T + b.abs())
+
+
+def run_linear():
+    # (M, N, K): partial 128-row and 128/256-column tiles with 16-byte aligned rows (wgmma
+    # on Hopper for float32 "highest"/"high"); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
+    shapes = ((130, 264, 72), (37, 23, 50), (1, 1, 1))
+    for dtype in DTYPES:
+        for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
+            t, tag = tol(dtype, prec), f"linear {NAME[dtype]} {prec}"
+            for m, n, k in shapes:
+                x, w, b = (dev(randn(*s, seed=i), dtype) for i, s in enumerate(((m, k), (n, k), (n,))))
+                check_linear(f"{tag} {m}x{n}x{k}", cupykern.linear(x, w, b, precision=prec), x, w, b, t)
+                check_linear(f"{tag} {m}x{n}x{k} no bias", cupykern.linear(x, w, precision=prec), x, w, None, t)
+            # Column slices: rows start 2 or 4 bytes past a 16-byte boundary (row stride K + 1).
+            x, w = dev(randn(64, 65, seed=3), dtype)[:, 1:], dev(randn(40, 65, seed=4), dtype)[:, 1:]
+            check_linear(f"{tag} offset rows", cupykern.linear(x, w, precision=prec), x, w, None, t)
+            # Batched x (..., K); out= contiguous (written directly) and a permuted view (copied).
+            x, w, b = dev(randn(2, 5, 24, seed=5), dtype), dev(randn(8, 24, seed=6), dtype), dev(randn(8, seed=7), dtype)
+            for out in (torch.empty(2, 5, 8, dtype=dtype, device="cuda"),
+                        torch.empty(8, 5, 2, dtype=dtype, device="cuda").permute(2, 1, 0)):
+                got = cupykern.linear(x, w, b, precision=prec, out=out)
+                if got is not out:
+                    _failures.append(f"{tag} out=: did not return out")
+                check_linear(f"{tag} 3-D out= contiguous={out.is_contiguous()}", got, x, w, b, t)
+    for dtype in CUPY_DTYPES:
+        for m, n, k in shapes[:2]:
+            x, w, b = (dev(randn(*s, seed=i), dtype, "cupy") for i, s in enumerate(((m, k), (n, k), (n,))))
+            check_linear(f"linear cupy {NAME[dtype]} {m}x{n}x{k}", cupykern.linear(x, w, b), x, w, b, tol(dtype))
+
+
+# ---------------------------------------------------------------- gemm_scale_batchnorm
+
+def bn_params(n, k, dtype, lib="torch", seed=0):
+    """weight, bias, scale, bn_weight, bn_bias, running_mean, running_var (nn.Linear-sized W)."""
+    cpu = (randn(n, k, seed=seed) / k ** 0.5, 0.1 * randn(n, seed=seed + 1), randn(n, seed=seed + 2),
+           randn(n, seed=seed + 3), randn(n, seed=seed + 4), 0.1 * randn(n, seed=seed + 5),
+           randn(n, seed=seed + 6).abs() + 0.5)
+    return [dev(v, dtype, lib) for v in cpu]
+
+
+def bn_ref(x, w, b, s, g, be, rm, rv, training, momentum, eps, nbt):
+    """float64 (out, new running_mean, new running_var) as nn.BatchNorm1d computes them."""
+    x, w = host(x), host(w)
+    n = w.shape[0]
+    b, g, be = (host(v) if v is not None else torch.full((n,), d, dtype=torch.float64)
+                for v, d in ((b, 0.0), (g, 1.0), (be, 0.0)))
+    y = (x @ w.T + b) * host(s)
+    if training:
+        mean, var = y.mean(0), y.var(0, unbiased=False)
+        if rm is not None:
+            f = momentum if momentum is not None else 1.0 / (nbt + 1)
+            rm = (1 - f) * host(rm) + f * mean
+            rv = (1 - f) * host(rv) + f * y.var(0, unbiased=True)
+    else:
+        mean, var = host(rm), host(rv)
+        rm, rv = mean, var
+    return (y - mean) / (var + eps).sqrt() * g + be, rm, rv
+
+
+def check_bn(name, x, params, rtol, training=True, stats=True, momentum=0.1,
+             nbt=None, affine=True, precision=None):
+    w, b, s, g, be, rm, rv = params
+    if not affine:
+        b = g = be = None
+    if not stats:
+        rm = rv = None
+    nbt0 = None if nbt is None else int(host(nbt))
+    want, want_rm, want_rv = bn_ref(x, w, b, s, g, be, rm, rv, training, momentum, 1e-5, nbt0)
+    got = cupykern.gemm_scale_batchnorm(x, w, b, s, g, be, rm, rv, nbt, training=training,
+                                        momentum=momentum, eps=1e-5, precision=precision)
+    check(name, got, want, rtol)
+    if rm is not None:
+        check(f"{name} running_mean", rm, want_rm, rtol)
+        check(f"{name} running_var", rv, want_rv, rtol)
+    if nbt is not None and int(host(nbt)) != nbt0 + 1:
+        _failures.append(f"{name}: num_batches_tracked {int(host(nbt))}, expected {nbt0 + 1}")
+
+
+def run_gemm_bn():
+    # (M, N, K): two 128-row tiles of partial statistics, aligned rows; odd sizes; batch of 2.
+    shapes = ((130, 136, 72), (37, 23, 50), (2, 5, 3))
+    for dtype in DTYPES:
+        for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
+            t, tag = tol(dtype, prec), f"gemm_bn {NAME[dtype]} {prec}"
+            for m, n, k in shapes:
+                x, p = dev(randn(m, k, seed=1), dtype), bn_params(n, k, dtype)
+                sh = f"{tag} {m}x{n}x{k}"
+                check_bn(f"{sh} train", x, p, t, precision=prec)
+                check_bn(f"{sh} train, no running stats, no bias/affine", x, p, t, stats=False,
+                         affine=False, precision=prec)
+                nbt = torch.tensor(2, dtype=torch.int64, device="cuda")
+                check_bn(f"{sh} train, momentum None", x, p, t, momentum=None, nbt=nbt, precision=prec)
+                check_bn(f"{sh} eval", x, p, t, training=False, precision=prec)
+            x = dev(randn(64, 65, seed=2), dtype)[:, 1:]  # offset rows
+            check_bn(f"{tag} offset rows train", x, bn_params(40, 64, dtype), t, precision=prec)
+            check_bn(f"{tag} offset rows eval", x, bn_params(40, 64, dtype), t, training=False, precision=prec)
+    for dtype in CUPY_DTYPES:
+        x, p = dev(randn(37, 50, seed=3), dtype, "cupy"), bn_params(23, 50, dtype, "cupy")
+        nbt = cupy.array(0, dtype=cupy.int64)
+        check_bn(f"gemm_bn cupy {NAME[dtype]} train", x, p, tol(dtype), momentum=None, nbt=nbt)
+        check_bn(f"gemm_bn cupy {NAME[dtype]} eval", x, p, tol(dtype), training=False)
+    # The module (torch's default precision, "highest") against its float64 CPU twin.
+    for k, n, scale_shape in ((72, 136, (136,)), (50, 23, (1,))):
+        torch.manual_seed(0)
+        mod = GemmScaleBatchNorm(k, n, scale_shape).cuda()
+        ref = copy.deepcopy(mod).cpu().double()
+        x = dev(randn(37, k, seed=4), torch.float32)
+        with torch.no_grad():
+            for mode in ("train", "eval"):
+                mod.train(mode == "train")
+                ref.train(mode == "train")
+                name = f"GemmScaleBatchNorm {k}x{n} scale {scale_shape} {mode}"
+                check(name, mod(x), ref(host(x)), 1e-4)
+                check(f"{name} running_var", mod.bn.running_var, ref.bn.running_var, 1e-4)
+        if mod.bn.num_batches_tracked.item() != 1:
+            _failures.append("GemmScaleBatchNorm: num_batches_tracked not incremented")
+
+
+# ---------------------------------------------------------------- matmul_sum
+
+def msum_ref(x, w, b):
+    """(x @ w.T + b).sum(1, keepdim=True) in float64 and its error bound (sum of |terms|)."""
+    x, w = host(x), host(w)
+    b = host(b) if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    return (x @ w.T + b).sum(1, keepdim=True), (x.abs() @ w.abs().T + b.abs()).sum(1, keepdim=True)
+
+
+def msum_input(bsz, k, dtype, n, wmax, special_rows, seed):
+    """CPU x with inf / nan / -inf / one huge element in ``special_rows`` (each such row fails
+    the fast-path overflow bound and is computed the literal way), when K is large enough
+    that the huge element cannot overflow the literal sum."""
+    x = randn(bsz, k, seed=seed)
+    if k >= 32:
+        r_inf, r_nan, r_ninf, r_big = special_rows
+        x[r_inf, 3], x[r_nan, 5], x[r_ninf, 0] = float("inf"), float("nan"), -float("inf")
+        x[r_big, 1] = 2 * mr._zlim(NAME[dtype], n) / (k * wmax)  # bound ~ 2x the limit
+    return x
+
+
+def check_msum(name, x, w, b, rtol, plan=None):
+    want, bound = msum_ref(x, w, b)
+    check(name, cupykern.matmul_sum_max_mean_logsumexp(x, w, b, plan=plan), want, rtol, bound)
+
+
+def run_matmul_sum():
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    # (B, N, K): several 64-row weight chunks with 16-byte vectors; odd K (scalar loads);
+    # 1 x 1 x 1; then batches that make msml_rows take 4 and 2 rows per block.
+    shapes = ((5, 300, 256), (7, 130, 77), (3, 1, 1), (4 * sms + 3, 50, 64), (2 * sms + 1, 40, 96))
+    for lib, dtypes in (("torch", DTYPES), ("cupy", CUPY_DTYPES)):
+        for dtype in dtypes:
+            t = tol(dtype)
+            for bsz, n, k in shapes:
+                tag = f"matmul_sum {lib} {NAME[dtype]} {bsz}x{n}x{k}"
+                w, b = dev(randn(n, k, seed=1), dtype, lib), dev(randn(n, seed=2), dtype, lib)
+                wmax = host(w).abs().max().item()
+                x = dev(msum_input(bsz, k, dtype, n, wmax, (1, 2, 3, min(6, bsz - 1)), 3), dtype, lib)
+                plan = cupykern.prepare_matmul_sum(w, b)
+                check(f"{tag} plan wsum", plan.wsum, host(w).sum(0), t, host(w).abs().sum(0))
+                check_msum(f"{tag} plan", x, w, b, t, plan)
+                check_msum(f"{tag} no plan, no bias", x, w, None, t)
+            # Column slices of x and W: unaligned rows take the scalar-load kernels.
+            w, b = dev(randn(300, 257, seed=4), dtype, lib)[:, 1:], dev(randn(300, seed=5), dtype, lib)
+            x = msum_input(6, 256, dtype, 300, host(w).abs().max().item(), (0, 1, 2, 5), 6)
+            x = dev(torch.cat([torch.zeros(6, 1), x], 1), dtype, lib)[:, 1:]
+            check_msum(f"matmul_sum {lib} {NAME[dtype]} offset rows", x, w, b, t,
+                       cupykern.prepare_matmul_sum(w, b))
+    torch.manual_seed(0)
+    mod = MatmulSumMaxMeanLogSumExp(256, 300).cuda()
+    x = dev(randn(9, 256, seed=7), torch.float32)
+    with torch.no_grad():
+        want, bound = msum_ref(x, mod.linear.weight, mod.linear.bias)
+        check("MatmulSumMaxMeanLogSumExp", mod(x), want, tol(torch.float32), bound)
+
+
+GROUPS = {"normalize": run_normalize, "linear": run_linear, "gemm_bn": run_gemm_bn,
+          "matmul_sum": run_matmul_sum}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":"))
+    ap.add_argument("--only", nargs="+", choices=list(GROUPS), default=list(GROUPS),
+                    help="run only these kernel families")
+    for group in ap.parse_args().only:
+        GROUPS[group]()
+        print(f"{group}: {_checks[0]} checks so far", flush=True)
+    torch.cuda.synchronize()
+    if _failures:
+        print(f"{len(_failures)} of {_checks[0]} checks FAILED:", *_failures, sep="\n")
+        sys.exit(1)
+    print("sanitize driver done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,536 @@
+"""Bad-input battery: every public function and module rejects bad arguments with a
+TypeError / ValueError that names the argument, leaves every input bit-exact unchanged
+(module state included), and leaves the CUDA context usable.
+
+Each case builds its call from a :class:`Kind` (how to make arrays of one input kind),
+so one table runs on NumPy and torch CPU (CI) and on torch CUDA and CuPy (``@gpu``).
+"""
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import cupykern  # noqa: E402
+from cupykern.torch import (GemmScaleBatchNorm, L1Norm, L2Norm,  # noqa: E402
+                            MatmulSumMaxMeanLogSumExp)
+
+CPU_KINDS = ("numpy", "torch_cpu")
+GPU_KINDS = ("torch_cuda", "cupy")
+ALL = CPU_KINDS + GPU_KINDS
+TORCH = ("torch_cpu", "torch_cuda")
+NON_TORCH = ("numpy", "cupy")
+NUMPY = ("numpy",)
+GPU = GPU_KINDS
+CUDA_TORCH = ("torch_cuda",)
+# The kind a "foreign" argument has: the other library, same place.
+_FOREIGN = {"numpy": "torch_cpu", "torch_cpu": "numpy", "torch_cuda": "cupy", "cupy": "torch_cuda"}
+# The host twin of a GPU kind (same library, CPU).
+_HOST = {"torch_cuda": "torch_cpu", "cupy": "numpy"}
+
+
+class Kind:
+    """Makes arrays of one input kind; remembers every array and module it made, so the
+    test can snapshot them all."""
+
+    def __init__(self, name, tracked=None):
+        self.name = name
+        self.device = "cuda" if name in GPU_KINDS else "cpu"
+        self.tracked = [] if tracked is None else tracked
+
+    def of(self, a: np.ndarray):
+        """``a`` converted to this kind (tracked)."""
+        if self.name == "numpy":
+            obj = a
+        elif self.name == "cupy":
+            import cupy
+            obj = cupy.asarray(a)
+        else:
+            obj = torch.from_numpy(a).to(self.device)
+        self.tracked.append(obj)
+        return obj
+
+    def arr(self, shape=(4, 6), dtype="float32", seed=0):
+        return self.of(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+    @property
+    def foreign(self):
+        return Kind(_FOREIGN[self.name], self.tracked)
+
+    @property
+    def host(self):
+        return Kind(_HOST[self.name], self.tracked)
+
+    def other_device(self, shape, dtype="float32"):
+        """An array of this kind on cuda:1 (skips without a second GPU)."""
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs a second GPU")
+        if self.name == "cupy":
+            import cupy
+            with cupy.cuda.Device(1):
+                obj = cupy.asarray(np.ones(shape, dtype))
+        else:
+            obj = torch.ones(shape, dtype=getattr(torch, dtype), device="cuda:1")
+        self.tracked.append(obj)
+        return obj
+
+    def sparse(self, shape):
+        """A sparse COO torch tensor (torch kinds only)."""
+        obj = self.arr(shape).to_sparse()
+        self.tracked.append(obj)
+        return obj
+
+    def expanded(self, shape):
+        """A writable view of ``shape`` whose rows all share one row's memory."""
+        base = self.arr((1,) + tuple(shape[1:]), seed=5)
+        if self.name in TORCH:
+            return base.expand(shape)
+        strides = (0,) + base.strides[1:]
+        if self.name == "numpy":
+            return np.lib.stride_tricks.as_strided(base, shape, strides, writeable=True)
+        import cupy
+        return cupy.lib.stride_tricks.as_strided(base, shape, strides)
+
+    def read_only(self, shape=(4, 6), dtype="float32"):
+        """A NumPy array flagged writeable=False (numpy kind only)."""
+        a = self.arr(shape, dtype, seed=6)
+        a.flags.writeable = False
+        return a
+
+    def overlapping(self, **shapes):
+        """Views of one (rows, cols + 1) buffer, the second shifted by a column, so
+        they partially overlap: ``overlapping(x=(4, 6), out=(4, 6))``."""
+        (n1, (m, c1)), (n2, (_, c2)) = shapes.items()
+        buf = self.arr((m, max(c1, c2) + 1), seed=7)
+        return {n1: buf[:, :c1], n2: buf[:, 1:1 + c2]}
+
+    def module(self, m: nn.Module):
+        m = m.to(self.device)
+        self.tracked.append(m)
+        return m
+
+
+def _raw(obj):
+    """(dtype, shape, bytes) of an array or tensor, or a module's state, for bit-exact
+    (nan-safe) comparison."""
+    if isinstance(obj, nn.Module):
+        return [(k, _raw(v)) for k, v in obj.state_dict().items()]
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        t = (t.to_dense() if t.layout != torch.strided else t).cpu().contiguous().reshape(-1)
+        return str(obj.dtype), tuple(obj.shape), t.view(torch.uint8).numpy().tobytes()
+    if isinstance(obj, np.ndarray):
+        return obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes()
+    import cupy
+    return obj.dtype.str, obj.shape, cupy.asnumpy(obj).tobytes()
+
+
+def _to_numpy(y):
+    if isinstance(y, torch.Tensor):
+        return y.cpu().numpy()
+    return y if isinstance(y, np.ndarray) else y.get()
+
+
+def _check_healthy(k: Kind):
+    """A small valid op of this kind still runs and gives the right answer."""
+    x = np.arange(1, 13, dtype=np.float32).reshape(3, 4)
+    y = cupykern.l2_normalize(Kind(k.name).of(x))
+    if k.device == "cuda":
+        torch.cuda.synchronize()
+        if k.name == "cupy":
+            import cupy
+            cupy.cuda.Device().synchronize()
+    expect = x / np.sqrt((x * x).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(_to_numpy(y), expect, rtol=1e-6)
+
+
+@dataclass
+class Case:
+    id: str
+    build: object  # Kind -> zero-argument callable that must raise
+    exc: type
+    match: str
+    kinds: tuple = ALL
+
+
+def _prefixed(prefix, cases):
+    return [Case(f"{prefix}-{c.id}", c.build, c.exc, c.match, c.kinds) for c in cases]
+
+
+def _not_array(name, got):
+    return rf"^{name}: expected a cupy\.ndarray, torch\.Tensor or numpy\.ndarray, got {got}"
+
+
+def _call(fn, defaults):
+    """``make(k, **overrides)``: ``fn`` bound to default arguments of kind ``k`` (built
+    only where not overridden)."""
+    def make(k, **over):
+        args = {n: over.pop(n) if n in over else d(k) for n, d in defaults.items()}
+        return partial(fn, **args, **over)
+    return make
+
+
+# ---- l1_normalize / l2_normalize: x (4, 6), axis 1 ----
+
+def _norm_cases(fn):
+    call = _call(fn, {"x": lambda k: k.arr()})
+    return _prefixed(fn.__name__, [
+        Case("x-list", lambda k: call(k, x=[[1.0, 2.0]]), TypeError, _not_array("x", "list")),
+        Case("x-None", lambda k: call(k, x=None), TypeError, _not_array("x", "NoneType")),
+        Case("x-str", lambda k: call(k, x="abc"), TypeError, _not_array("x", "str")),
+        Case("x-float", lambda k: call(k, x=3.0), TypeError, _not_array("x", "float")),
+        Case("x-int32", lambda k: call(k, x=k.arr(dtype="int32")), TypeError, "^x: .*dtype int32"),
+        Case("x-bool", lambda k: call(k, x=k.arr(dtype="bool")), TypeError, "^x: .*dtype bool"),
+        Case("x-complex", lambda k: call(k, x=k.arr(dtype="complex64")), TypeError, "^x: .*dtype complex64"),
+        Case("x-0d", lambda k: call(k, x=k.arr(())), ValueError, "^x: "),
+        Case("x-sparse", lambda k: call(k, x=k.sparse((4, 6))),
+             TypeError, "^x: .*layout torch.sparse_coo", TORCH),
+        Case("axis-2", lambda k: call(k, axis=2), ValueError, "^axis: 2 is out of range"),
+        Case("axis-neg3", lambda k: call(k, axis=-3), ValueError, "^axis: -3 is out of range"),
+        Case("axis-float", lambda k: call(k, axis=1.0), TypeError, "^axis: "),
+        Case("axis-str", lambda k: call(k, axis="1"), TypeError, "^axis: "),
+        Case("axis-None", lambda k: call(k, axis=None), TypeError, "^axis: "),
+        Case("axis-bool", lambda k: call(k, axis=True), TypeError, "^axis: "),
+        Case("out-list", lambda k: call(k, out=[[0.0] * 6] * 4), TypeError, _not_array("out", "list")),
+        Case("out-shape", lambda k: call(k, out=k.arr((4, 5))), ValueError, r"^out: .*shape"),
+        Case("out-transposed-shape", lambda k: call(k, out=k.arr((6, 4))), ValueError, r"^out: .*shape"),
+        Case("out-dtype", lambda k: call(k, out=k.arr(dtype="float64")), TypeError, "^out: .*dtype"),
+        Case("out-foreign", lambda k: call(k, out=k.foreign.arr()), TypeError, "^out: "),
+        Case("out-host", lambda k: call(k, out=k.host.arr()), TypeError, "^out: ", GPU),
+        Case("out-device1", lambda k: call(k, out=k.other_device((4, 6))), ValueError, "^out: .*cuda:1", GPU),
+        Case("out-sparse", lambda k: call(k, out=k.sparse((4, 6))), TypeError, "^out: .*layout", TORCH),
+        Case("out-expanded", lambda k: call(k, out=k.expanded((4, 6))), ValueError, "^out: "),
+        Case("out-overlaps-x", lambda k: call(k, **k.overlapping(x=(4, 6), out=(4, 6))),
+             ValueError, "^out: .*overlap", GPU),
+        Case("out-read-only", lambda k: call(k, out=k.read_only()), ValueError, "^out: .*read-only", NUMPY),
+    ])
+
+
+# ---- linear: x (4, 6), weight (5, 6), bias (5,) ----
+
+_linear = _call(cupykern.linear, {"x": lambda k: k.arr(), "weight": lambda k: k.arr((5, 6), seed=1),
+                                  "bias": lambda k: k.arr((5,), seed=2)})
+
+LINEAR = [
+    Case("x-list", lambda k: _linear(k, x=[[1.0] * 6] * 4), TypeError, _not_array("x", "list")),
+    Case("x-None", lambda k: _linear(k, x=None), TypeError, _not_array("x", "NoneType")),
+    Case("x-str", lambda k: _linear(k, x="x"), TypeError, _not_array("x", "str")),
+    Case("weight-None", lambda k: _linear(k, weight=None), TypeError, _not_array("weight", "NoneType")),
+    Case("weight-list", lambda k: _linear(k, weight=[[1.0] * 6] * 5),
+         TypeError, _not_array("weight", "list")),
+    Case("bias-list", lambda k: _linear(k, bias=[0.0] * 5), TypeError, _not_array("bias", "list")),
+    Case("bias-float", lambda k: _linear(k, bias=0.5), TypeError, _not_array("bias", "float")),
+    Case("x-int64", lambda k: _linear(k, x=k.arr(dtype="int64")), TypeError, "^x: .*dtype int64"),
+    Case("x-bool", lambda k: _linear(k, x=k.arr(dtype="bool")), TypeError, "^x: .*dtype bool"),
+    Case("x-complex", lambda k: _linear(k, x=k.arr(dtype="complex64")), TypeError, "^x: .*dtype complex64"),
+    Case("weight-int32", lambda k: _linear(k, weight=k.arr((5, 6), "int32")),
+         TypeError, "^weight: .*dtype int32"),
+    Case("weight-float64", lambda k: _linear(k, weight=k.arr((5, 6), "float64")),
+         TypeError, "^weight: .*dtype"),
+    Case("bias-float64", lambda k: _linear(k, bias=k.arr((5,), "float64")), TypeError, "^bias: .*dtype"),
+    Case("bias-float16", lambda k: _linear(k, bias=k.arr((5,), "float16")), TypeError, "^bias: .*dtype"),
+    Case("x-0d", lambda k: _linear(k, x=k.arr(())), ValueError, "^x: "),
+    Case("weight-1d", lambda k: _linear(k, weight=k.arr((6,))), ValueError, "^weight: .*2-D"),
+    Case("weight-3d", lambda k: _linear(k, weight=k.arr((5, 6, 1))), ValueError, "^weight: .*2-D"),
+    Case("K-mismatch", lambda k: _linear(k, x=k.arr((4, 7))), ValueError, "^x: .*in_features"),
+    Case("bias-length", lambda k: _linear(k, bias=k.arr((6,))), ValueError, r"^bias: .*\(5,\)"),
+    Case("bias-2d", lambda k: _linear(k, bias=k.arr((1, 5))), ValueError, r"^bias: .*\(5,\)"),
+    Case("precision-low", lambda k: _linear(k, precision="low"), ValueError, "^precision: "),
+    Case("precision-empty", lambda k: _linear(k, precision=""), ValueError, "^precision: "),
+    Case("weight-foreign", lambda k: _linear(k, weight=k.foreign.arr((5, 6))), TypeError, "^weight: "),
+    Case("bias-foreign", lambda k: _linear(k, bias=k.foreign.arr((5,))), TypeError, "^bias: "),
+    Case("weight-host", lambda k: _linear(k, weight=k.host.arr((5, 6))), TypeError, "^weight: ", GPU),
+    Case("weight-device1", lambda k: _linear(k, weight=k.other_device((5, 6))),
+         ValueError, "^weight: .*cuda:1", GPU),
+    Case("x-sparse", lambda k: _linear(k, x=k.sparse((4, 6))), TypeError, "^x: .*layout", TORCH),
+    Case("weight-sparse", lambda k: _linear(k, weight=k.sparse((5, 6))),
+         TypeError, "^weight: .*layout", TORCH),
+    Case("bias-sparse", lambda k: _linear(k, bias=k.sparse((5,))), TypeError, "^bias: .*layout", TORCH),
+    Case("out-list", lambda k: _linear(k, out=[[0.0] * 5] * 4), TypeError, _not_array("out", "list")),
+    Case("out-shape", lambda k: _linear(k, out=k.arr((4, 6))), ValueError, r"^out: .*shape"),
+    Case("out-dtype", lambda k: _linear(k, out=k.arr((4, 5), "float64")), TypeError, "^out: .*dtype"),
+    Case("out-foreign", lambda k: _linear(k, out=k.foreign.arr((4, 5))), TypeError, "^out: "),
+    Case("out-sparse", lambda k: _linear(k, out=k.sparse((4, 5))), TypeError, "^out: .*layout", TORCH),
+    Case("out-expanded", lambda k: _linear(k, out=k.expanded((4, 5))), ValueError, "^out: "),
+    Case("out-overlaps-x", lambda k: _linear(k, weight=k.arr((6, 6)), bias=None,
+                                             **k.overlapping(x=(4, 6), out=(4, 6))),
+         ValueError, "^out: .*overlap", GPU),
+    Case("out-overlaps-weight", lambda k: _linear(k, bias=None, x=k.arr((4, 6)),
+                                                  **k.overlapping(weight=(4, 6), out=(4, 4))),
+         ValueError, "^out: .*overlap", GPU),
+    Case("out-read-only", lambda k: _linear(k, out=k.read_only((4, 5))),
+         ValueError, "^out: .*read-only", NUMPY),
+]
+
+
+# ---- gemm_scale_batchnorm: x (4, 6), weight (5, 6), vectors (5,), running stats and
+# num_batches_tracked given (so every case also checks that nothing was updated) ----
+
+def _nbt(k, value=3, shape=(), dtype="int64"):
+    return k.of(np.full(shape, value, dtype))
+
+
+_gsbn = _call(cupykern.gemm_scale_batchnorm, {
+    "x": lambda k: k.arr(), "weight": lambda k: k.arr((5, 6), seed=1),
+    "bias": lambda k: k.arr((5,), seed=2), "scale": lambda k: k.arr((5,), seed=3),
+    "bn_weight": lambda k: k.arr((5,), seed=4), "bn_bias": lambda k: k.arr((5,), seed=5),
+    "running_mean": lambda k: k.arr((5,), seed=6),
+    "running_var": lambda k: k.of(np.linspace(0.5, 2.0, 5, dtype=np.float32)),
+    "num_batches_tracked": _nbt})
+_NO_STATS = dict(running_mean=None, running_var=None, num_batches_tracked=None)
+
+GSBN = [
+    Case("x-list", lambda k: _gsbn(k, x=[[1.0] * 6] * 4), TypeError, _not_array("x", "list")),
+    Case("x-None", lambda k: _gsbn(k, x=None), TypeError, _not_array("x", "NoneType")),
+    Case("weight-None", lambda k: _gsbn(k, weight=None), TypeError, _not_array("weight", "NoneType")),
+    Case("scale-list", lambda k: _gsbn(k, scale=[1.0] * 5), TypeError, _not_array("scale", "list")),
+    Case("running_mean-list", lambda k: _gsbn(k, running_mean=[0.0] * 5),
+         TypeError, _not_array("running_mean", "list")),
+    Case("x-int32", lambda k: _gsbn(k, x=k.arr(dtype="int32")), TypeError, "^x: .*dtype int32"),
+    Case("weight-float64", lambda k: _gsbn(k, weight=k.arr((5, 6), "float64")),
+         TypeError, "^weight: .*dtype"),
+    Case("scale-int32", lambda k: _gsbn(k, scale=k.arr((5,), "int32")), TypeError, "^scale: .*dtype"),
+    Case("bn_bias-float16", lambda k: _gsbn(k, bn_bias=k.arr((5,), "float16")),
+         TypeError, "^bn_bias: .*dtype"),
+    Case("running_var-float64", lambda k: _gsbn(k, running_var=k.arr((5,), "float64")),
+         TypeError, "^running_var: .*dtype"),
+    Case("x-0d", lambda k: _gsbn(k, x=k.arr(())), ValueError, "^x: "),
+    Case("x-1d", lambda k: _gsbn(k, x=k.arr((6,))), ValueError, "^x: .*2-D"),
+    Case("x-3d", lambda k: _gsbn(k, x=k.arr((2, 4, 6))), ValueError, "^x: .*2-D"),
+    Case("weight-1d", lambda k: _gsbn(k, weight=k.arr((6,))), ValueError, "^weight: .*2-D"),
+    Case("K-mismatch", lambda k: _gsbn(k, x=k.arr((4, 7))), ValueError, "^x: .*in_features"),
+    Case("bias-length", lambda k: _gsbn(k, bias=k.arr((4,))), ValueError, r"^bias: .*\(5,\)"),
+    Case("scale-length", lambda k: _gsbn(k, scale=k.arr((1,))), ValueError, r"^scale: .*\(5,\)"),
+    Case("bn_weight-2d", lambda k: _gsbn(k, bn_weight=k.arr((5, 1))), ValueError, r"^bn_weight: .*\(5,\)"),
+    Case("running_var-length", lambda k: _gsbn(k, running_var=k.arr((6,))),
+         ValueError, r"^running_var: .*\(5,\)"),
+    Case("scale-None", lambda k: _gsbn(k, scale=None), ValueError, "^scale: "),
+    Case("running_mean-without-var", lambda k: _gsbn(k, running_var=None), ValueError, "running_var"),
+    Case("running_var-without-mean", lambda k: _gsbn(k, running_mean=None), ValueError, "running_mean"),
+    Case("eval-without-stats", lambda k: _gsbn(k, training=False, **_NO_STATS), ValueError, "running_mean"),
+    Case("batch-of-1", lambda k: _gsbn(k, x=k.arr((1, 6))), ValueError,
+         "^Expected more than 1 value per channel when training"),
+    Case("eps-None", lambda k: _gsbn(k, eps=None), TypeError, "^eps: "),
+    Case("eps-str", lambda k: _gsbn(k, eps="1e-5"), TypeError, "^eps: "),
+    Case("eps-negative", lambda k: _gsbn(k, eps=-1e-5), ValueError, "^eps: "),
+    Case("eps-nan", lambda k: _gsbn(k, eps=float("nan")), ValueError, "^eps: "),
+    Case("eps-negative-eval", lambda k: _gsbn(k, eps=-1.0, training=False), ValueError, "^eps: "),
+    Case("momentum-str", lambda k: _gsbn(k, momentum="a"), TypeError, "^momentum: "),
+    Case("momentum-str-no-stats", lambda k: _gsbn(k, momentum="a", **_NO_STATS), TypeError, "^momentum: "),
+    Case("momentum-list", lambda k: _gsbn(k, momentum=[0.1]), TypeError, "^momentum: "),
+    Case("momentum-None-without-nbt", lambda k: _gsbn(k, momentum=None, num_batches_tracked=None),
+         ValueError, "num_batches_tracked"),
+    Case("nbt-shape-3", lambda k: _gsbn(k, num_batches_tracked=_nbt(k, shape=(3,))),
+         ValueError, "^num_batches_tracked: "),
+    Case("nbt-float32", lambda k: _gsbn(k, num_batches_tracked=_nbt(k, dtype="float32")),
+         TypeError, "^num_batches_tracked: "),
+    Case("nbt-int32", lambda k: _gsbn(k, num_batches_tracked=_nbt(k, dtype="int32")),
+         TypeError, "^num_batches_tracked: "),
+    Case("nbt-int", lambda k: _gsbn(k, num_batches_tracked=3), TypeError, "^num_batches_tracked: "),
+    Case("nbt-foreign", lambda k: _gsbn(k, num_batches_tracked=_nbt(k.foreign)),
+         TypeError, "^num_batches_tracked: "),
+    Case("training-str", lambda k: _gsbn(k, training="yes"), TypeError, "^training: "),
+    Case("precision-low", lambda k: _gsbn(k, precision="low"), ValueError, "^precision: "),
+    Case("bn_weight-foreign", lambda k: _gsbn(k, bn_weight=k.foreign.arr((5,))), TypeError, "^bn_weight: "),
+    Case("running_mean-foreign", lambda k: _gsbn(k, running_mean=k.foreign.arr((5,))),
+         TypeError, "^running_mean: "),
+    Case("running_var-host", lambda k: _gsbn(k, running_var=k.host.arr((5,))),
+         TypeError, "^running_var: ", GPU),
+    Case("running_mean-device1", lambda k: _gsbn(k, running_mean=k.other_device((5,))), ValueError,
+         "^running_mean: .*cuda:1", GPU),
+    Case("x-sparse", lambda k: _gsbn(k, x=k.sparse((4, 6))), TypeError, "^x: .*layout", TORCH),
+    Case("running_mean-sparse", lambda k: _gsbn(k, running_mean=k.sparse((5,))),
+         TypeError, "^running_mean: .*layout", TORCH),
+    Case("nbt-sparse", lambda k: _gsbn(k, num_batches_tracked=_nbt(k, shape=(1,)).to_sparse()), TypeError,
+         "^num_batches_tracked: .*layout", TORCH),
+    # Buffers updated in place must be writable, with distinct elements.
+    Case("running_mean-expanded", lambda k: _gsbn(k, running_mean=k.expanded((5,))),
+         ValueError, "^running_mean: "),
+    Case("running_mean-read-only", lambda k: _gsbn(k, running_mean=k.read_only((5,))), ValueError,
+         "^running_mean: .*read-only", NUMPY),
+    Case("nbt-read-only", lambda k: _gsbn(k, num_batches_tracked=k.read_only((), "int64")), ValueError,
+         "^num_batches_tracked: .*read-only", NUMPY),
+]
+
+
+# ---- matmul_sum_max_mean_logsumexp: x (4, 6), weight (5, 6), bias (5,); and plans ----
+
+_msml = _call(cupykern.matmul_sum_max_mean_logsumexp, {
+    "x": lambda k: k.arr(), "weight": lambda k: k.arr((5, 6), seed=1), "bias": lambda k: k.arr((5,), seed=2)})
+_prepare = _call(cupykern.prepare_matmul_sum, {
+    "weight": lambda k: k.arr((5, 6), seed=1), "bias": lambda k: k.arr((5,), seed=2)})
+
+
+def _plan_call(k, x):
+    """Calling a valid plan (of kind ``k``) on ``x``."""
+    return partial(_prepare(k)(), x)
+
+
+def _plan_for_other_bias(k):
+    w = k.arr((5, 6), seed=1)
+    plan = cupykern.prepare_matmul_sum(w, k.arr((5,), seed=2))
+    return _msml(k, weight=w, bias=k.arr((5,), seed=2), plan=plan)
+
+
+MSML = [
+    Case("x-list", lambda k: _msml(k, x=[[1.0] * 6] * 4), TypeError, _not_array("x", "list")),
+    Case("x-None", lambda k: _msml(k, x=None), TypeError, _not_array("x", "NoneType")),
+    Case("weight-None", lambda k: _msml(k, weight=None), TypeError, _not_array("weight", "NoneType")),
+    Case("bias-list", lambda k: _msml(k, bias=[0.0] * 5), TypeError, _not_array("bias", "list")),
+    Case("x-int64", lambda k: _msml(k, x=k.arr(dtype="int64")), TypeError, "^x: .*dtype int64"),
+    Case("x-bool", lambda k: _msml(k, x=k.arr(dtype="bool")), TypeError, "^x: .*dtype bool"),
+    Case("x-complex", lambda k: _msml(k, x=k.arr(dtype="complex128")), TypeError, "^x: .*dtype complex128"),
+    Case("weight-float64", lambda k: _msml(k, weight=k.arr((5, 6), "float64"), bias=None),
+         TypeError, "^weight: .*dtype"),
+    Case("bias-float16", lambda k: _msml(k, bias=k.arr((5,), "float16")), TypeError, "^bias: .*dtype"),
+    Case("x-0d", lambda k: _msml(k, x=k.arr(())), ValueError, "^x: "),
+    Case("x-1d", lambda k: _msml(k, x=k.arr((6,))), ValueError, "^x: .*2-D"),
+    Case("x-3d", lambda k: _msml(k, x=k.arr((2, 4, 6))), ValueError, "^x: .*2-D"),
+    Case("weight-1d", lambda k: _msml(k, weight=k.arr((6,))), ValueError, "^weight: .*2-D"),
+    Case("weight-3d", lambda k: _msml(k, weight=k.arr((5, 6, 1))), ValueError, "^weight: .*2-D"),
+    Case("K-mismatch", lambda k: _msml(k, x=k.arr((4, 7))), ValueError, "^x: .*in_features"),
+    Case("bias-length", lambda k: _msml(k, bias=k.arr((6,))), ValueError, r"^bias: .*\(5,\)"),
+    Case("bias-2d", lambda k: _msml(k, bias=k.arr((5, 1))), ValueError, r"^bias: .*\(5,\)"),
+    Case("weight-foreign", lambda k: _msml(k, weight=k.foreign.arr((5, 6)), bias=None),
+         TypeError, "^weight: "),
+    Case("bias-foreign", lambda k: _msml(k, bias=k.foreign.arr((5,))), TypeError, "^bias: "),
+    Case("weight-host", lambda k: _msml(k, weight=k.host.arr((5, 6)), bias=None),
+         TypeError, "^weight: ", GPU),
+    Case("bias-device1", lambda k: _msml(k, bias=k.other_device((5,))), ValueError, "^bias: .*cuda:1", GPU),
+    Case("x-sparse", lambda k: _msml(k, x=k.sparse((4, 6))), TypeError, "^x: .*layout", TORCH),
+    Case("weight-sparse", lambda k: _msml(k, weight=k.sparse((5, 6))), TypeError, "^weight: .*layout", TORCH),
+    Case("bias-sparse", lambda k: _msml(k, bias=k.sparse((5,))), TypeError, "^bias: .*layout", TORCH),
+    Case("plan-other-weight", lambda k: _msml(k, plan=_prepare(k)()), ValueError, "^plan: "),
+    Case("plan-other-bias", _plan_for_other_bias, ValueError, "^plan: "),
+    Case("plan-str", lambda k: _msml(k, plan="plan"), TypeError, "^plan: "),
+    # prepare_matmul_sum and MatmulSumPlan.__call__
+    Case("prepare-weight-list", lambda k: _prepare(k, weight=[[1.0] * 6] * 5),
+         TypeError, _not_array("weight", "list")),
+    Case("prepare-weight-int32", lambda k: _prepare(k, weight=k.arr((5, 6), "int32")),
+         TypeError, "^weight: .*dtype"),
+    Case("prepare-weight-1d", lambda k: _prepare(k, weight=k.arr((6,))), ValueError, "^weight: .*2-D"),
+    Case("prepare-bias-length", lambda k: _prepare(k, bias=k.arr((4,))), ValueError, r"^bias: .*\(5,\)"),
+    Case("prepare-bias-float64", lambda k: _prepare(k, bias=k.arr((5,), "float64")),
+         TypeError, "^bias: .*dtype"),
+    Case("prepare-bias-foreign", lambda k: _prepare(k, bias=k.foreign.arr((5,))), TypeError, "^bias: "),
+    Case("prepare-weight-sparse", lambda k: _prepare(k, weight=k.sparse((5, 6))),
+         TypeError, "^weight: .*layout", TORCH),
+    Case("plan-call-x-list", lambda k: _plan_call(k, [[1.0] * 6]), TypeError, _not_array("x", "list")),
+    Case("plan-call-K-mismatch", lambda k: _plan_call(k, k.arr((4, 7))), ValueError, "^x: .*in_features"),
+    Case("plan-call-x-float64", lambda k: _plan_call(k, k.arr(dtype="float64")),
+         TypeError, "^(x|weight): .*dtype"),
+    Case("plan-call-x-foreign", lambda k: _plan_call(k, k.foreign.arr()), TypeError, "^(x|weight): "),
+]
+
+
+# ---- modules: x (4, 6); GemmScaleBatchNorm(6, 5), MatmulSumMaxMeanLogSumExp(6, 5) ----
+
+def _gsbn_module(**bn_attrs):
+    m = GemmScaleBatchNorm(6, 5, (5,))
+    for name, value in bn_attrs.items():
+        setattr(m.bn, name, value)
+    return m
+
+
+def _replaced(m, **submodules):
+    for name, value in submodules.items():
+        setattr(m, name, value)
+    return m
+
+
+MODULES = {"L1Norm": L1Norm, "L2Norm": L2Norm, "GSBN": _gsbn_module,
+           "MSML": lambda: MatmulSumMaxMeanLogSumExp(6, 5)}
+
+
+_DEFAULT = object()
+
+
+def _fwd(k, make, x=_DEFAULT):
+    """Calling a fresh module (on k's device) on ``x`` (default a (4, 6) array of kind k)."""
+    return partial(k.module(make()), k.arr() if x is _DEFAULT else x)
+
+
+def _module_cases():
+    cases = []
+    for name, make in MODULES.items():
+        cases += _prefixed(name, [
+            Case("x-array", lambda k, m=make: _fwd(k, m),
+                 TypeError, r"^x: expected a torch\.Tensor", NON_TORCH),
+            Case("x-list", lambda k, m=make: _fwd(k, m, [[1.0] * 6] * 4),
+                 TypeError, r"^x: expected a torch\.Tensor", TORCH),
+            Case("x-None", lambda k, m=make: _fwd(k, m, None),
+                 TypeError, r"^x: expected a torch\.Tensor", TORCH),
+            Case("x-sparse", lambda k, m=make: _fwd(k, m, k.sparse((4, 6))),
+                 TypeError, "^x: .*layout", TORCH),
+        ])
+    for name in ("GSBN", "MSML"):
+        make = MODULES[name]
+        cases += _prefixed(name, [
+            Case("x-int64", lambda k, m=make: _fwd(k, m, k.arr(dtype="int64")),
+                 TypeError, "^x: .*dtype int64", TORCH),
+            Case("x-float64", lambda k, m=make: _fwd(k, m, k.arr(dtype="float64")),
+                 TypeError, "^(x|weight): .*dtype", TORCH),
+            Case("in_features", lambda k, m=make: _fwd(k, m, k.arr((4, 7))),
+                 ValueError, "^x: .*in_features", TORCH),
+            Case("x-3d", lambda k, m=make: _fwd(k, m, k.arr((2, 4, 6))), ValueError, "^x: .*2-D", TORCH),
+            Case("x-host", lambda k, m=make: _fwd(k, m, k.host.arr()),
+                 TypeError, "^(x|weight): ", CUDA_TORCH),
+        ])
+    # On CUDA the fused kernel must be able to honour gemm, bn and bn's settings (on the
+    # CPU the module runs the reference model itself, which honours anything).
+    cases += [
+        Case("GSBN-batch-of-1", lambda k: _fwd(k, _gsbn_module, k.arr((1, 6))), ValueError,
+             "^Expected more than 1 value per channel when training", TORCH),
+        Case("GSBN-bn-LayerNorm", lambda k: _fwd(k, lambda: _replaced(_gsbn_module(), bn=nn.LayerNorm(5))),
+             TypeError, "^bn: ", CUDA_TORCH),
+        Case("GSBN-bn-Identity", lambda k: _fwd(k, lambda: _replaced(_gsbn_module(), bn=nn.Identity())),
+             TypeError, "^bn: ", CUDA_TORCH),
+        Case("GSBN-gemm-Identity", lambda k: _fwd(k, lambda: _replaced(_gsbn_module(), gemm=nn.Identity())),
+             TypeError, "^gemm: ", CUDA_TORCH),
+        Case("GSBN-gemm-Conv1d",
+             lambda k: _fwd(k, lambda: _replaced(_gsbn_module(), gemm=nn.Conv1d(6, 5, 1))),
+             TypeError, "^gemm: ", CUDA_TORCH),
+        Case("GSBN-bn-momentum-str", lambda k: _fwd(k, lambda: _gsbn_module(momentum="a")),
+             TypeError, "^momentum: ", CUDA_TORCH),
+        Case("GSBN-bn-eps-negative", lambda k: _fwd(k, lambda: _gsbn_module(eps=-1.0)),
+             ValueError, "^eps: ", CUDA_TORCH),
+        Case("GSBN-bn-eps-None", lambda k: _fwd(k, lambda: _gsbn_module(eps=None)),
+             TypeError, "^eps: ", CUDA_TORCH),
+    ]
+    return cases
+
+
+CASES = (_norm_cases(cupykern.l1_normalize) + _norm_cases(cupykern.l2_normalize)
+         + _prefixed("linear", LINEAR) + _prefixed("gsbn", GSBN) + _prefixed("msml", MSML)
+         + _prefixed("module", _module_cases()))
+assert len({c.id for c in CASES}) == len(CASES), "duplicate case ids"
+
+
+def _params(kinds):
+    return [pytest.param(c, kind, id=f"{c.id}-{kind}") for c in CASES for kind in kinds
+            if kind in c.kinds]
+
+
+def _check(case: Case, kind: str):
+    k = Kind(kind)
+    call = case.build(k)
+    before = [_raw(o) for o in k.tracked]
+    with pytest.raises(case.exc, match=case.match):
+        call()
+    for i, (obj, old) in enumerate(zip(k.tracked, before)):
+        assert _raw(obj) == old, f"argument #{i} ({type(obj).__name__}) was modified"
+    _check_healthy(k)
+
+
+@pytest.mark.parametrize("case, kind", _params(CPU_KINDS))
+def test_bad_input_cpu(case, kind):
+    _check(case, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, kind", _params(GPU_KINDS))
+def test_bad_input_gpu(case, kind):
+    _check(case, kind)
