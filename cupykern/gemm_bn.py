@@ -187,8 +187,8 @@ def _on_cpu(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, mom
         if training and nbt is not None:
             nbt.add_(1)
         f = momentum
-        if training and momentum is None:
-            f = 1.0 / float(nbt) if nbt is not None else 0.0
+        if momentum is None:  # unused in eval, but F.batch_norm wants a float
+            f = 1.0 / float(nbt) if training and nbt is not None else 0.0
         return F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
     acc = np.float64 if x.dtype == np.float64 else np.float32
     n = x.shape[0]

@@ -103,6 +103,8 @@ def _normalize(x, axis, out, kind, _config=None):
     if a.ndim == 0:
         raise ValueError("x: expected an array with at least 1 dimension, got a 0-d array")
     ax = normalize_axis(axis, a.ndim)
+    if kind == "l2" and a.shape[ax] == 1:
+        kind = "l1"  # torch.norm of one element is |x|, not sqrt(x*x), which overflows
     o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
     if a.kind == "cpu":
         res = on_cpu(lambda v: reference(v, ax, kind), x)
