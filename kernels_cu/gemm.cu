@@ -115,16 +115,10 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
-// x - big rounded to TF32, or 0 where that is nan: an inf or nan x is carried whole by
-// its big half (inf - inf would turn a product that PyTorch gives as inf into nan).
-__device__ __forceinline__ unsigned tf32_rest(float x, float big) {
-  const float r = x - big;
-  return to_tf32(r == r ? r : 0.f);
-}
 __device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
   const float f = __uint_as_float(x);
   big = to_tf32(f);
-  small = tf32_rest(f, __uint_as_float(big));
+  small = to_tf32(f - __uint_as_float(big));
 }
 
 template <typename T> struct is_bf16 { static constexpr bool value = false; };
@@ -482,7 +476,7 @@ __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
     unsigned* e = &v.x;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) e[q] = tf32_rest(__uint_as_float(e[q]), __uint_as_float(e[q] & 0xffffe000u));
+    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & 0xffffe000u));
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
   }
 }
@@ -606,7 +600,7 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
       unsigned v;
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
       big[ks][q] = v;
-      small[ks][q] = tf32_rest(__uint_as_float(v), __uint_as_float(v & 0xffffe000u));
+      small[ks][q] = to_tf32(__uint_as_float(v) - __uint_as_float(v & 0xffffe000u));
     }
 }
 

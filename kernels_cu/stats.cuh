@@ -7,7 +7,7 @@ template <typename A>
 __device__ __forceinline__ void chan_merge(A& n, A& mean, A& m2, A nb, A meanb, A m2b) {
   if (nb == (A)0) return;
   const A nn = n + nb, d = meanb - mean, f = nb / nn;
-  mean = d == d ? mean + d * f : mean + meanb;  // inf and inf: inf, as a plain mean gives
+  mean += d * f;
   m2 += m2b + d * d * n * f;
   n = nn;
 }

@@ -295,6 +295,10 @@ def check_linear(data, kinds):
     # Partial sums past the accumulator's range, or a result at the edge of the dtype's,
     # overflow or not depending on summation order: not compared.
     skip = (scale >= ACC_MAX[dtype] / 4) | near_overflow(ref, floor + rtol * scale, dtype)
+    if dtype == torch.float32 and prec == "highest" and kind in GPU_KINDS:
+        # Documented limitation (README): 3xTF32 multiplies an inf operand by the other's
+        # small half, and 0 * inf gives nan where SGEMM gives inf.
+        skip = skip | ref.isinf()
     assert_close_or_within_2x_torch(got, theirs, ref, rtol, floor, scale=scale, skip=skip,
                                     what=f"linear ({prec})")
 
