@@ -165,6 +165,12 @@ def contiguous(a: Operand, copy: bool = False):
         return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
 
 
+def require_writable(obj, name: str, why: str = "") -> None:
+    """ValueError naming ``name`` if ``obj`` is a read-only NumPy array."""
+    if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+        raise ValueError(f"{name}: is read-only{why}")
+
+
 def check_out(out, ref: Operand, shape, dtype: str | None = None, inputs=(),
               in_place: bool = False) -> Operand:
     """Validate a user-supplied ``out=``: kind, device, shape and dtype must match, it
@@ -177,8 +183,7 @@ def check_out(out, ref: Operand, shape, dtype: str | None = None, inputs=(),
         raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(o.shape)}")
     if o.dtype != (dtype or ref.dtype):
         raise TypeError(f"out: expected dtype {dtype or ref.dtype}, got {o.dtype}")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise ValueError("out: is read-only")
+    require_writable(out, "out")
     if self_overlapping(o.shape, o.strides):
         raise ValueError("out: some of its elements share memory (an expanded or stride-0 "
                          "view); pass an array whose elements are distinct")

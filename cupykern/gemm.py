@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _loader
 from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, empty, is_torch, launch,
-                     on_cpu, operand, same_place, scalar)
+                     on_cpu, operand, require_writable, same_place, scalar)
 
 _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
@@ -72,8 +72,8 @@ def check_vector(v, name: str, like, n: int, dtype: str | None = None, in_place:
         raise ValueError(f"{name}: expected shape ({n},), got {tuple(o.shape)}")
     if o.dtype != (dtype or like.dtype):
         raise TypeError(f"{name}: dtype {o.dtype} does not match x's dtype {like.dtype}")
-    if in_place and isinstance(v, np.ndarray) and not v.flags.writeable:
-        raise ValueError(f"{name}: is read-only, but it is updated in place")
+    if in_place:
+        require_writable(v, name, ", but it is updated in place")
     if o.strides[0] != 1 and n > 1:
         if in_place:
             raise ValueError(f"{name}: must be contiguous (it is updated in place), got "

@@ -19,7 +19,7 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import CTYPE, empty, is_torch, launch, operand, same_place, scalar
+from ._array import CTYPE, empty, is_torch, launch, operand, require_writable, same_place, scalar
 from .gemm import ITEMSIZE, check_operands, check_vector, gemm, resolve_precision, rows_2d
 
 _FILE = "gemm_bn.cu"
@@ -97,8 +97,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     if num_batches_tracked is not None:
         nbt = operand(num_batches_tracked, "num_batches_tracked", dtypes=("int64",))
         same_place(xo, nbt)
-        if isinstance(num_batches_tracked, np.ndarray) and not num_batches_tracked.flags.writeable:
-            raise ValueError("num_batches_tracked: is read-only, but it is incremented in place")
+        require_writable(num_batches_tracked, "num_batches_tracked", ", but it is incremented in place")
         if nbt.size != 1 or nbt.ndim > 1:
             raise ValueError(f"num_batches_tracked: expected a 0-d int64 array, got shape "
                              f"{tuple(nbt.shape)}")

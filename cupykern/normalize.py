@@ -112,13 +112,13 @@ def _normalize(x, axis, out, kind, _config=None):
     if a.size == 0:
         return out if o is not None else empty(a, a.shape)
 
-    xs = _rows(a, ax)
     if o is None and _config is None:  # the common call: cached plan, one allocation
         key = (a.shape, a.strides, a.dtype, a.device, a.ptr & 15, ax, kind)
         plan = _plans.get(key)
         if plan is None:
             if len(_plans) > 4096:
                 _plans.clear()
+            xs = _rows(a, ax)
             ok = xs is not None and a.ptr % 16 == 0 and (xs - a.shape[-1]) * ITEMSIZE[a.dtype] % 16 == 0
             plan = _plans[key] = ok and _plan(a, xs, a.shape[-1], _P[kind])
         if plan:
@@ -126,8 +126,10 @@ def _normalize(x, axis, out, kind, _config=None):
             plan(a, a.ptr, data_ptr(y))
             return y
 
-    if o is not None and xs is not None and _rows(o, ax) is not None and _co_aligned(a, xs, o, _rows(o, ax)):
-        _plan(a, xs, _rows(o, ax), _P[kind], _config)(a, a.ptr, o.ptr)
+    xs = _rows(a, ax)
+    os_ = _rows(o, ax) if o is not None else None
+    if xs is not None and os_ is not None and _co_aligned(a, xs, o, os_):
+        _plan(a, xs, os_, _P[kind], _config)(a, a.ptr, o.ptr)
         return out  # straight into out, no copies
 
     src = a if xs is not None else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
