@@ -4,10 +4,15 @@ Array functions accept CuPy arrays, torch CUDA tensors (zero-copy, on torch's
 current stream; they return torch tensors) and NumPy arrays (NumPy reference
 path, so the API works without a GPU).
 """
+import sys as _sys
+
 from .normalize import l1_normalize, l2_normalize
 from .gemm import linear
-from .gemm_bn import gemm_scale_batchnorm
-from .matmul_reduce import MatmulSumPlan, matmul_sum_max_mean_logsumexp, prepare_matmul_sum
+from .gemm_scale_batchnorm import gemm_scale_batchnorm
+from .matmul_sum_max_mean_logsumexp import MatmulSumPlan, matmul_sum_max_mean_logsumexp, prepare_matmul_sum
+
+if "torch" in _sys.modules:  # register the custom ops now: torch.compile cannot trace an import
+    from . import torch as _torch_layer  # noqa: F401
 
 __version__ = "0.1.0"
 

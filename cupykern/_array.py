@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from ._geometry import byte_extent, extents_meet, self_overlapping
+from ._geometry import byte_extent, extents_meet, row_stride, self_overlapping
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CTYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
@@ -200,31 +200,37 @@ def check_out(out, ref: Operand, shape, dtype: str | None = None, inputs=(),
     return o
 
 
-def on_cpu(fn, *arrays):
-    """Run a NumPy reference ``fn`` on NumPy arrays or torch CPU tensors.
-
-    torch tensors go through NumPy (bfloat16 via float32) and come back as torch.
-    ``None`` arguments pass through.
-    """
-    first = next(a for a in arrays if a is not None)
-    if not is_torch(first):
-        return fn(*arrays)
-    t = _torch()
-    dtype = first.dtype
-    conv = [None if a is None else
-            (a.detach().float() if a.dtype == t.bfloat16 else a.detach()).numpy()
-            for a in arrays]
-    res = fn(*conv)
-    return t.from_numpy(np.ascontiguousarray(res)).to(dtype)
-
-
-_SCALAR = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64,
-           "ptr": np.uint64}
+_SCALAR = {"int": np.int32, "double": np.float64}
 
 
 def scalar(value, ctype: str):
-    """A kernel scalar argument of exactly the C type the kernel declares."""
+    """A kernel argument of C type ``int`` or ``double``. The one convention for kernel
+    arguments: pointers and ``long long`` go as Python ints (CuPy passes those as 64-bit),
+    every other scalar through this function, typed exactly as the kernel declares it."""
     return _SCALAR[ctype](value)
+
+
+def torch_layer(stem: str):
+    """``cupykern.torch.<stem>``: where torch tensors go (custom ops, autograd). A lookup
+    in ``sys.modules`` once imported, which torch.compile traces without a graph break."""
+    mod = sys.modules.get(f"cupykern.torch.{stem}")
+    if mod is None:
+        import importlib
+        mod = importlib.import_module(f"cupykern.torch.{stem}")
+    return mod
+
+
+def rows_2d(o: Operand, name: str) -> Operand:
+    """``o`` (..., K) as a 2-D Operand whose rows are K-contiguous, with its row stride
+    (at least K) in ``strides[0]`` (copies only if needed)."""
+    k = o.shape[-1]
+    m = o.size // k if k else int(np.prod(o.shape[:-1]))
+    if o.ndim == 2:
+        rs = row_stride(o.shape, o.strides)
+        if rs is not None and rs >= k:
+            return Operand(o.obj, o.kind, o.dtype, o.shape, (rs, 1), o.ptr, o.device, name)
+    obj = o.obj if o.is_c_contiguous() else contiguous(o)
+    return operand(obj.reshape(m, k), name)
 
 
 def launch(a: Operand, fn, grid, block, args, shared_mem: int = 0) -> None:

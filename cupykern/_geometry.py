@@ -51,3 +51,26 @@ def byte_extent(ptr: int, shape, strides, itemsize: int):
 def extents_meet(a, b) -> bool:
     """True if the [lo, hi) byte ranges ``a`` and ``b`` intersect."""
     return a[0] < b[1] and b[0] < a[1]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for non-negative ints."""
+    return -(-a // b)
+
+
+def acc_dtype(dtype: str) -> str:
+    """The type sums of ``dtype`` accumulate in (PyTorch's rule): float64 for float64,
+    float32 otherwise."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def vector_aligned(ptr: int, row_stride_: int, ncols: int, itemsize: int) -> bool:
+    """Whether rows of ``ncols`` elements at ``ptr`` + i * ``row_stride_`` can be read in
+    whole 16-byte vectors: every row starts on a 16-byte boundary and holds whole vectors."""
+    return ptr % 16 == 0 and (row_stride_ * itemsize) % 16 == 0 and (ncols * itemsize) % 16 == 0
+
+
+def co_aligned(ptr_a: int, stride_a: int, ptr_b: int, stride_b: int, itemsize: int) -> bool:
+    """Whether every row of two row views starts at the same offset modulo 16 bytes, so
+    one vector loop serves both (row strides in elements)."""
+    return (ptr_a - ptr_b) % 16 == 0 and ((stride_a - stride_b) * itemsize) % 16 == 0

@@ -21,39 +21,56 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, empty, is_torch, launch,
-                     on_cpu, operand, require_writable, same_place, scalar)
+from ._array import (CTYPE, ITEMSIZE, check_out, copy_into, empty, is_torch, launch, operand,
+                     require_writable, rows_2d, same_place, scalar, torch_layer, contiguous)
+from ._geometry import cdiv, vector_aligned
 
 _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
 _MODE = {"highest": 0, "high": 1, "medium": 2}
-_MMA = {"BM": 128, "BN": 128, "THREADS": 256, "SMEM": 4 * 256 * 144}
-# gemm_wgmma<MODE> (Hopper, float32 "highest"/"high", 16-byte aligned rows), as wg_cfg::Cfg
-# in gemm.cu: tile width BN and dynamic smem (stages of 32-float K slices of A and B,
-# 3xTF32 also B's remainders; mbarriers; 1 KB alignment slack).
-_WGMMA = {0: {"BN": 128, "SMEM": 4 * (128 + 2 * 128) * 128 + 96 + 1024},
-          1: {"BN": 256, "SMEM": 4 * (128 + 256) * 128 + 96 + 1024}}
-_WGMMA_THREADS = 384
-_SIMPLE_TILE = 64
+_HALF = 3  # float16 / bfloat16 tensor-core mode
+# Launch constants, named here once; each kernel takes them as template parameters and
+# static_asserts what its code relies on (kernels_cu/gemm.cu).
+# gemm_mma (sm_80+): 128x128 tiles, 8 warps, STAGES K slices of 128 bytes per row, each
+# smem row padded by 16 bytes (ldmatrix / cp.async conflict-free).
+_MMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 4}
+_MMA["SMEM"] = _MMA["STAGES"] * (_MMA["BM"] + _MMA["BN"]) * (128 + 16)
+# gemm_wgmma (Hopper, float32 "highest"/"high", 16-byte aligned rows): per mode, stages of
+# 32-float K slices of A and B (3xTF32 also B's remainders), 3 mbarriers per stage, 1 KB
+# alignment slack; a producer warpgroup and two consumer warpgroups.
+_WGMMA = {}
+for _m, _bn in ((0, 128), (1, 256)):
+    _stage = 128 * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
+    _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4}
+    _WGMMA[_m]["SMEM"] = 4 * _stage + 3 * 4 * 8 + 1024
+_SIMPLE = {"TILE": 64, "THREADS": 256}  # float64 CUDA-core kernel: 16x16 threads, 4x4 each
+MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
 
 
 def _mma_expr(dtype: str, mode: int, aligned: bool) -> str:
-    return f"gemm_mma<{CTYPE[dtype]}, {mode}, {'true' if aligned else 'false'}>"
+    c = _MMA
+    return (f"gemm_mma<{CTYPE[dtype]}, {mode}, {'true' if aligned else 'false'}, {c['BM']}, "
+            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
+
+def _wgmma_expr(mode: int) -> str:
+    c = _WGMMA[mode]
+    return f"gemm_wgmma<{mode}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>"
+
+
+_SIMPLE_EXPR = f"gemm_simple<double, {_SIMPLE['TILE']}, {_SIMPLE['THREADS']}>"
 
 for _al in (True, False):
     _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()])
-    _loader.register(_FILE, [_mma_expr(d, 3, _al) for d in ("float16", "bfloat16")])
-_loader.register(_FILE, ["gemm_simple<double>"])
-_loader.register(_FILE, [f"gemm_wgmma<{m}>" for m in _WGMMA], min_cc=90)
+    _loader.register(_FILE, [_mma_expr(d, _HALF, _al) for d in ("float16", "bfloat16")])
+_loader.register(_FILE, [_SIMPLE_EXPR])
+_loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90)
 
 
-def resolve_precision(precision, x) -> str:
-    """``None`` -> torch's float32 matmul precision for torch inputs, else "highest"."""
+def check_precision(precision) -> str:
+    """``precision`` as one of PRECISIONS; ``None`` (CuPy / NumPy callers) is "highest".
+    The torch layer resolves ``None`` to torch's float32 matmul precision first."""
     if precision is None:
-        if is_torch(x):
-            import torch
-            return torch.get_float32_matmul_precision()
         return "highest"
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS} or None, got {precision!r}")
@@ -100,52 +117,39 @@ def check_operands(x, weight):
     return xo, wo
 
 
-def rows_2d(o, name):
-    """``o`` (..., K) as a 2-D Operand whose rows are K-contiguous (copies only if needed)."""
-    k = o.shape[-1]
-    m = o.size // k if k else int(np.prod(o.shape[:-1]))
-    if o.ndim == 2 and (o.strides[1] == 1 or k <= 1) and o.strides[0] >= k:
-        return o
-    obj = o.obj if o.is_c_contiguous() else contiguous(o)
-    return operand(obj.reshape(m, k), name)
-
-
-def _aligned(o, isz) -> bool:
-    return o.ptr % 16 == 0 and (o.strides[0] * isz) % 16 == 0 and (o.shape[1] * isz) % 16 == 0
-
-
-def gemm(a, b, c, precision: str, bias=None, alpha=None, beta=None, part=None) -> int:
-    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K, b: N x K, c: M x N rows
-    contiguous). ``bias`` (T), ``alpha``/``beta``/``part`` (accumulation type) are
-    Operands or None. Returns the M-tile height of ``part``'s partial statistics."""
+def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
+    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K, b: N x K, c: M x N, rows
+    contiguous, row strides in ``strides[0]``). ``bias`` (T) is an Operand or None;
+    ``alpha`` / ``beta`` / ``part`` (accumulation type) are raw device pointers or 0.
+    Returns the M-tile height of ``part``'s partial statistics."""
     M, K = a.shape
     N = b.shape[0]
-    dt, isz = a.dtype, ITEMSIZE[a.dtype]
-    ptr = lambda o: scalar(0 if o is None else o.ptr, "ptr")  # noqa: E731
-    args = (ptr(a), ptr(b), ptr(c), scalar(M, "int"), scalar(N, "int"), scalar(K, "int"),
-            scalar(a.strides[0], "long long"), scalar(b.strides[0], "long long"),
-            scalar(c.strides[0], "long long"), ptr(bias), ptr(alpha), ptr(beta), ptr(part))
-    if dt == "float64" or _loader.device_cc(a.device) < 80:
+    dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
+    args = (a.ptr, b.ptr, c.ptr, scalar(M, "int"), scalar(N, "int"), scalar(K, "int"),
+            a.strides[0], b.strides[0], c.strides[0], 0 if bias is None else bias.ptr,
+            alpha, beta, part)
+    cc = _loader.device_cc(dev)
+    if dt == "float64" or cc < 80:
         if dt != "float64":
             raise NotImplementedError("cupykern.linear: float32/16-bit GEMM needs compute capability >= 8.0")
-        ts = _SIMPLE_TILE
-        fn = _loader.function(_FILE, "gemm_simple<double>", a.device)
-        launch(a, fn, (-(-M // ts), -(-N // ts)), (256,), args)
+        ts = _SIMPLE["TILE"]
+        fn = _loader.function(_FILE, _SIMPLE_EXPR, dev)
+        launch(a, fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), args)
         return ts
-    mode = _MODE[precision] if dt == "float32" else 3
-    aligned = _aligned(a, isz) and _aligned(b, isz)
-    hopper = aligned and _loader.device_cc(a.device) == 90
-    if mode == 2 and hopper:
-        mode = 1  # our TF32 wgmma outruns the bf16 mma.sync path
+    mode = _MODE[precision] if dt == "float32" else _HALF
+    aligned = (vector_aligned(a.ptr, a.strides[0], K, isz)
+               and vector_aligned(b.ptr, b.strides[0], K, isz))
+    hopper = aligned and cc == 90
+    if mode == _MODE["medium"] and hopper:
+        mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
     if mode in _WGMMA and hopper:
-        cfg, threads = _WGMMA[mode], _WGMMA_THREADS
-        fn = _loader.function(_FILE, f"gemm_wgmma<{mode}>", a.device, cfg["SMEM"])
+        cfg, expr = _WGMMA[mode], _wgmma_expr(mode)
     else:
-        cfg, threads = _MMA, _MMA["THREADS"]
-        fn = _loader.function(_FILE, _mma_expr(dt, mode, aligned), a.device, cfg["SMEM"])
-    tiles = -(-M // _MMA["BM"]) * -(-N // cfg["BN"])  # both kernels use 128-row tiles
-    launch(a, fn, (tiles,), (threads,), args, shared_mem=cfg["SMEM"])
-    return _MMA["BM"]
+        cfg, expr = _MMA, _mma_expr(dt, mode, aligned)
+    fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
+    launch(a, fn, (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),), (cfg["THREADS"],), args,
+           shared_mem=cfg["SMEM"])
+    return cfg["BM"]
 
 
 def reference(x, w, b=None):
@@ -171,23 +175,40 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
             Ignored for other dtypes.
         out: optional (..., N) array of x's kind, device and dtype.
 
-    Returns an array of x's kind (torch in -> torch out, on torch's current stream).
+    Returns an array of x's kind (torch in -> torch out, on torch's current stream,
+    through the custom op ``torch.ops.cupykern.linear``, with autograd).
     Copies: a 2-D x or weight whose rows are contiguous (any row stride, e.g. a column
     slice) is used in place; any other non-contiguous x or weight is first copied to a
-    contiguous array. NumPy and CPU tensors use a NumPy reference path.
+    contiguous array. NumPy arrays use a NumPy reference path.
     """
+    if is_torch(x):
+        return torch_layer("gemm").linear(x, weight, bias, precision=precision, out=out)
+    return linear_core(x, weight, bias, precision, out)
+
+
+def check(x, weight, bias, precision, out):
+    """Validate ``linear``'s arguments once: (x, weight, bias, out Operands or None,
+    precision, output shape)."""
     xo, wo = check_operands(x, weight)
     N = wo.shape[0]
     bo = check_vector(bias, "bias", xo, N)
-    prec = resolve_precision(precision, x)
+    prec = check_precision(precision)
     shape = tuple(xo.shape[:-1]) + (N,)
     o = check_out(out, xo, shape, inputs=(xo, wo, bo)) if out is not None else None
+    return xo, wo, bo, o, prec, shape
+
+
+def linear_core(x, weight, bias=None, precision=None, out=None):
+    """:func:`linear` for CuPy arrays, NumPy arrays and (from the torch layer) torch
+    CUDA tensors."""
+    xo, wo, bo, o, prec, shape = check(x, weight, bias, precision, out)
     if xo.kind == "cpu":
-        res = on_cpu(reference, x, weight, bias)
+        res = reference(x, weight, bias)
         if o is None:
             return res
         copy_into(out, res)
         return out
+    N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")

@@ -10,27 +10,28 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._geometry import row_stride
-from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, data_ptr, empty, launch,
-                     moveaxis, normalize_axis, on_cpu, operand)
+from ._array import (CTYPE, ITEMSIZE, check_out, contiguous, copy_into, data_ptr, empty, is_torch,
+                     launch, moveaxis, normalize_axis, operand, torch_layer)
+from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE = "normalize.cu"
-_P = {"l1": 1, "l2": 2}
-# (cluster CTAs, threads per CTA, 16-byte vectors per thread), smallest first.
-# A row of ncols elements needs C*T*V >= ncols // (16 // itemsize) vectors.
-# (C, T, V[, prefetch]) per item size, measured at 32768x65535 on H200: float32
+P = {"l1": 1, "l2": 2}
+# Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
+# [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
+# (16 // itemsize) vectors. Per item size, measured at 32768x65535 on H200: float32
 # clusters 256 x 8 with prefetch (1.18x copy time; 512 x 4: 1.21x); 2-byte types
 # 512 x 4 without prefetch, three CTAs per SM (float16 1.21x; with prefetch 1.34x).
 _SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
-_CLUSTER_CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
-                    4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8)),
-                    8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
+CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
+           4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8)),
+           8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 # Alternatives the benchmark sweeps (benchmarks/normalize.py); a 4th entry False
 # drops the next-row prefetch (one register buffer, more CTAs per SM).
 TUNING_CONFIGS = {2: ((4, 512, 4), (4, 256, 8, False)),
                   4: ((8, 512, 4), (4, 1024, 4), (4, 512, 8), (8, 256, 8, False), (8, 512, 4, False)),
                   8: ()}
-_TWO_PASS_CHUNK = 65536
+_ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
+_TWO_PASS = {"THREADS": 256, "CHUNK": 65536, "MAX_CHUNKS": 1024}
 
 
 def _cluster_expr(p, dtype, cfg):
@@ -40,17 +41,18 @@ def _cluster_expr(p, dtype, cfg):
 
 
 def _two_pass_exprs(p, dtype):
-    return (f"normalize_partials<{p}, {CTYPE[dtype]}>", f"normalize_apply<{p}, {CTYPE[dtype]}>")
+    t = _TWO_PASS["THREADS"]
+    return (f"normalize_partials<{p}, {CTYPE[dtype]}, {t}>", f"normalize_apply<{p}, {CTYPE[dtype]}, {t}>")
 
 
-for _p in _P.values():
+for _p in P.values():
     for _dt in CTYPE:
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
-        for _cfg in _CLUSTER_CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
+        for _cfg in CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
-def l1_normalize(x, axis: int = 1, *, out=None):
+def l1_normalize(x, axis: int = 1, *, out=None, config=None):
     """``x / mean(abs(x), axis, keepdims=True)``, computed in one fused pass.
 
     Args:
@@ -59,11 +61,18 @@ def l1_normalize(x, axis: int = 1, *, out=None):
         axis: the axis to reduce (negative counts from the end).
         out: optional array of x's kind, device, shape and dtype to write into
             (may be ``x`` itself).
+        config: for tuning and tests on the GPU: force one kernel configuration, a
+            tuple (cluster CTAs, threads, 16-byte vectors per thread[, prefetch[, rows
+            per cluster]]) from :data:`CONFIGS` or :data:`TUNING_CONFIGS` whose capacity
+            C*T*V holds a row. ``None`` (default) picks the measured best, or the
+            two-pass kernel for rows longer than any configuration holds.
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
-    torch's current stream). Sums accumulate in float32 (float64 for float64)
-    and the mean is rounded to x's dtype before dividing, as PyTorch does.
-    A row of zeros gives nan (0/0); inf and nan propagate as in PyTorch.
+    torch's current stream). torch tensors go through the custom op
+    ``torch.ops.cupykern.normalize`` (autograd, torch.compile, CUDA graphs).
+    Sums accumulate in float32 (float64 for float64) and the mean is rounded to
+    x's dtype before dividing, as PyTorch does. A row of zeros gives nan (0/0);
+    inf and nan propagate as in PyTorch.
 
     Copies: none when ``axis`` is the last axis, elements along it are
     contiguous and the rows are evenly strided (any C-contiguous array, or a
@@ -71,74 +80,101 @@ def l1_normalize(x, axis: int = 1, *, out=None):
     array with ``axis`` last, and the result is returned as a view in x's axis
     order. x is also copied when ``out`` does not share its 16-byte alignment.
     """
-    return _normalize(x, axis, out, "l1")
+    if is_torch(x):
+        return torch_layer("normalize").normalize(x, 1, axis, out, config)
+    return normalize(x, 1, axis, out, config)
 
 
-def l2_normalize(x, axis: int = 1, *, out=None):
+def l2_normalize(x, axis: int = 1, *, out=None, config=None):
     """``x / sqrt(sum(x * x, axis, keepdims=True))`` (no eps: a zero row gives nan).
 
     Arguments, return value, accumulation and copies as in :func:`l1_normalize`.
     """
-    return _normalize(x, axis, out, "l2")
+    if is_torch(x):
+        return torch_layer("normalize").normalize(x, 2, axis, out, config)
+    return normalize(x, 2, axis, out, config)
 
 
-def reference(x: np.ndarray, axis: int, kind: str) -> np.ndarray:
+def reference(x: np.ndarray, axis: int, p: int) -> np.ndarray:
     """NumPy reference with PyTorch's rounding: reduce in float32/float64, round the
     divisor to x's dtype, divide."""
     acc = np.float64 if x.dtype == np.float64 else np.float32
     xa = x.astype(acc)
     with np.errstate(all="ignore"):
-        if kind == "l1":
+        if p == 1:
             d = np.mean(np.abs(xa), axis=axis, keepdims=True)
         else:
             d = np.sqrt(np.sum(xa * xa, axis=axis, keepdims=True))
         return (xa / d.astype(x.dtype).astype(acc)).astype(x.dtype)
 
 
-_plans: dict = {}  # launch plans for the no-copy, fresh-output path (host overhead)
-
-
-def _normalize(x, axis, out, kind, _config=None):
+def check(x, p: int, axis, out=None, config=None):
+    """Validate the arguments once: (x's Operand, axis in range, p, out's Operand or None,
+    config). torch.norm of one element is |x| (sqrt(x*x) would overflow), so p=2 over a
+    length-1 axis becomes p=1."""
     a = operand(x, "x")
     if a.ndim == 0:
         raise ValueError("x: expected an array with at least 1 dimension, got a 0-d array")
     ax = normalize_axis(axis, a.ndim)
-    if kind == "l2" and a.shape[ax] == 1:
-        kind = "l1"  # torch.norm of one element is |x|, not sqrt(x*x), which overflows
+    if p == 2 and a.shape[ax] == 1:
+        p = 1
     o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
-    if a.kind == "cpu":
-        res = on_cpu(lambda v: reference(v, ax, kind), x)
-        return res if o is None else _fill(out, res)
-    if a.size == 0:
-        return out if o is not None else empty(a, a.shape)
+    if config is not None:
+        config = tuple(config)
+        known = CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]
+        if config[:4] not in {c + (True,) * (4 - len(c)) for c in known} | set(known):
+            raise ValueError(f"config: {config} is not one of the {a.dtype} configurations "
+                             f"{known} (optionally with a rows-per-cluster 5th entry)")
+    return a, ax, p, o, config
 
-    if o is None and _config is None:  # the common call: cached plan, one allocation
-        key = (a.shape, a.strides, a.dtype, a.device, a.ptr & 15, ax, kind)
+
+_plans: dict = {}  # launch plans for the no-copy, fresh-output path (host overhead)
+
+
+def normalize(x, p: int, axis, out=None, config=None):
+    """``x / d`` with d the row's L1 mean (p=1) or L2 norm (p=2) along ``axis``, for
+    CuPy arrays, NumPy arrays and (from the torch layer) torch tensors: the array
+    functions' core, after :func:`l1_normalize` / :func:`l2_normalize` have sent torch
+    tensors to their custom op."""
+    a, ax, p, o, config = check(x, p, axis, out, config)
+    if a.kind == "cpu":
+        res = reference(x, ax, p)
+        return res if o is None else _fill(out, res)
+    if a.size == 0:  # laid out as any result: contiguous with the axis last, viewed back
+        if o is not None:
+            return out
+        shape = list(a.shape)
+        shape.append(shape.pop(ax))
+        return moveaxis(empty(a, tuple(shape)), -1, ax)
+
+    if o is None and config is None:  # the common call: cached plan, one allocation
+        key = (a.shape, a.strides, a.dtype, a.device, a.ptr & 15, ax, p)
         plan = _plans.get(key)
         if plan is None:
             if len(_plans) > 4096:
                 _plans.clear()
             xs = _rows(a, ax)
-            ok = xs is not None and a.ptr % 16 == 0 and (xs - a.shape[-1]) * ITEMSIZE[a.dtype] % 16 == 0
-            plan = _plans[key] = ok and _plan(a, xs, a.shape[-1], _P[kind])
+            ok = xs is not None and co_aligned(a.ptr, xs, 0, a.shape[-1], ITEMSIZE[a.dtype])
+            plan = _plans[key] = ok and _plan(a, xs, a.shape[-1], p)
         if plan:
             y = empty(a, a.shape)
             plan(a, a.ptr, data_ptr(y))
             return y
 
+    isz = ITEMSIZE[a.dtype]
     xs = _rows(a, ax)
     os_ = _rows(o, ax) if o is not None else None
-    if xs is not None and os_ is not None and _co_aligned(a, xs, o, os_):
-        _plan(a, xs, os_, _P[kind], _config)(a, a.ptr, o.ptr)
+    if xs is not None and os_ is not None and co_aligned(a.ptr, xs, o.ptr, os_, isz):
+        _plan(a, xs, os_, p, config)(a, a.ptr, o.ptr)
         return out  # straight into out, no copies
 
     src = a if xs is not None else operand(contiguous(operand(moveaxis(x, ax, -1), "x")), "x")
     dst = operand(empty(src, src.shape), "out")
     ss, ds = _rows(src, src.ndim - 1), src.shape[-1]
-    if not _co_aligned(src, ss, dst, ds):  # e.g. x = big[:, 1:] is offset from any fresh buffer
+    if not co_aligned(src.ptr, ss, dst.ptr, ds, isz):  # e.g. x = big[:, 1:] vs a fresh buffer
         src = operand(contiguous(src, copy=True), "x")
         ss = ds
-    _plan(src, ss, ds, _P[kind], _config)(src, src.ptr, dst.ptr)
+    _plan(src, ss, ds, p, config)(src, src.ptr, dst.ptr)
     res = dst.obj if xs is not None else moveaxis(dst.obj, -1, ax)
     return res if o is None else _fill(out, res)
 
@@ -154,50 +190,41 @@ def _rows(a, ax):
     return row_stride(a.shape, a.strides) if ax == a.ndim - 1 else None
 
 
-def _co_aligned(src, ss, dst, ds) -> bool:
-    """Every row of src and dst (row strides ss, ds) starts at the same offset modulo 16 bytes."""
-    isz = ITEMSIZE[src.dtype]
-    return (src.ptr - dst.ptr) % 16 == 0 and ((ss - ds) * isz) % 16 == 0
-
-
 def _pick_config(ncols: int, dtype: str, cc: int):
     nvec = ncols // (16 // ITEMSIZE[dtype])
-    for cfg in _CLUSTER_CONFIGS[ITEMSIZE[dtype]]:
+    for cfg in CONFIGS[ITEMSIZE[dtype]]:
         if (cfg[0] == 1 or cc >= 90) and cfg[0] * cfg[1] * cfg[2] >= nvec:
             return cfg
     return None
 
 
 def _plan(src, xs, ys, p, config=None):
-    """A callable ``plan(src, x_ptr, y_ptr)`` launching the kernel(s) for this geometry.
-
-    64-bit kernel arguments (pointers, sizes) go as Python ints: CuPy passes
-    those as int64, the kernels' ``long long`` / pointer width.
-    """
+    """A callable ``plan(src, x_ptr, y_ptr)`` launching the kernel(s) for this geometry."""
     ncols = src.shape[-1]
     nrows = src.size // ncols
     dt, dev = src.dtype, src.device
     cfg = config or _pick_config(ncols, dt, _loader.device_cc(dev))
     if cfg is not None:
-        c, t = cfg[0], cfg[1]
+        c, t, v = cfg[:3]
+        if c * t * v < ncols // (16 // ITEMSIZE[dt]):
+            raise ValueError(f"config: {cfg} holds {c * t * v} 16-byte vectors per row, "
+                             f"fewer than a row of {ncols} {dt} needs")
         fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev)
-        # Each cluster walks ~4 rows so its next row loads while it finishes the
-        # current one; small row counts get one row per cluster.
-        per = cfg[4] if len(cfg) > 4 else 4
-        nclusters = min(nrows, max(-(-nrows // per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
+        per = cfg[4] if len(cfg) > 4 else _ROWS_PER_CLUSTER  # small row counts: one per cluster
+        nclusters = min(nrows, max(cdiv(nrows, per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
         tail = (nrows, ncols, xs, ys)
         return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail)
 
-    # Two passes; at most 1024 chunks per row so pass 2's partial sums stay cheap.
-    chunk = max(_TWO_PASS_CHUNK, -(-ncols // 1024))
-    nchunks = -(-ncols // chunk)
+    # Two passes; at most MAX_CHUNKS chunks per row so pass 2's partial sums stay cheap.
+    chunk = max(_TWO_PASS["CHUNK"], cdiv(ncols, _TWO_PASS["MAX_CHUNKS"]))
+    nchunks = cdiv(ncols, chunk)
     k1, k2 = (_loader.function(_FILE, e, dev) for e in _two_pass_exprs(p, dt))
-    grid = (min(nrows * nchunks, 1 << 20),)
+    grid, block = (min(nrows * nchunks, 1 << 20),), (_TWO_PASS["THREADS"],)
 
     def two_pass(a, x, y):
-        partial = empty(a, (nrows * nchunks,), "float64" if dt == "float64" else "float32")
+        partial = empty(a, (nrows * nchunks,), acc_dtype(dt))
         pp = data_ptr(partial)
-        launch(a, k1, grid, (256,), (x, pp, nrows, ncols, xs, chunk, nchunks))
-        launch(a, k2, grid, (256,), (x, y, pp, nrows, ncols, xs, ys, chunk, nchunks))
+        launch(a, k1, grid, block, (x, pp, nrows, ncols, xs, chunk, nchunks))
+        launch(a, k2, grid, block, (x, y, pp, nrows, ncols, xs, ys, chunk, nchunks))
 
     return two_pass

@@ -125,22 +125,25 @@ template <typename T> struct is_bf16 { static constexpr bool value = false; };
 template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };
 
 // ---- tensor-core kernel ------------------------------------------------------------
+// The launch constants BM, BN, THREADS, STAGES and the dynamic smem size SMEM are
+// template parameters of gemm_mma, defined once in Python (gemm.py); the kernel checks
+// them against what its warp layout needs. Only derived constants live here.
 namespace mma_cfg {
-constexpr int BM = 128, BN = 128, THREADS = 256, STAGES = 4, GROUP_M = 16;
+constexpr int GROUP_M = 16;
 constexpr int KB = 128;                 // bytes of K per row and stage
 constexpr int ROW = KB + 16;            // padded smem row: ldmatrix/cp.async conflict-free
-constexpr int TILE = (BM + BN) * ROW;   // bytes per stage
-constexpr int SMEM = STAGES * TILE;     // 147456
+template <int BM, int BN> constexpr int TILE = (BM + BN) * ROW;  // bytes per stage
 }  // namespace mma_cfg
 
 // Load one BM x KB (resp. BN x KB) slice of A (resp. B) into smem stage `dst`.
 // ALIGNED: rows are 16-byte aligned and K is a multiple of a 16-byte chunk, so each
 // chunk is wholly in or out of bounds; else element loads with zero padding.
-template <typename T, bool ALIGNED, int ROWS>
+template <typename T, bool ALIGNED, int ROWS, int THREADS>
 __device__ __forceinline__ void load_slice(unsigned dst, const T* __restrict__ g, long long ld,
                                            int rows_left, int k0, int K) {
   using namespace mma_cfg;
   constexpr int EPC = 16 / sizeof(T), CHUNKS = ROWS * KB / 16;
+  static_assert(CHUNKS % THREADS == 0, "load_slice: every thread copies the same number of chunks");
 #pragma unroll
   for (int i = 0; i < CHUNKS / THREADS; ++i) {
     const int c = threadIdx.x + i * THREADS, r = c / (KB / 16), kc = c % (KB / 16);
@@ -163,12 +166,23 @@ __device__ __forceinline__ void load_slice(unsigned dst, const T* __restrict__ g
   }
 }
 
-template <typename T, int MODE, bool ALIGNED>
-__global__ void __launch_bounds__(256, 1)
+// BM x BN block tile, THREADS threads, STAGES-deep cp.async ring in SMEM bytes of
+// dynamic shared memory: SMEM == STAGES * (BM + BN) * (128 + 16).
+template <typename T, int MODE, bool ALIGNED, int BM, int BN, int THREADS, int STAGES, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1)
 gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
          long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
          const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
   using namespace mma_cfg;
+  constexpr int TILE = mma_cfg::TILE<BM, BN>;
+  // The warp layout is fixed: 8 warps as 2 (M) x 4 (N) warp tiles of 64 x 32.
+  static_assert(THREADS == 256, "gemm_mma: the warp layout needs THREADS == 256 (8 warps, 2 x 4)");
+  static_assert(BM == 128 && BN == 128, "gemm_mma: the 2 x 4 warps of 64 x 32 cover BM == BN == 128");
+  static_assert(STAGES >= 2, "gemm_mma: the cp.async ring needs STAGES >= 2");
+  static_assert(SMEM == STAGES * TILE, "gemm_mma: SMEM must be STAGES * (BM + BN) * (128 + 16)");
+  static_assert((2 * 16 * BN + 16) * 4 <= SMEM, "gemm_mma: the statistics slots reuse the ring");
+  static_assert(MODE >= 0 && MODE <= 3, "gemm_mma: MODE is 0..3");
+  static_assert((MODE == 3) == (sizeof(T) == 2), "gemm_mma: MODE 3 is for 16-bit T, 0..2 for float");
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm*64.., cols wn*32..
@@ -183,8 +197,8 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   const unsigned s0 = smem_addr(smem);
   auto load = [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
-    load_slice<T, ALIGNED, BM>(st, ga, lda, M - m0, kt * KS, K);
-    load_slice<T, ALIGNED, BN>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
+    load_slice<T, ALIGNED, BM, THREADS>(st, ga, lda, M - m0, kt * KS, K);
+    load_slice<T, ALIGNED, BN, THREADS>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
   };
 
   // ldmatrix row addresses (bytes within a stage): A m16 tile i at + i*16*ROW,
@@ -345,15 +359,19 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 }
 
 // ---- CUDA-core kernel (float64) ----------------------------------------------------
-// 64x64 tile, 16x16 threads, each computes rows ty + 16*i and columns tx + 16*j.
-template <typename T>
-__global__ void __launch_bounds__(256)
+// TILE x TILE (64x64) tile, THREADS = 16x16 threads, each computes rows ty + 16*i and
+// columns tx + 16*j.
+template <typename T, int TILE, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
             long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
             const typename acc_of<T>::type* __restrict__ alpha,
             const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
+  static_assert(THREADS == 256, "gemm_simple: the thread mapping is 16 x 16 threads");
+  static_assert(TILE == 64, "gemm_simple: 16 x 16 threads of 4 x 4 outputs cover a 64 x 64 tile");
   typedef typename acc_of<T>::type A;
-  constexpr int TS = 64, KT = 16;
+  constexpr int TS = TILE, KT = 16;
+  static_assert(4 * THREADS == TS * KT, "gemm_simple: 4 loads per thread fill a TILE x 16 slice");
   __shared__ A sm[2 * KT * (TS + 1)];  // [k][m] tiles of A and B; later the stats slots
   A* sa = sm;
   A* sb = sm + KT * (TS + 1);
@@ -363,7 +381,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   for (int k0 = 0; k0 < K; k0 += KT) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int e = threadIdx.x + 256 * q, r = e >> 4, k = k0 + (e & 15);
+      const int e = threadIdx.x + THREADS * q, r = e >> 4, k = k0 + (e & 15);
       sa[(e & 15) * (TS + 1) + r] = (m0 + r < M && k < K) ? to_acc(a[(long long)(m0 + r) * lda + k]) : (A)0;
       sb[(e & 15) * (TS + 1) + r] = (n0 + r < N && k < K) ? to_acc(b[(long long)(n0 + r) * ldb + k]) : (A)0;
     }
@@ -431,14 +449,14 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 #define CK_WGMMA 0
 #endif
 
+// BM, BN, THREADS, STAGES and the dynamic smem size SMEM are template parameters of
+// gemm_wgmma, defined once in Python (gemm.py); only derived constants live here.
 namespace wg_cfg {
-constexpr int BM = 128, GROUP_M = 16;  // 384 threads: see the kernel
-template <int MODE> struct Cfg {
-  static constexpr int BN = MODE == 1 ? 256 : 128;
+constexpr int GROUP_M = 16;
+template <int MODE, int BM, int BN, int STAGES> struct Cfg {
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one 32-float K slice
   static constexpr int B_SMALL = A_BYTES + B_BYTES;  // MODE 0: B's remainders follow B
   static constexpr int STAGE = B_SMALL + (MODE == 0 ? B_BYTES : 0);
-  static constexpr int STAGES = 4;
   static constexpr int LOADERS = MODE == 0 ? 64 : 128;  // producer threads issuing copies
   static constexpr int SMEM = STAGES * STAGE + 3 * STAGES * 8 + 1024;  // + barriers, alignment slack
 };
@@ -606,7 +624,7 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
 
 // Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2)
 // over 64 slots (one per consumer thread row pair), merged in slot order.
-template <int BN>
+template <int BM, int BN>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
                                          const float* __restrict__ bias, const float* __restrict__ alpha,
@@ -656,18 +674,34 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
         if (t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
       }
     consumer_sync();
-    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / wg_cfg::BM, n0, N);
+    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / BM, n0, N);
   }
 }
 
-template <int MODE>
-__global__ void __launch_bounds__(384, 1)
+// SMEM == STAGES * STAGE + 3 * STAGES * 8 + 1024 with
+// STAGE == BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0) (wg_cfg::Cfg::SMEM).
+template <int MODE, int BM, int BN, int THREADS, int STAGES, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
+#ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
+  // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
+  static_assert(CK_WGMMA || MODE < 0, "gemm_wgmma needs sm_90a (wgmma, setmaxnreg)");
+#endif
   using namespace wg_cfg;
-  typedef Cfg<MODE> C;
-  constexpr int BN = C::BN, STAGES = C::STAGES, R = BN / 2;
+  typedef Cfg<MODE, BM, BN, STAGES> C;
+  static_assert(MODE == 0 || MODE == 1, "gemm_wgmma: MODE 0 (3xTF32) or 1 (TF32)");
+  static_assert(THREADS == 384, "gemm_wgmma: one producer and two consumer warpgroups (384 threads)");
+  static_assert(BM == 128, "gemm_wgmma: two consumer warpgroups of 64 rows (BM == 128)");
+  static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
+  static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
+  static_assert(SMEM == C::SMEM,
+                "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
+                "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
+  static_assert(SMEM <= 227 * 1024, "gemm_wgmma: more dynamic smem than an SM has (227 KB)");
+  static_assert((2 * 64 * BN + 64) * 4 <= STAGES * C::STAGE, "gemm_wgmma: the statistics slots reuse the ring");
+  constexpr int R = BN / 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern is anchored to 1024-byte boundaries of the address.
   const unsigned s0 = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -761,6 +795,6 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   }
   wg_wait<0>();
   wg_fence_regs(acc);
-  if constexpr (MODE == 0) wg_store<BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
-  else wg_store<BN>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  if constexpr (MODE == 0) wg_store<BM, BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  else wg_store<BM, BN>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
 }

@@ -61,6 +61,12 @@ __global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long long ncols,
                long long xs, long long ys) {
+#ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
+  static_assert(C == 1 || CK_HAS_CLUSTERS, "normalize_rows: C > 1 (thread-block clusters) needs sm_90");
+#endif
+  static_assert(C >= 1 && C <= 8, "normalize_rows: C is the portable cluster size, 1..8");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_rows: THREADS must be whole warps, at most 1024");
+  static_assert(VPT >= 1, "normalize_rows: VPT >= 1");
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N;
@@ -141,13 +147,15 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
 // Rows too long for a cluster's registers: two passes over fixed chunks.
 // Pass 1 writes one partial per (row, chunk); pass 2 sums a row's partials in
 // chunk order (deterministic) and scales its chunk. Reads x twice.
-template <int P, typename T>
-__global__ void __launch_bounds__(256)
+// Block THREADS (normalize_apply too); grid-stride over the (row, chunk) items.
+template <int P, typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 normalize_partials(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
                    long long nrows, long long ncols, long long xs, long long chunk,
                    long long nchunks) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_partials: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
-  __shared__ A scratch[8];
+  __shared__ A scratch[THREADS / 32];
   for (long long item = blockIdx.x; item < nrows * nchunks; item += gridDim.x) {
     const long long row = item / nchunks, c0 = (item % nchunks) * chunk;
     const long long c1 = min(c0 + chunk, ncols);
@@ -159,11 +167,12 @@ normalize_partials(const T* __restrict__ x, typename acc_of<T>::type* __restrict
   }
 }
 
-template <int P, typename T>
-__global__ void __launch_bounds__(256)
+template <int P, typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 normalize_apply(const T* __restrict__ x, T* __restrict__ y,
                 const typename acc_of<T>::type* __restrict__ partial, long long nrows,
                 long long ncols, long long xs, long long ys, long long chunk, long long nchunks) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_apply: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   for (long long item = blockIdx.x; item < nrows * nchunks; item += gridDim.x) {
     const long long row = item / nchunks, c0 = (item % nchunks) * chunk;

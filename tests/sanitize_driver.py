@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck python tests/sanitize_driver.py [--only GROUP ...]
 
-GROUP is one of normalize, linear, gemm_bn, matmul_sum (racecheck is slow: run the groups
+GROUP is one of normalize, linear, gemm_scale_batchnorm, matmul_sum (racecheck is slow: run the groups
 separately). Every result is checked loosely against a float64 reference, so a run under
 the sanitizer also proves that the kernels ran and computed the right thing; the script
 exits 1 on a wrong result and prints "sanitize driver done" when all is well.
@@ -16,7 +16,7 @@ import cupy
 import torch
 
 import cupykern
-from cupykern import matmul_reduce as mr
+from cupykern import matmul_sum_max_mean_logsumexp as mr
 from cupykern import normalize as nz
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 
@@ -233,7 +233,7 @@ def check_bn(name, x, params, rtol, training=True, stats=True, momentum=0.1,
         _failures.append(f"{name}: num_batches_tracked {int(host(nbt))}, expected {nbt0 + 1}")
 
 
-def run_gemm_bn():
+def run_gemm_scale_batchnorm():
     # (M, N, K): two 128-row tiles of partial statistics, aligned rows; odd sizes; batch of 2.
     shapes = ((130, 136, 72), (37, 23, 50), (2, 5, 3))
     for dtype in DTYPES:
@@ -302,7 +302,7 @@ def check_msum(name, x, w, b, rtol, plan=None):
 def run_matmul_sum():
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     # (B, N, K): several 64-row weight chunks with 16-byte vectors; odd K (scalar loads);
-    # 1 x 1 x 1; then batches that make msml_rows take 4 and 2 rows per block.
+    # 1 x 1 x 1; then batches that make matmul_sum_rows take 4 and 2 rows per block.
     shapes = ((5, 300, 256), (7, 130, 77), (3, 1, 1), (4 * sms + 3, 50, 64), (2 * sms + 1, 40, 96))
     for lib, dtypes in (("torch", DTYPES), ("cupy", CUPY_DTYPES)):
         for dtype in dtypes:
@@ -330,7 +330,7 @@ def run_matmul_sum():
         check("MatmulSumMaxMeanLogSumExp", mod(x), want, tol(torch.float32), bound)
 
 
-GROUPS = {"normalize": run_normalize, "linear": run_linear, "gemm_bn": run_gemm_bn,
+GROUPS = {"normalize": run_normalize, "linear": run_linear, "gemm_scale_batchnorm": run_gemm_scale_batchnorm,
           "matmul_sum": run_matmul_sum}
 
 

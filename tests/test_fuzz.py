@@ -326,7 +326,7 @@ def check_gsbn(data, kinds):
     stats = not training or data.draw(st.booleans(), label="running stats")
     momentum = data.draw(st.sampled_from([0.1, None, 0.5]), label="momentum")
     eps = data.draw(st.sampled_from([1e-5, 1e-3]), label="eps")
-    # A training batch of one row is a ValueError, as in PyTorch (tests/test_gemm_bn.py);
+    # A training batch of one row is a ValueError, as in PyTorch (tests/test_gemm_scale_batchnorm.py);
     # zero features make F.batch_norm (the reference, and ours on torch CPU) fail.
     m, k, n = data.draw(matmul_dims(min_m=2 if training else 0, min_n=1), label="M, K, N")
     module = (stats and k > 0 and kind in ("torch", "torch_cpu")

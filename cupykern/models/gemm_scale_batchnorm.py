@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from ..torch.gemm_bn import GemmScaleBatchNorm
+from ..torch.gemm_scale_batchnorm import GemmScaleBatchNorm
 from . import Case
 
 

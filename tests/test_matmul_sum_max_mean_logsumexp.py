@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import cupykern
-from cupykern import matmul_reduce as mr
+from cupykern import matmul_sum_max_mean_logsumexp as mr
 from cupykern.models import matmul_sum_max_mean_logsumexp as model4
 from cupykern.torch import MatmulSumMaxMeanLogSumExp
-from cupykern.torch import matmul_reduce as tmr
+from cupykern.torch import matmul_sum_max_mean_logsumexp as tmr
 
 # allclose tolerance (atol = rtol) against the same-dtype PyTorch model. PyTorch rounds
 # each of the N Linear outputs to bfloat16 (half-ulp 2**-9 relative) before summing, so

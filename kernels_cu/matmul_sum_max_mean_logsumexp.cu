@@ -3,10 +3,10 @@
 //
 // Fast path: out[b] = x[b] . wsum + bsum with wsum = W.sum(0), bsum = bias.sum(), all in
 // float64. A "plan" (wsum, bsum, max|W|, max|bias|) is built from the weights by
-// msml_colsum_partial + msml_colsum_final; msml_rows then reads x once.
+// matmul_sum_colsum_partial + matmul_sum_colsum_final; matmul_sum_rows then reads x once.
 //
 // The identity is exact only when nothing in torch's chain overflows or is non-finite,
-// so msml_rows bounds every z[b,j] and every partial sum with K*max|x[b]|*max|W|+max|b|
+// so matmul_sum_rows bounds every z[b,j] and every partial sum with K*max|x[b]|*max|W|+max|b|
 // and computes a row that fails the bound (inf/nan anywhere, or possible overflow) the
 // literal way, z[b,j] rounded to T then summed, in the same block: no host sync.
 #include "common.cuh"
@@ -64,18 +64,21 @@ template <int V> __device__ __forceinline__ void load_f64(double (&d)[V], const 
 
 // ---------------------------------------------------------------- plan build
 
-// Pass 1: block (32, 8) sums a tile of 32*V columns over one chunk of rows of W.
-// Each thread loads U rows at once (one step), adds them in the accumulation type and
-// then once into float64 (an eighth of the slow 64-bit conversions; the rounding is that
-// of float32 on 8 values), then the 8 row phases are added in order: deterministic.
+// Pass 1: block (BX, BY) = (32, 8) sums a tile of BX*V columns over one chunk of rows of W.
+// Each thread loads U (8) rows at once (one step), adds them in the accumulation type and
+// then once into float64 (1/U of the slow 64-bit conversions; the rounding is that
+// of float32 on U values), then the BY row phases are added in order: deterministic.
+// A step of the block covers BY * U rows (the caller makes chunks a multiple of it).
 // Writes psum[chunk][col] and the tile's max|W|.
-template <typename T, int V>
-__global__ void __launch_bounds__(256)
-msml_colsum_partial(const T* __restrict__ w, long long ldw, long long N, long long K,
+template <typename T, int V, int BX, int BY, int U>
+__global__ void __launch_bounds__(BX * BY)
+matmul_sum_colsum_partial(const T* __restrict__ w, long long ldw, long long N, long long K,
                     long long rows_per_chunk, double* __restrict__ psum, double* __restrict__ pmax) {
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
-  constexpr int BX = 32, BY = 8, U = 8;
+  static_assert(BX == 32, "matmul_sum_colsum_partial: a warp is one row phase ty (blockDim.x == 32)");
+  static_assert(BY >= 1 && BX * BY <= 1024, "matmul_sum_colsum_partial: at most 1024 threads");
+  static_assert(U >= 1, "matmul_sum_colsum_partial: U >= 1");
   __shared__ double red[BY][BX * V];
   __shared__ Key kred[BY];
 
@@ -140,11 +143,14 @@ template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch
 // Pass 2: plan[k] = sum of psum[c][k] over chunks c in order (blocks 0..gridDim.x-2);
 // the last block writes plan[K..K+2] = bias.sum(), max|W|, max|bias| (float64).
 // Loads go in batches of 8 so a thread waits for one round trip per batch, not per value.
-template <typename T>
-__global__ void __launch_bounds__(256)
-msml_colsum_final(const double* __restrict__ psum, const double* __restrict__ pmax,
+// Grid cdiv(K, THREADS) + 1, block THREADS.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+matmul_sum_colsum_final(const double* __restrict__ psum, const double* __restrict__ pmax,
                   long long nchunks, long long npmax, long long K, const T* __restrict__ bias,
                   long long N, double* __restrict__ plan) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024,
+                "matmul_sum_colsum_final: THREADS must be whole warps, at most 1024 (scratch[32])");
   constexpr int B8 = 8;
   if (blockIdx.x + 1 < gridDim.x) {
     const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -229,14 +235,16 @@ __device__ double exact_row_sum(const T* __restrict__ xr, long long K, const T* 
 // Row b takes the fast path when z_bound = K*max|x[b]|*max|W| + max|bias| < zlim, where
 // zlim (host) keeps every z, every partial sum and the output finite in T and in torch's
 // accumulation type; written so that nan fails it.
-template <typename T, int V, int R>
-__global__ void __launch_bounds__(256)
-msml_rows(const T* __restrict__ x, long long ldx, long long B, long long K,
+// Block THREADS, grid cdiv(B, R).
+template <typename T, int V, int R, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+matmul_sum_rows(const T* __restrict__ x, long long ldx, long long B, long long K,
           const double* __restrict__ plan, const T* __restrict__ w, long long ldw,
           const T* __restrict__ bias, long long N, double zlim, T* __restrict__ out) {
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
-  constexpr int THREADS = 256, NW = THREADS / 32, U = R == 1 ? 8 : 16 / R;
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "matmul_sum_rows: THREADS must be whole warps, at most 1024");
+  constexpr int NW = THREADS / 32, U = R == 1 ? 8 : 16 / R;
   __shared__ double s_sum[R][NW];
   __shared__ Key s_key[R][NW];
   __shared__ double scratch[NW];

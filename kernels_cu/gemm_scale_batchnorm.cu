@@ -15,15 +15,18 @@ __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(
 // mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
 // factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
 // (the caller increments num_batches_tracked after this kernel).
-template <typename T>
-__global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
-                              int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
-                              const T* __restrict__ gamma, const T* __restrict__ beta,
-                              T* __restrict__ rmean, T* __restrict__ rvar,
-                              const long long* __restrict__ nbt, double factor, double eps,
-                              typename acc_of<T>::type* __restrict__ ca,
-                              typename acc_of<T>::type* __restrict__ cm,
-                              typename acc_of<T>::type* __restrict__ cb) {
+// One thread per column n: grid cdiv(N, THREADS), block THREADS.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
+              int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
+              const T* __restrict__ gamma, const T* __restrict__ beta,
+              T* __restrict__ rmean, T* __restrict__ rvar,
+              const long long* __restrict__ nbt, double factor, double eps,
+              typename acc_of<T>::type* __restrict__ ca,
+              typename acc_of<T>::type* __restrict__ cm,
+              typename acc_of<T>::type* __restrict__ cb) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
@@ -56,11 +59,14 @@ __global__ void bn_train_coef(const typename acc_of<T>::type* __restrict__ part,
 }
 
 // Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cc.
-template <typename T>
-__global__ void bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
-                             const T* __restrict__ gamma, const T* __restrict__ beta,
-                             const T* __restrict__ rmean, const T* __restrict__ rvar, double eps,
-                             typename acc_of<T>::type* __restrict__ ca, typename acc_of<T>::type* __restrict__ cc) {
+// One thread per column n: grid cdiv(N, THREADS), block THREADS.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
+             const T* __restrict__ gamma, const T* __restrict__ beta,
+             const T* __restrict__ rmean, const T* __restrict__ rvar, double eps,
+             typename acc_of<T>::type* __restrict__ ca, typename acc_of<T>::type* __restrict__ cc) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_eval_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
@@ -70,14 +76,19 @@ __global__ void bn_eval_coef(int N, const T* __restrict__ bias, const T* __restr
 }
 
 // z = ca[n]*(z - cm[n]) + cb[n] in place over an (M, N) array with row stride ldz. Each thread
-// owns VEC consecutive columns (16-byte vectors when VEC > 1) for `rows` rows, loading
+// owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows, loading
 // UNROLL rows before storing any (the stores may alias later loads for all the
 // compiler knows, so without this each row would wait for the previous one's load).
-template <typename T, int VEC>
-__global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
-                         const typename acc_of<T>::type* __restrict__ ca,
-                         const typename acc_of<T>::type* __restrict__ cm,
-                         const typename acc_of<T>::type* __restrict__ cb, int rows) {
+// Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
+template <typename T, int VEC, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_apply(T* __restrict__ z, long long ldz, int M, int N,
+         const typename acc_of<T>::type* __restrict__ ca,
+         const typename acc_of<T>::type* __restrict__ cm,
+         const typename acc_of<T>::type* __restrict__ cb) {
+  static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_apply: VEC is 1 or one 16-byte vector of T");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_apply: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   constexpr int UNROLL = 8;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
@@ -85,8 +96,8 @@ __global__ void bn_apply(T* __restrict__ z, long long ldz, int M, int N,
   A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fm[e] = cm[col + e]; fb[e] = cb[col + e]; }
-  const int r1 = min(M, (blockIdx.y + 1) * rows);
-  for (int r = blockIdx.y * rows; r < r1; r += UNROLL) {
+  const int r1 = min(M, (blockIdx.y + 1) * ROWS);
+  for (int r = blockIdx.y * ROWS; r < r1; r += UNROLL) {
     Vec16<T> v[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {

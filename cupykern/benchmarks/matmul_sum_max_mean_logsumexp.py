@@ -1,6 +1,6 @@
 """Benchmark MatmulSumMaxMeanLogSumExp (documented model 4) on the GPU machine.
 
-    python -m cupykern.benchmarks.matmul_reduce
+    python -m cupykern.benchmarks.matmul_sum_max_mean_logsumexp
 
 Byte model, x (B, K), W (N, K), float32, fewest DRAM bytes per call:
   weights cached:           read x once           4*B*K        (wsum, 8*K bytes, stays in L2)
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cupykern import matmul_reduce as mr
+from cupykern import matmul_sum_max_mean_logsumexp as mr
 from cupykern.benchmark import copy_ms, gbps, time_ms
 from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
 

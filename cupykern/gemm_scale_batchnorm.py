@@ -19,36 +19,29 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import CTYPE, empty, is_torch, launch, operand, require_writable, same_place, scalar
-from .gemm import ITEMSIZE, check_operands, check_vector, gemm, resolve_precision, rows_2d
+from ._array import (CTYPE, ITEMSIZE, empty, is_torch, launch, operand, require_writable, rows_2d,
+                     same_place, scalar, torch_layer)
+from ._geometry import acc_dtype, cdiv, vector_aligned
+from .gemm import MIN_TILE_M, check_operands, check_precision, check_vector, gemm
 
-_FILE = "gemm_bn.cu"
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
-for _dt in _DTYPES:
+_FILE = "gemm_scale_batchnorm.cu"
+_COEF_THREADS = 256  # bn_train_coef / bn_eval_coef: one thread per column
+_APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
+
+
+def _apply_expr(dtype, vec):
+    return f"bn_apply<{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}>"
+
+
+for _dt in CTYPE:
     _t = CTYPE[_dt]
-    _loader.register(_FILE, [f"bn_train_coef<{_t}>", f"bn_eval_coef<{_t}>", f"bn_apply<{_t}, 1>",
-                             f"bn_apply<{_t}, {16 // ITEMSIZE[_dt]}>"])
-_APPLY_ROWS = 32  # rows per thread in the normalize pass
+    _loader.register(_FILE, [f"bn_train_coef<{_t}, {_COEF_THREADS}>", f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
+                             _apply_expr(_dt, 1), _apply_expr(_dt, 16 // ITEMSIZE[_dt])])
 
 
-def _acc(dtype):
-    return "float64" if dtype == "float64" else "float32"
-
-
-def batch_size_error(shape, torch_like: bool) -> ValueError:
+def batch_size_error(size) -> ValueError:
     """PyTorch's error for training-mode BatchNorm on one value per channel."""
-    if torch_like:
-        import torch
-        shape = torch.Size(shape)
-    return ValueError(f"Expected more than 1 value per channel when training, got input size {shape}")
-
-
-def check_inputs(x, weight):
-    """Validate x (B, K) and weight (N, K); returns their Operands."""
-    xo, wo = check_operands(x, weight)
-    if xo.ndim != 2:
-        raise ValueError(f"x: expected a 2-D (batch, in_features) array, got shape {tuple(xo.shape)}")
-    return xo, wo
+    return ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
 
 
 def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
@@ -71,10 +64,31 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         eps: a non-negative number added to the variance.
         precision: GEMM precision for float32 (see :func:`cupykern.linear`).
 
-    Returns out (B, N) of x's kind. Raises ValueError for a training batch of one row,
-    with PyTorch's message. x is copied to a contiguous array if its rows are not
-    contiguous.
+    Returns out (B, N) of x's kind; torch tensors go through the custom op
+    ``torch.ops.cupykern.gemm_scale_batchnorm`` (autograd in PyTorch ops for now).
+    Raises ValueError for a training batch of one row, with PyTorch's message. x is
+    copied to a contiguous array if its rows are not contiguous.
     """
+    args = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+            num_batches_tracked)
+    if is_torch(x):
+        return torch_layer("gemm_scale_batchnorm").gemm_scale_batchnorm(
+            *args, training=training, momentum=momentum, eps=eps, precision=precision)
+    return gemm_scale_batchnorm_core(*args, training, momentum, eps, precision)
+
+
+def check_inputs(x, weight):
+    """Validate x (B, K) and weight (N, K); returns their Operands."""
+    xo, wo = check_operands(x, weight)
+    if xo.ndim != 2:
+        raise ValueError(f"x: expected a 2-D (batch, in_features) array, got shape {tuple(xo.shape)}")
+    return xo, wo
+
+
+def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+          num_batches_tracked, training, momentum, eps, precision):
+    """Validate every argument once: (x, weight Operands, dict of vector Operands or None,
+    num_batches_tracked Operand or None, momentum, eps, precision)."""
     xo, wo = check_inputs(x, weight)
     M, N = xo.shape[0], wo.shape[0]
     vec = {name: check_vector(v, name, xo, N) for name, v in (
@@ -105,40 +119,52 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         raise ValueError("num_batches_tracked: required when momentum is None (a cumulative "
                          "average) and running statistics are updated")
     if training and M <= 1:
-        raise batch_size_error((M, N), is_torch(x))
-    prec = resolve_precision(precision, x)
+        raise batch_size_error((M, N))
+    return xo, wo, vec, nbt, momentum, eps, check_precision(precision)
 
+
+def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                              running_var, num_batches_tracked, training, momentum, eps,
+                              precision):
+    """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
+    layer) torch CUDA tensors."""
+    xo, wo, vec, nbt, momentum, eps, prec = check(
+        x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+        num_batches_tracked, training, momentum, eps, precision)
     if xo.kind == "cpu":
-        return _on_cpu(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-                       num_batches_tracked, training, momentum, eps)
+        return reference(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                         num_batches_tracked, training, momentum, eps)
+    M, N = xo.shape[0], wo.shape[0]
     out = empty(xo, (M, N))
     if M == 0 or N == 0:
         return out
     a, b, c = rows_2d(xo, "x"), rows_2d(wo, "weight"), operand(out, "out")
-    coef = operand(empty(xo, (3, N), _acc(xo.dtype)), "coef")
-    c0, c1, c2 = (coef.ptr + i * N * ITEMSIZE[coef.dtype] for i in range(3))
-    ptr = lambda o: scalar(0 if o is None else (o if isinstance(o, int) else o.ptr), "ptr")  # noqa: E731
+    acc = acc_dtype(xo.dtype)
+    mtiles = cdiv(M, MIN_TILE_M)  # partials sized for the smallest M tile of any GEMM kernel
+    # One scratch buffer: the coefficients (3, N), then the training partials (2 * mtiles, N).
+    scratch = operand(empty(xo, ((3 + (2 * mtiles if training else 0)) * N,), acc), "scratch")
+    c0, c1, c2, part = (scratch.ptr + i * N * ITEMSIZE[acc] for i in range(4))
+    ptr = lambda o: 0 if o is None else o.ptr  # noqa: E731
     t = CTYPE[xo.dtype]
     dev = xo.device
-    grid_n = (-(-N // 256),)
+    grid_n = (cdiv(N, _COEF_THREADS),)
+    block = (_COEF_THREADS,)
     common = (ptr(vec["bias"]), ptr(vec["scale"]), ptr(vec["bn_weight"]), ptr(vec["bn_bias"]))
 
     if not training:
-        fn = _loader.function(_FILE, f"bn_eval_coef<{t}>", dev)
-        launch(xo, fn, grid_n, (256,), (scalar(N, "int"),) + common + (
-            ptr(vec["running_mean"]), ptr(vec["running_var"]), scalar(eps, "double"), ptr(c0), ptr(c1)))
-        gemm(a, b, c, prec, alpha=_View(c0), beta=_View(c1))
+        fn = _loader.function(_FILE, f"bn_eval_coef<{t}, {_COEF_THREADS}>", dev)
+        launch(xo, fn, grid_n, block, (scalar(N, "int"),) + common + (
+            ptr(vec["running_mean"]), ptr(vec["running_var"]), scalar(eps, "double"), c0, c1))
+        gemm(a, b, c, prec, alpha=c0, beta=c1)
         return out
 
-    # Partials are sized for the smallest M tile any GEMM kernel uses (64 rows).
-    part = operand(empty(xo, (2 * -(-M // 64), N), _acc(xo.dtype)), "part")
     bm = gemm(a, b, c, prec, part=part)
     factor = momentum if momentum is not None else -1.0  # -1: cumulative average
-    fn = _loader.function(_FILE, f"bn_train_coef<{t}>", dev)
-    launch(xo, fn, grid_n, (256,), (ptr(part), scalar(-(-M // bm), "int"), scalar(bm, "int"),
-                                    scalar(M, "int"), scalar(N, "int")) + common + (
+    fn = _loader.function(_FILE, f"bn_train_coef<{t}, {_COEF_THREADS}>", dev)
+    launch(xo, fn, grid_n, block, (part, scalar(cdiv(M, bm), "int"), scalar(bm, "int"),
+                                   scalar(M, "int"), scalar(N, "int")) + common + (
         ptr(vec["running_mean"]), ptr(vec["running_var"]), ptr(nbt),
-        scalar(factor, "double"), scalar(eps, "double"), ptr(c0), ptr(c1), ptr(c2)))
+        scalar(factor, "double"), scalar(eps, "double"), c0, c1, c2))
     if nbt is not None:
         num_batches_tracked += 1  # in place, on the same stream, after the kernel read it
     _apply(c, c0, c1, c2)
@@ -154,41 +180,19 @@ def _real(v, name: str) -> float:
     return float(v)
 
 
-class _View:
-    """A raw device pointer posing as an Operand for :func:`cupykern.gemm.gemm`."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-
 def _apply(c, ca, cm, cb):
     M, N = c.shape
     isz = ITEMSIZE[c.dtype]
     vec = 16 // isz
-    if not (N % vec == 0 and c.ptr % 16 == 0 and (c.strides[0] * isz) % 16 == 0):
+    if not (N % vec == 0 and vector_aligned(c.ptr, c.strides[0], N, isz)):
         vec = 1
-    fn = _loader.function(_FILE, f"bn_apply<{CTYPE[c.dtype]}, {vec}>", c.device)
-    cols = -(-N // vec)
-    launch(c, fn, (-(-cols // 128), -(-M // _APPLY_ROWS)), (128,),
-           (scalar(c.ptr, "ptr"), scalar(c.strides[0], "long long"), scalar(M, "int"),
-            scalar(N, "int"), scalar(ca, "ptr"), scalar(cm, "ptr"), scalar(cb, "ptr"),
-            scalar(_APPLY_ROWS, "int")))
+    fn = _loader.function(_FILE, _apply_expr(c.dtype, vec), c.device)
+    launch(c, fn, (cdiv(cdiv(N, vec), _APPLY["THREADS"]), cdiv(M, _APPLY["ROWS"])),
+           (_APPLY["THREADS"],), (c.ptr, c.strides[0], scalar(M, "int"), scalar(N, "int"), ca, cm, cb))
 
 
-def _on_cpu(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):
-    """Reference path: torch CPU tensors through torch itself (exact BatchNorm1d
-    semantics, buffers updated in place), NumPy arrays through a NumPy port."""
-    if is_torch(x):
-        import torch.nn.functional as F
-        y = F.linear(x, weight, bias) * scale
-        if training and nbt is not None:
-            nbt.add_(1)
-        f = momentum
-        if momentum is None:  # unused in eval, but F.batch_norm wants a float
-            f = 1.0 / float(nbt) if training and nbt is not None else 0.0
-        return F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
+def reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):
+    """NumPy reference with nn.BatchNorm1d's semantics (buffers updated in place)."""
     acc = np.float64 if x.dtype == np.float64 else np.float32
     n = x.shape[0]
     z = x.astype(acc) @ weight.astype(acc).T

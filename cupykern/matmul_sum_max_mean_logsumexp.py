@@ -1,0 +1,259 @@
+"""MatmulSumMaxMeanLogSumExp (documented model 4) as one GEMV-speed call.
+
+The model is ``logsumexp(logsumexp(mean(max(sum(x @ W.T + b, 1)))))``, each over dim 1
+with keepdim. The four reductions after the sum act on a dimension of size 1 and return
+their input (inf -> inf, nan -> nan), and the sum of a Linear's outputs is
+``x @ W.sum(0) + b.sum()``. So a plan holding ``wsum = W.sum(0)`` and ``bsum = b.sum()``
+(float64) turns the model into one read of x.
+
+Exactness (kernels_cu/matmul_sum_max_mean_logsumexp.cu): the identity is used for a row only when a bound
+(K * max|x[b]| * max|W| + max|b|) proves that nothing in PyTorch's chain can overflow and
+nothing is inf/nan; any other row is computed in the same kernel the literal way (every
+z[b, j] formed and rounded as torch's Linear does, then summed), so nan/inf behave as
+PyTorch's ops. Only an overflow of torch's own finite partial sums, which depends on
+torch's summation order, can differ.
+
+Accuracy: the dot is float64; W.sum(0) adds 8 rows at a time in the accumulation type, then
+in float64 (float32 inputs: ~1e-7 relative, against ~1e-5 for PyTorch's own float32 chain).
+Sums are deterministic (fixed order, no float atomics).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _loader
+from ._array import (CTYPE, ITEMSIZE, contiguous, data_ptr, empty, is_torch, launch, operand,
+                     same_place, scalar, torch_layer)
+from ._geometry import cdiv, row_stride, vector_aligned
+
+_FILE = "matmul_sum_max_mean_logsumexp.cu"
+_ROWS = (1, 2, 4)  # rows per block of matmul_sum_rows
+_THREADS = 256  # matmul_sum_rows and matmul_sum_colsum_final
+_COLSUM = {"BX": 32, "BY": 8, "U": 8}  # colsum_partial: block (BX, BY), U rows per step
+_ROW_STEP = _COLSUM["BY"] * _COLSUM["U"]  # rows of W one colsum_partial step adds
+PLAN_TAIL = 3  # plan = [wsum (K), bias.sum(), max|W|, max|bias|] in float64
+# Largest finite value of each dtype and of the type torch accumulates it in.
+_FMAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+         "float32": 3.4028234663852886e38, "float64": 1.7976931348623157e308}
+_ACC_MAX = {"float16": _FMAX["float32"], "bfloat16": _FMAX["float32"],
+            "float32": _FMAX["float32"], "float64": _FMAX["float64"]}
+
+
+def _vec(dtype: str) -> int:
+    return 16 // ITEMSIZE[dtype]
+
+
+def _rows_expr(dtype, v, r):
+    return f"matmul_sum_rows<{CTYPE[dtype]}, {v}, {r}, {_THREADS}>"
+
+
+def _partial_expr(dtype, v):
+    c = _COLSUM
+    return f"matmul_sum_colsum_partial<{CTYPE[dtype]}, {v}, {c['BX']}, {c['BY']}, {c['U']}>"
+
+
+def _final_expr(dtype):
+    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}>"
+
+
+for _dt in CTYPE:
+    for _v in (1, _vec(_dt)):
+        _loader.register(_FILE, [_partial_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in _ROWS])
+    _loader.register(_FILE, [_final_expr(_dt)])
+
+
+def _zlim(dtype: str, n: int) -> float:
+    """Fast-path limit for the per-output bound Z >= |z[b, j]|: with Z < zlim no z overflows
+    T, no partial or total of N outputs overflows torch's accumulation type, and cuBLAS's
+    rounding (relative K * eps) cannot push them over (the factor 1/2)."""
+    return 0.5 * min(_FMAX[dtype], _ACC_MAX[dtype] / max(n, 1))
+
+
+def reference(x: np.ndarray, weight: np.ndarray, bias=None) -> np.ndarray:
+    """NumPy reference with PyTorch's semantics (and the GPU kernel's exact path): z = x @ W.T
+    rounded to the accumulation type (float32, float64 for float64), + b there, rounded to
+    x's dtype as torch stores the Linear output; summed over outputs (float64), rounded.
+    max / mean / logsumexp over the resulting size-1 dim return their input."""
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    with np.errstate(all="ignore"):
+        z = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(acc)
+        if bias is not None:
+            z = z + bias.astype(acc)
+        z = z.astype(x.dtype).astype(np.float64)
+        return z.sum(axis=1, keepdims=True).astype(x.dtype)
+
+
+def check_weights(weight, bias=None):
+    """Validate weight (N, K) and bias (N,) or None; returns their Operands."""
+    w = operand(weight, "weight")
+    if w.ndim != 2:
+        raise ValueError(f"weight: expected a 2-D array (out_features, in_features), "
+                         f"got shape {tuple(w.shape)}")
+    b = None
+    if bias is not None:
+        b = operand(bias, "bias")
+        same_place(w, b)
+        if b.dtype != w.dtype:
+            raise TypeError(f"bias: dtype {b.dtype} does not match weight's dtype {w.dtype}")
+        if tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"bias: expected shape ({w.shape[0]},) (out_features), got "
+                             f"{tuple(b.shape)}")
+    return w, b
+
+
+def check_x(a, w, k=None):
+    """x must be 2-D, match weight's place and dtype, and have in_features columns."""
+    same_place(a, w)
+    if w.dtype != a.dtype:
+        raise TypeError(f"weight: dtype {w.dtype} does not match x's dtype {a.dtype}")
+    if a.ndim != 2:
+        raise ValueError(f"x: expected a 2-D array (batch, in_features), got shape {tuple(a.shape)}")
+    k = w.shape[1] if k is None else k
+    if a.shape[1] != k:
+        raise ValueError(f"x: has {a.shape[1]} features (x.shape[1]) but weight has "
+                         f"in_features = {k} (weight.shape[1])")
+
+
+def _row_view(o, name):
+    """(o, row stride) with o's rows contiguous, copying o only if they are not."""
+    ld = row_stride(o.shape, o.strides)
+    if ld is None:
+        o = operand(contiguous(o), name)
+        ld = o.shape[1]
+    return o, ld
+
+
+def build_plan(w, b):
+    """The plan of GPU weights (Operands from :func:`check_weights`): a new float64 array
+    [W.sum(0), bias.sum(), max|W|, max|bias|] of w's kind, from one read of W."""
+    n, k = w.shape
+    dt, dev = w.dtype, w.device
+    w, ldw = _row_view(w, "weight")
+    if b is not None and n > 1 and b.strides[0] != 1:
+        b = operand(contiguous(b), "bias")
+    data = empty(w, (k + PLAN_TAIL,), "float64")
+    v = _vec(dt) if vector_aligned(w.ptr, ldw, k, ITEMSIZE[dt]) else 1
+    gx = cdiv(k // v, _COLSUM["BX"])
+    # (column tile, row chunk) blocks: about 16 per SM, chunks a multiple of the
+    # kernel's row step.
+    nchunks = rows_per_chunk = 0
+    if n and k:
+        nchunks = min(cdiv(n, _ROW_STEP), cdiv(_loader.sm_count(dev) * 16, gx))
+        rows_per_chunk = cdiv(cdiv(n, nchunks), _ROW_STEP) * _ROW_STEP
+        nchunks = cdiv(n, rows_per_chunk)
+    psum = operand(empty(w, (max(nchunks * k, 1),), "float64"), "psum")
+    pmax = operand(empty(w, (max(nchunks * gx, 1),), "float64"), "pmax")
+    if nchunks:
+        fn = _loader.function(_FILE, _partial_expr(dt, v), dev)
+        launch(w, fn, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),
+               (w.ptr, ldw, n, k, rows_per_chunk, psum.ptr, pmax.ptr))
+    fn = _loader.function(_FILE, _final_expr(dt), dev)
+    launch(w, fn, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
+        psum.ptr, pmax.ptr, nchunks, nchunks * gx, k, b.ptr if b is not None else 0, n,
+        data_ptr(data)))
+    return data
+
+
+def apply_plan(a, w, b, plan_ptr: int, rows=None):
+    """The model's output (B, 1) for x (Operand ``a``) on the GPU, from the plan at
+    ``plan_ptr`` built from the weights ``w`` / ``b`` (Operands)."""
+    bsz, k = a.shape
+    out = empty(a, (bsz, 1))
+    if bsz == 0:
+        return out
+    a, ldx = _row_view(a, "x")
+    w, ldw = _row_view(w, "weight")
+    if b is not None and b.shape[0] > 1 and b.strides[0] != 1:
+        b = operand(contiguous(b), "bias")
+    v = _vec(a.dtype) if vector_aligned(a.ptr, ldx, k, ITEMSIZE[a.dtype]) else 1
+    if rows is None:  # 4 rows per block share wsum's L2 reads, if that still fills the GPU
+        sms = _loader.sm_count(a.device)
+        rows = 4 if bsz >= 4 * sms else 2 if bsz >= 2 * sms else 1
+    fn = _loader.function(_FILE, _rows_expr(a.dtype, v, rows), a.device)
+    n = w.shape[0]
+    launch(a, fn, (cdiv(bsz, rows),), (_THREADS,), (
+        a.ptr, ldx, bsz, k, plan_ptr, w.ptr, ldw, b.ptr if b is not None else 0, n,
+        scalar(_zlim(a.dtype, n), "double"), data_ptr(out)))
+    return out
+
+
+class MatmulSumPlan:
+    """What the model needs from the weights alone, computed once.
+
+    ``MatmulSumPlan(weight, bias=None)`` reads ``weight`` (out_features, in_features) and
+    ``bias`` (out_features,) on the GPU (CuPy arrays or torch CUDA tensors) and keeps
+    ``data`` = [``wsum`` = weight.sum(0), bias.sum(), max|weight|, max|bias|] in float64,
+    so that ``plan(x)`` reads only x. The plan is a snapshot: after changing the weights
+    in place, build a new one (the torch module does this automatically). NumPy / CPU
+    weights give a plan whose calls run the reference.
+    """
+
+    __slots__ = ("weight", "bias", "wsum", "data", "in_features", "out_features", "dtype",
+                 "kind", "device", "_w", "_b")
+
+    def __init__(self, weight, bias=None):
+        w, b = check_weights(weight, bias)
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = w.shape
+        self.dtype, self.kind, self.device = w.dtype, w.kind, w.device
+        self._w, self._b = w, b
+        self.wsum = self.data = None
+        if w.kind != "cpu":
+            self.data = build_plan(w, b)
+            self.wsum = self.data[:self.in_features]
+
+    def __call__(self, x):
+        """The model's output (B, 1) for x (B, in_features), as x's kind."""
+        if is_torch(x):
+            return torch_layer("matmul_sum_max_mean_logsumexp").matmul_sum_max_mean_logsumexp(
+                x, self.weight, self.bias, plan=self)
+        return self.apply(x)
+
+    def apply(self, x, rows=None):
+        """:meth:`__call__` for CuPy/NumPy arrays and (from the torch layer) tensors.
+        ``rows``: rows of x per thread block (1, 2 or 4; tuning), None to choose."""
+        a = operand(x, "x")
+        check_x(a, self._w, self.in_features)
+        if a.kind == "cpu":
+            return reference(x, self.weight, self.bias)
+        return apply_plan(a, self._w, self._b, data_ptr(self.data), rows)
+
+
+def prepare_matmul_sum(weight, bias=None) -> MatmulSumPlan:
+    """Precompute what depends only on the weights (see :class:`MatmulSumPlan`)."""
+    return MatmulSumPlan(weight, bias)
+
+
+def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
+    """``logsumexp(logsumexp(mean(max(sum(x @ weight.T + bias, 1)))))`` over dim 1 (keepdim).
+
+    Args:
+        x: (B, in_features) CuPy array, torch tensor (CUDA or CPU) or NumPy array of
+            float16, bfloat16, float32 or float64.
+        weight: (out_features, in_features), same kind, device and dtype as x.
+        bias: (out_features,) or None.
+        plan: optional :class:`MatmulSumPlan` prepared from these same ``weight`` and
+            ``bias`` objects; then the call reads only x. Without it the plan is built
+            first (reads the weights once).
+
+    Returns the (B, 1) result as x's kind and dtype (torch in -> torch out, on torch's
+    current stream, through the custom ops ``cupykern::matmul_sum_plan`` and
+    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd). Results are PyTorch's,
+    nan and inf included (see the module docstring), and more accurate than PyTorch's
+    own chain.
+    """
+    if plan is not None:
+        if not isinstance(plan, MatmulSumPlan):
+            raise TypeError(f"plan: expected a MatmulSumPlan or None, got {type(plan).__name__}")
+        if weight is not plan.weight or bias is not plan.bias:
+            raise ValueError("plan: was prepared from other weight/bias objects; pass those, "
+                             "or plan=None")
+    if is_torch(x):
+        return torch_layer("matmul_sum_max_mean_logsumexp").matmul_sum_max_mean_logsumexp(
+            x, weight, bias, plan=plan)
+    if plan is None:
+        a = operand(x, "x")
+        w, _ = check_weights(weight, bias)
+        check_x(a, w)
+        plan = MatmulSumPlan(weight, bias)
+    return plan.apply(x)

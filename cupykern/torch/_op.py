@@ -1,0 +1,92 @@
+"""The one way a cupykern kernel becomes a PyTorch operator.
+
+:class:`Op` defines ``torch.ops.cupykern.<name>`` from a schema, with one Python
+implementation for CPU and CUDA tensors (the CPU one computes the reference in
+PyTorch ops), a fake (meta) implementation for tracing, and optionally autograd
+(``setup_context`` + ``backward``, written in PyTorch ops so that they trace too).
+
+Calling an :class:`Op` goes through the dispatcher whenever something is tracing or
+transforming the call (torch.compile, torch.export, fake or functional tensors,
+dispatch modes, vmap/grad transforms). In plain eager mode it calls the very same
+implementation directly, inside an ``autograd.Function`` made of the very same
+``setup_context`` / ``backward`` when a gradient is needed: the dispatcher costs
+microseconds a call, which small calls cannot afford.
+"""
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = "cupykern"
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _direct(tensors) -> bool:
+    """Whether an eager call may skip the dispatcher: real tensors, nothing tracing."""
+    return (not torch.compiler.is_compiling()
+            and all(type(t) is torch.Tensor for t in tensors)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def _function(name, forward, setup_context, backward):
+    """An autograd.Function of ``forward`` with the op's own setup_context / backward.
+    (A leading dispatch keyset argument, where there is one, gets no gradient.)"""
+    keyset = forward is not None and getattr(forward, "takes_keyset", False)
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(
+            (lambda ctx, inputs, output: setup_context(ctx, inputs[1:], output)) if keyset
+            else setup_context),
+        "backward": staticmethod(
+            (lambda ctx, *grads: (None,) + tuple(backward(ctx, *grads))) if keyset else backward)})
+
+
+def _below_autograd(op):
+    """``op`` called again past the autograd keys, as the Autograd kernel's forward."""
+    def forward(keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+    forward.takes_keyset = True
+    return forward
+
+
+class Op:
+    """``torch.ops.cupykern.<name>`` (see the module docstring).
+
+    ``impl(*args)`` computes the result for CPU and CUDA tensors; ``fake(*args)`` its
+    outputs' metadata; ``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)``
+    (both or neither) its autograd, as ``torch.library.register_autograd`` takes them.
+    An op without backward raises a ValueError when a gradient would be needed, rather
+    than returning a result cut off from autograd.
+    """
+
+    def __init__(self, schema: str, impl, fake, setup_context=None, backward=None):
+        self.name = schema.split("(", 1)[0]
+        qualname = f"{NAMESPACE}::{self.name}"
+        _LIB.define(schema)
+        _LIB.impl(self.name, impl, "CPU")
+        _LIB.impl(self.name, impl, "CUDA")
+        torch.library.register_fake(qualname, fake, lib=_LIB)
+        self.impl = impl
+        self.op = getattr(getattr(torch.ops, NAMESPACE), self.name).default
+        self.function = None
+        if backward is None:
+            return
+        self.function = _function(self.name, impl, setup_context, backward)
+        if torch._library.utils.is_functional_schema(self.op._schema):
+            torch.library.register_autograd(qualname, backward, setup_context=setup_context,
+                                            lib=_LIB)
+        else:  # register_autograd takes functional ops only: its own recipe, by hand
+            redispatch = _function(self.name, _below_autograd(self.op), setup_context, backward)
+            _LIB.impl(self.name, lambda keyset, *args: redispatch.apply(keyset, *args),
+                      "Autograd", with_keyset=True)
+
+    def __call__(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if grad and self.function is None:
+            raise ValueError(f"cupykern.{self.name}: has no backward, and an input requires "
+                             "grad; call it under torch.no_grad() or on detached tensors")
+        if not _direct(tensors):
+            return self.op(*args)
+        return self.function.apply(*args) if grad else self.impl(*args)

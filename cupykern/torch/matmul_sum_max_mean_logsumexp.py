@@ -1,0 +1,195 @@
+"""MatmulSumMaxMeanLogSumExp for torch: the ``cupykern::matmul_sum_plan`` and
+``cupykern::matmul_sum_max_mean_logsumexp`` ops and documented model 4.
+
+``matmul_sum_plan(Tensor weight, Tensor? bias) -> Tensor`` is the float64 plan
+[W.sum(0), b.sum(), max|W|, max|b|] (no autograd: pass detached weights);
+``matmul_sum_max_mean_logsumexp(Tensor x, Tensor weight, Tensor? bias, Tensor plan)``
+reads x (and the weights only for rows that overflow or hold inf/nan) and has autograd
+for x, weight and bias.
+
+In eager mode the module caches the plan and rebuilds it whenever the weight or bias
+it was built from might have changed: another object (``.weight`` replaced,
+``load_state_dict(assign=True)``), a new version counter (any in-place op: optimizer
+steps, ``load_state_dict``, ``copy_``, ``mul_``), any optimizer step (fused optimizers
+skip the version counter), or another data pointer, device, dtype, shape or strides
+(``.to()``, ``.data = ...``). The one change it cannot see is an in-place op through
+``.data``, which bypasses the version counter (PyTorch's own saved-tensor checks miss it
+too). Under torch.compile / export the plan op is part of the graph and runs every call
+(one read of W, still far below PyTorch's GEMM).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..matmul_sum_max_mean_logsumexp import PLAN_TAIL, apply_plan, build_plan, check_weights, check_x
+from .._array import operand
+from ._checks import require_submodule, require_tensor
+from ._op import Op, _direct
+
+
+def _tail(s: torch.Tensor) -> torch.Tensor:
+    """The model after the sum, on (B, 1): max, mean, logsumexp, logsumexp over dim 1."""
+    s = torch.max(s, dim=1, keepdim=True)[0]
+    s = torch.mean(s, dim=1, keepdim=True)
+    s = torch.logsumexp(s, dim=1, keepdim=True)
+    return torch.logsumexp(s, dim=1, keepdim=True)
+
+
+def reference(x, weight, bias=None):
+    """The documented model in PyTorch ops."""
+    return _tail(torch.sum(nn.functional.linear(x, weight, bias), dim=1, keepdim=True))
+
+
+def _plan_impl(weight, bias):
+    w, b = check_weights(weight, bias)
+    if weight.is_cuda:
+        return build_plan(w, b)
+    wd = weight.double()
+    bd = torch.zeros(1, dtype=torch.float64) if bias is None else bias.double()
+    maxabs = lambda t: t.abs().amax() if t.numel() else t.new_zeros(())  # noqa: E731
+    return torch.cat([wd.sum(0), bd.sum().reshape(1), maxabs(wd).reshape(1),
+                      maxabs(bd).reshape(1)])
+
+
+def _plan_fake(weight, bias):
+    return weight.new_empty((weight.shape[1] + PLAN_TAIL,), dtype=torch.float64)
+
+
+def _impl(x, weight, bias, plan):
+    a = operand(x, "x")
+    w, b = check_weights(weight, bias)
+    check_x(a, w)
+    if x.is_cuda:
+        return apply_plan(a, w, b, plan.data_ptr())
+    return reference(x, weight, bias)
+
+
+def _fake(x, weight, bias, plan):
+    return x.new_empty((x.shape[0], 1))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, plan = inputs
+    # weight is saved for PyTorch's in-place-modification check (as nn.Linear's is).
+    ctx.save_for_backward(x, weight, plan, output)
+
+
+def _backward(ctx, g):
+    """With g' = the gradient PyTorch's tail (max, mean, logsumexp x2 over a size-1 dim)
+    passes to the sum (g where the output is finite, nan where it is inf or nan), every
+    output j gets g', so dx = g' wsum, dW[j] = g'^T x for every j, db[j] = sum(g')."""
+    x, weight, plan, out = ctx.saved_tensors
+    g = torch.where(torch.isfinite(out), g, torch.full_like(g, float("nan")))
+    n, k = weight.shape
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = g * plan[:k].to(g.dtype)
+    if ctx.needs_input_grad[1]:
+        gw = (g.t() @ x).expand(n, -1)  # AccumulateGrad materialises it in W's layout
+    if ctx.needs_input_grad[2]:
+        gb = g.sum(0).expand(n)
+    return gx, gw, gb, None
+
+
+plan_op = Op("matmul_sum_plan(Tensor weight, Tensor? bias) -> Tensor", _plan_impl, _plan_fake)
+matmul_sum_op = Op("matmul_sum_max_mean_logsumexp(Tensor x, Tensor weight, Tensor? bias, "
+                   "Tensor plan) -> Tensor", _impl, _fake, _setup_context, _backward)
+
+
+def _detach(t):
+    """``t`` detached (the plan has no autograd); anything else as it is, for the op's
+    own argument checks to name."""
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
+    """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
+    the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given."""
+    data = plan.data if plan is not None and plan.data is not None else None
+    if data is None:  # x and the weights must agree before the weights are read
+        check_x(operand(x, "x"), check_weights(weight, bias)[0])
+        data = plan_op(_detach(weight), _detach(bias))
+    return matmul_sum_op(x, weight, bias, data)
+
+
+# Fused optimizers (e.g. AdamW(fused=True)) update parameters without bumping their
+# version counters, so every optimizer step anywhere also invalidates cached plans.
+_optimizer_steps = [0]
+
+
+def _count_step(optimizer, args, kwargs):
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
+def _key(t):
+    if t is None:
+        return _optimizer_steps[0]
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter: never trust a cache
+        version = object()
+    return (version, _optimizer_steps[0], t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
+
+
+class MatmulSumMaxMeanLogSumExpReference(nn.Module):
+    """Documented model 4 in plain PyTorch."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+
+    def forward(self, x):
+        x = self.linear(x)
+        x = torch.sum(x, dim=1, keepdim=True)
+        x = torch.max(x, dim=1, keepdim=True)[0]
+        x = torch.mean(x, dim=1, keepdim=True)
+        x = torch.logsumexp(x, dim=1, keepdim=True)
+        x = torch.logsumexp(x, dim=1, keepdim=True)
+        return x
+
+
+class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
+    """``logsumexp(logsumexp(mean(max(sum(linear(x), 1)))))`` over dim 1, keepdim.
+
+    Same parameters (``linear.weight``, ``linear.bias``), RNG order and state_dict as the
+    documented model. CUDA inputs run on cupykern with a plan of the weights (cached in
+    eager mode, never stale: see the module docstring); CPU inputs run the reference.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features)
+        self._cache = None  # (weight, bias, key(weight), key(bias), plan tensor)
+
+    def plan(self) -> torch.Tensor:
+        """The plan tensor for the current weights (rebuilt if they changed since the last)."""
+        w, b = self.linear.weight, self.linear.bias
+        c = self._cache
+        if c is not None and c[0] is w and c[1] is b and c[2] == _key(w) and c[3] == _key(b):
+            return c[4]
+        plan = plan_op(w.detach(), _detach(b))
+        self._cache = (w, b, _key(w), _key(b), plan)
+        return plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        require_tensor(x)
+        w, b = self.linear.weight, self.linear.bias
+        if not (x.is_cuda or w.is_cuda):  # the reference model itself
+            check_x(operand(x, "x"), operand(w, "weight"))
+            return super().forward(x)
+        require_submodule(self, "linear", nn.Linear)
+        plan = self.plan() if _direct((x, w)) else plan_op(w.detach(), _detach(b))
+        return matmul_sum_op(x, w, b, plan)
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .half(): free the old plan now
+        self._cache = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):  # copies and pickles do not carry the GPU cache
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        return state

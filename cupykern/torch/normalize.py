@@ -1,0 +1,119 @@
+"""L1 / L2 normalisation for torch: the ``cupykern::normalize`` ops and the documented
+models 1 and 2 (``L1Norm``, ``L2Norm``: normalise over dim 1).
+
+Ops: ``normalize(Tensor x, int p, int axis, int[]? config) -> Tensor`` (autograd in
+PyTorch ops: dx = dy/d - x' * sum(dy*x) / (n*d^2) for L1 with x' = sign(x), and
+dy/d - x * sum(dy*x) / d^3 for L2) and ``normalize_out(..., Tensor(a!) out) -> ()``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import normalize as core
+from ._checks import require_tensor
+from ._op import Op
+
+
+def reference(x: torch.Tensor, p: int, axis: int = 1) -> torch.Tensor:
+    """The documented models in PyTorch ops (any axis): a zero row gives nan (0/0)."""
+    if p == 1:
+        return x / torch.mean(torch.abs(x), dim=axis, keepdim=True)
+    return x / torch.norm(x, p=2, dim=axis, keepdim=True)
+
+
+def _empty_result(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """A new tensor laid out as the kernel's result: contiguous with ``axis`` last, then
+    viewed in x's axis order."""
+    ax = axis % x.dim()
+    shape = list(x.shape)
+    shape.append(shape.pop(ax))
+    return x.new_empty(shape).movedim(-1, ax)
+
+
+def _impl(x, p, axis, config):
+    if x.is_cuda:
+        return core.normalize(x, p, axis, None, config)
+    _, ax, p, _, _ = core.check(x, p, axis, None, config)
+    out = _empty_result(x, ax)
+    return out.copy_(reference(x, p, ax))
+
+
+def _fake(x, p, axis, config):
+    return _empty_result(x, axis)
+
+
+def _setup_context(ctx, inputs, output):
+    x, ctx.p, ctx.axis, _ = inputs
+    ctx.save_for_backward(x)
+
+
+def _backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    ax = ctx.axis % x.dim()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa, ga = x.to(acc), g.to(acc)
+    s = (ga * xa).sum(ax, keepdim=True)
+    if ctx.p == 1:  # d = mean|x|, rounded to x's dtype as the forward rounds it
+        d = xa.abs().mean(ax, keepdim=True).to(x.dtype).to(acc)
+        gx = ga / d - xa.sign() * s / (d * d * x.shape[ax])
+    else:  # d = ||x||
+        d = xa.square().sum(ax, keepdim=True).sqrt().to(x.dtype).to(acc)
+        gx = ga / d - xa * s / (d * d * d)
+    return gx.to(x.dtype), None, None, None
+
+
+def _out_impl(x, p, axis, config, out):
+    if x.is_cuda:
+        core.normalize(x, p, axis, out, config)
+        return
+    _, ax, p, _, _ = core.check(x, p, axis, out, config)
+    out.copy_(reference(x, p, ax))
+
+
+normalize_op = Op("normalize(Tensor x, int p, int axis, int[]? config) -> Tensor",
+                  _impl, _fake, _setup_context, _backward)
+normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, Tensor(a!) out) -> ()",
+                      _out_impl, lambda *args: None)
+
+
+def normalize(x: torch.Tensor, p: int, axis: int = 1, out=None, config=None):
+    """``x / d(x)`` along ``axis`` (p=1: mean|x|, p=2: ||x||) through the custom ops; what
+    :func:`cupykern.l1_normalize` / :func:`cupykern.l2_normalize` do with tensors."""
+    cfg = None if config is None else [int(v) for v in config]
+    if out is None:
+        return normalize_op(x, p, axis, cfg)
+    # Anything but a tensor: the implementation's own checks say what is wrong with it.
+    (normalize_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, p, axis, cfg, out)
+    return out
+
+
+class L1NormReference(nn.Module):
+    """Documented model 1 in plain PyTorch: ``x / mean(|x|, dim=1)``."""
+
+    def forward(self, x):
+        return reference(x, 1)
+
+
+class L2NormReference(nn.Module):
+    """Documented model 2 in plain PyTorch: ``x / ||x||_2`` over dim 1."""
+
+    def forward(self, x):
+        return reference(x, 2)
+
+
+class L1Norm(L1NormReference):
+    """``x / x.abs().mean(dim=1, keepdim=True)`` through ``cupykern::normalize`` (CUDA:
+    our kernel; CPU: PyTorch ops); trains, compiles, captures in CUDA graphs."""
+
+    def forward(self, x):
+        require_tensor(x)
+        return normalize_op(x, 1, 1, None)
+
+
+class L2Norm(L2NormReference):
+    """``x / torch.norm(x, p=2, dim=1, keepdim=True)`` through ``cupykern::normalize``."""
+
+    def forward(self, x):
+        require_tensor(x)
+        return normalize_op(x, 2, 1, None)
