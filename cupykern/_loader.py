@@ -5,7 +5,7 @@ headers (so CuPy's disk-cache key covers every byte that is compiled),
 instantiates one template per ``name_expressions`` entry, compiles with NVRTC
 through ``cupy.RawModule`` for the current device (``sm_90a`` on Hopper, so
 wgmma/TMA/cluster code is allowed), and caches the launchable function per
-(file, instantiation, device).
+(file, instantiation, device, dynamic shared memory).
 
 Ops also *register* every instantiation they may launch, so that
 :func:`compile_check` can compile all of them without a GPU (CI does this for
@@ -95,7 +95,7 @@ def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
     Call it as ``fn(grid, block, args, shared_mem=..., stream=...)``; ``stream``
     is any object with a ``.ptr``.
     """
-    key = (filename, expr, device)
+    key = (filename, expr, device, dynamic_smem)  # everything that changes the function
     fn = _functions.get(key)
     if fn is None:
         fn = _functions[key] = _build(filename, expr, device, dynamic_smem)
@@ -113,24 +113,29 @@ def _build(filename, expr, device, dynamic_smem):
         return rk.kernel
 
 
+def compile_nvrtc(filename: str, names, cc: int) -> None:
+    """Compile instantiations ``names`` of ``filename`` for compute capability ``cc``
+    with NVRTC and CuPy's flags (no GPU needed); raises on a compile error."""
+    from cupy.cuda.compiler import _NVRTCProgram
+
+    opts = arch_options(cc) + _CUPY_IMPLICIT + (f"-arch=sm_{cc}",)
+    _NVRTCProgram(source(filename), filename, name_expressions=list(names),
+                  method="cubin").compile(opts)
+
+
 def compile_check(ccs=(80, 90)) -> list[str]:
     """Compile every registered instantiation with NVRTC for each arch; no GPU needed.
 
     Returns a list of failure messages (empty when everything compiles).
     """
-    from cupy.cuda.compiler import _NVRTCProgram
-
     failures = []
     for filename, exprs in sorted(registry().items()):
         for cc in ccs:
             names = sorted(e for e, need in exprs.items() if cc >= need)
             if not names:
                 continue
-            opts = arch_options(cc) + _CUPY_IMPLICIT + (f"-arch=sm_{cc}",)
-            prog = _NVRTCProgram(source(filename), filename, name_expressions=names,
-                                 method="cubin")
             try:
-                prog.compile(opts)
+                compile_nvrtc(filename, names, cc)
             except Exception as e:  # CompileException carries the NVRTC log
                 failures.append(f"{filename} (sm_{cc}{'a' if cc == 90 else ''}): {e}")
     return failures

@@ -27,7 +27,7 @@ from ._array import (CTYPE, ITEMSIZE, contiguous, data_ptr, empty, is_torch, lau
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
-_ROWS = (1, 2, 4)  # rows per block of matmul_sum_rows
+ROWS_PER_BLOCK = (1, 2, 4)  # rows of x per block of matmul_sum_rows (MatmulSumPlan.apply)
 _THREADS = 256  # matmul_sum_rows and matmul_sum_colsum_final
 _COLSUM = {"BX": 32, "BY": 8, "U": 8}  # colsum_partial: block (BX, BY), U rows per step
 _ROW_STEP = _COLSUM["BY"] * _COLSUM["U"]  # rows of W one colsum_partial step adds
@@ -58,7 +58,7 @@ def _final_expr(dtype):
 
 for _dt in CTYPE:
     for _v in (1, _vec(_dt)):
-        _loader.register(_FILE, [_partial_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in _ROWS])
+        _loader.register(_FILE, [_partial_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in ROWS_PER_BLOCK])
     _loader.register(_FILE, [_final_expr(_dt)])
 
 

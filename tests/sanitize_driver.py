@@ -16,7 +16,7 @@ import cupy
 import torch
 
 import cupykern
-from cupykern import matmul_sum_max_mean_logsumexp as mr
+from cupykern.matmul_sum_max_mean_logsumexp import _zlim
 from cupykern import normalize as nz
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 
@@ -93,7 +93,7 @@ def run_normalize():
     for dtype in DTYPES:
         isz = dtype.itemsize
         per_vec = 16 // isz
-        configs = [c for c in nz._CLUSTER_CONFIGS[isz] if c[0] == 1 or clusters]
+        configs = [c for c in nz.CONFIGS[isz] if c[0] == 1 or clusters]
         for kind in ("l1", "l2"):
             t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
             tag = f"{kind} {NAME[dtype]}"
@@ -107,14 +107,14 @@ def run_normalize():
                         continue
                     x = dev(randn(3, ncols, seed=ncols), dtype)
                     check(f"{tag} config {cfg} ncols {ncols}",
-                          nz._normalize(x, 1, None, kind, _config=cfg), norm_ref(host(x), kind), t)
+                          fn(x, config=cfg), norm_ref(host(x), kind), t)
             if kind == "l2":
                 # 12 * SMs rows: each of the 4 * SMs clusters walks 3 rows, so the
                 # prefetch buffers and the double-buffered partial sums are reused.
                 x = dev(randn(12 * sms, 40, seed=3), dtype)
                 for cfg in configs:
                     check(f"{tag} config {cfg} many rows",
-                          nz._normalize(x, 1, None, kind, _config=cfg), norm_ref(host(x), kind), t)
+                          fn(x, config=cfg), norm_ref(host(x), kind), t)
             # Rows longer than any cluster holds: the two-pass kernel (aligned, then offset).
             x = dev(randn(3, 300_001, seed=4), dtype)
             check(f"{tag} two-pass", fn(x), norm_ref(host(x), kind), t)
@@ -290,7 +290,7 @@ def msum_input(bsz, k, dtype, n, wmax, special_rows, seed):
     if k >= 32:
         r_inf, r_nan, r_ninf, r_big = special_rows
         x[r_inf, 3], x[r_nan, 5], x[r_ninf, 0] = float("inf"), float("nan"), -float("inf")
-        x[r_big, 1] = 2 * mr._zlim(NAME[dtype], n) / (k * wmax)  # bound ~ 2x the limit
+        x[r_big, 1] = 2 * _zlim(NAME[dtype], n) / (k * wmax)  # bound ~ 2x the limit
     return x
 
 

@@ -410,3 +410,17 @@ def _zero_lines(v, axis, g):
     rows = w.view(-1, w.shape[-1])
     rows[torch.rand(rows.shape[0], generator=g) < 0.34] = 0
     return w.movedim(-1, axis).contiguous()
+
+
+# ---------------------------------------------------------------- models
+
+def model_pair(ref_cls, ours_cls, init=(), device="cpu"):
+    """A (reference, ours) pair of modules built from the same seed, so that they hold the
+    same parameters and buffers (our modules keep the reference's RNG order)."""
+    torch.manual_seed(0)
+    ref = ref_cls(*init).to(device)
+    torch.manual_seed(0)
+    ours = ours_cls(*init).to(device)
+    for a, b in zip(ref.state_dict().values(), ours.state_dict().values()):
+        assert torch.equal(a, b)
+    return ref, ours

@@ -24,3 +24,32 @@ def test_arch_options():
     assert "-arch=sm_90a" in _loader.arch_options(90)
     assert not any(o.startswith("-arch") for o in _loader.arch_options(80))
     assert pathlib.Path(_loader.kernel_dir()).name == "kernels_cu"
+
+
+def test_hopper_only_kernels_fail_to_compile_for_older_archs():
+    """sm_90-only instantiations (wgmma, clusters) are compile errors on sm_80, never
+    empty kernels that would launch and do nothing."""
+    import pytest
+
+    hopper_only = [(f, e) for f, exprs in _loader.registry().items()
+                   for e, need in exprs.items() if need >= 90]
+    assert {f for f, _ in hopper_only} == {"gemm.cu", "normalize.cu"}
+    for f, e in (next(p for p in hopper_only if p[0] == "gemm.cu"),
+                 next(p for p in hopper_only if p[0] == "normalize.cu")):
+        with pytest.raises(Exception, match="needs sm_90"):
+            _loader.compile_nvrtc(f, [e], 80)
+
+
+def test_a_wrong_launch_constant_does_not_compile():
+    """Shared-memory bytes named in Python are static_asserted by the kernel."""
+    import re
+
+    import pytest
+
+    from cupykern import gemm
+
+    expr = gemm._mma_expr("float32", 0, True)
+    wrong = re.sub(r"(\d+)>$", lambda m: f"{int(m.group(1)) + 16}>", expr)
+    _loader.compile_nvrtc("gemm.cu", [expr], 80)
+    with pytest.raises(Exception):
+        _loader.compile_nvrtc("gemm.cu", [wrong], 80)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import cupykern
-from cupykern import matmul_sum_max_mean_logsumexp as mr
 from cupykern.models import matmul_sum_max_mean_logsumexp as model4
 from cupykern.torch import MatmulSumMaxMeanLogSumExp
 from cupykern.torch import matmul_sum_max_mean_logsumexp as tmr
@@ -308,8 +307,8 @@ def test_deterministic():
     x = torch.rand(333, 4096, device="cuda")
     with torch.no_grad():
         a = new(x)
-        p1 = mr.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
-        p2 = mr.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
+        p1 = cupykern.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
+        p2 = cupykern.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
         assert torch.equal(p1.data, p2.data)
         for _ in range(3):
             assert torch.equal(new(x), a)

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from cupykern import matmul_sum_max_mean_logsumexp as mr
+import cupykern
+from cupykern.matmul_sum_max_mean_logsumexp import ROWS_PER_BLOCK
 from cupykern.benchmark import copy_ms, gbps, time_ms
 from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
 
@@ -77,9 +78,9 @@ def main():
         print(f"  weights cached:  ours {ours:.4f} ms  eager {eager:.3f} ms  compile "
               f"{compiled:.3f} ms  -> {eager / ours:.0f}x eager, {compiled / ours:.0f}x compile, "
               f"{100 * gbps(xbytes, ours) / ceiling:.0f}% of copy BW (bytes: x)", flush=True)
-        plan = new.plan()
-        for rows in mr._ROWS:
-            t = time_ms(lambda: plan._apply(mr.operand(nxt(), "x"), rows=rows))
+        plan = cupykern.MatmulSumPlan(new.linear.weight.detach(), new.linear.bias.detach())
+        for rows in ROWS_PER_BLOCK:
+            t = time_ms(lambda: plan.apply(nxt(), rows=rows))
             print(f"    row kernel, {rows} rows/block: {t:.4f} ms "
                   f"({100 * gbps(xbytes, t) / ceiling:.0f}% of copy BW)", flush=True)
 
@@ -92,7 +93,7 @@ def main():
         eager_w = time_ms(lambda: ref(nxt()), setup=flip)
         comp_w = time_ms(lambda: comp(nxt()), setup=flip)
         ours_w = time_ms(lambda: new(nxt()), setup=flip)
-        build = time_ms(lambda: mr.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
+        build = time_ms(lambda: cupykern.MatmulSumPlan(w.detach(), new.linear.bias.detach()))
         err = (new(xs[0]) - ref(xs[0])).abs().max().item()
         print(f"  weights changed: ours {ours_w:.4f} ms  eager {eager_w:.3f} ms  compile "
               f"{comp_w:.3f} ms  -> {eager_w / ours_w:.0f}x eager, {comp_w / ours_w:.0f}x compile, "

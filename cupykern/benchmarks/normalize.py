@@ -15,6 +15,7 @@ import tempfile
 
 import torch
 
+import cupykern
 from cupykern import normalize
 from cupykern.benchmark import copy_ms, time_ms
 
@@ -25,7 +26,7 @@ REF = {
 
 
 def ours(kind, config=None):
-    return lambda x: normalize._normalize(x, 1, None, kind, config)
+    return lambda x: getattr(cupykern, f"{kind}_normalize")(x, config=config)
 
 
 def big(shape, dtypes, iters):
@@ -53,7 +54,7 @@ def sweep(shape, dtype, iters):
     print(f"\n== config sweep, {shape[0]}x{shape[1]} {str(dtype)[6:]}, l2 (ratio to copy {copy:.3f} ms)")
     isz = x.element_size()
     nvec = shape[1] // (16 // isz)
-    for cfg in normalize._CLUSTER_CONFIGS[isz] + normalize.TUNING_CONFIGS[isz]:
+    for cfg in normalize.CONFIGS[isz] + normalize.TUNING_CONFIGS[isz]:
         if cfg[0] * cfg[1] * cfg[2] >= nvec:
             t = time_ms(lambda: ours("l2", cfg)(x), iters=iters)
             pf = "" if len(cfg) < 4 or cfg[3] else ", no prefetch"

@@ -1,7 +1,7 @@
 """The documented models (../shared/spec/MODELS.md), KernelBench style.
 
-Each submodule holds a reference ``Model`` in plain PyTorch, ``ModelNew`` on
-cupykern, ``get_init_inputs()`` and ``get_inputs()`` (CPU tensors at the main
+Each submodule names the op's reference ``Model`` (plain PyTorch, defined once in
+``cupykern.torch.<op>``), ``ModelNew`` (our module), ``get_init_inputs()`` and ``get_inputs()`` (CPU tensors at the main
 benchmark shape), and ``CASES``: the shapes the main job verifies and times.
 """
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Documented model 4: MatmulSumMaxMeanLogSumExp, the sum of a Linear's outputs followed by
 max / mean / logsumexp / logsumexp over the resulting size-1 dim."""
 import torch
-from torch import nn
 
-from ..torch import MatmulSumMaxMeanLogSumExp
+from ..torch.matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp as ModelNew  # noqa: F401
+from ..torch.matmul_sum_max_mean_logsumexp import (  # noqa: F401
+    MatmulSumMaxMeanLogSumExpReference as Model)
 from . import Case
-
-
-class Model(nn.Module):
-    def __init__(self, in_features, out_features):
-        super().__init__()
-        self.linear = nn.Linear(in_features, out_features)
-
-    def forward(self, x):
-        x = self.linear(x)
-        x = torch.sum(x, dim=1, keepdim=True)
-        x = torch.max(x, dim=1, keepdim=True)[0]
-        x = torch.mean(x, dim=1, keepdim=True)
-        x = torch.logsumexp(x, dim=1, keepdim=True)
-        x = torch.logsumexp(x, dim=1, keepdim=True)
-        return x
-
-
-class ModelNew(MatmulSumMaxMeanLogSumExp):
-    pass
 
 
 def _inputs(b, k, dist=torch.rand):

@@ -1,0 +1,202 @@
+"""The torch bridge: every ``torch.ops.cupykern`` op passes ``torch.library.opcheck``;
+the four modules and the array functions compile with ``fullgraph=True`` (0 graph
+breaks) in default, reduce-overhead and dynamic modes, capture in CUDA graphs, export,
+and take part in autograd (never silently detached)."""
+import copy
+
+import pytest
+import torch
+
+import cupykern
+from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
+from cupykern.torch.gemm import linear_op, linear_out_op
+from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference, gemm_scale_batchnorm_op
+from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
+                                                          matmul_sum_op, plan_op)
+from cupykern.torch.normalize import L1NormReference, L2NormReference, normalize_op, normalize_out_op
+from support import model_pair
+
+gpu = pytest.mark.gpu
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+# (reference class, our class, init args, input shape, atol=rtol against the reference)
+MODELS = {
+    "L1Norm": (L1NormReference, L1Norm, (), (16, 300), 1e-5),
+    "L2Norm": (L2NormReference, L2Norm, (), (16, 300), 1e-5),
+    "GemmScaleBatchNorm": (GemmScaleBatchNormReference, GemmScaleBatchNorm, (64, 48, (48,)), (32, 64), 1e-4),
+    "MatmulSumMaxMeanLogSumExp": (MatmulSumMaxMeanLogSumExpReference, MatmulSumMaxMeanLogSumExp,
+                                  (64, 48), (32, 64), 1e-4),
+}
+
+
+def _opcheck_cases(device):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    x, w, b = r(8, 24), r(16, 24) / 5, r(16)
+    v = [r(16) for _ in range(3)]
+    rm, rv = r(16), r(16).abs() + 0.5
+    nbt = torch.zeros((), dtype=torch.long, device=device)
+    yield normalize_op, (x, 1, 1, None)
+    yield normalize_op, (x.t(), 2, 0, None)
+    yield normalize_op, (r(3, 5, 7)[:, 1:], 2, -1, None)
+    yield normalize_out_op, (x, 1, 1, None, torch.empty_like(x))
+    yield linear_op, (x, w, b, "highest")
+    yield linear_op, (r(2, 3, 24), w, None, "high")
+    yield linear_out_op, (x, w, b, "highest", x.new_empty(8, 16))
+    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest")
+    yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest")
+    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest")
+    yield plan_op, (w, b)
+    yield matmul_sum_op, (x, w, b, plan_op(w, b))
+    yield matmul_sum_op, (x, w, None, plan_op(w, None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_every_op(device):
+    cases = list(_opcheck_cases(device))
+    assert {op.name for op, _ in cases} == {n.split("::")[1] for n in _registered_ops()}
+    for op, args in cases:
+        torch.library.opcheck(op.op, args)
+
+
+def _registered_ops():
+    return [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("cupykern::")]
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    x, w, b, s, ga, be = r(6, 5), r(4, 5), r(4), r(4), r(4), r(4)
+    rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    checks = {
+        "l1 axis 1": (lambda x: cupykern.l1_normalize(x), (x,)),
+        "l2 axis 0": (lambda x: cupykern.l2_normalize(x, axis=0), (x,)),
+        "linear": (cupykern.linear, (x, w, b)),
+        "gsbn train": (lambda *a: cupykern.gemm_scale_batchnorm(*a, rm.clone(), rv.clone()), (x, w, b, s, ga, be)),
+        "gsbn eval": (lambda *a: cupykern.gemm_scale_batchnorm(*a, rm, rv, training=False), (x, w, b, s, ga, be)),
+        "matmul_sum": (cupykern.matmul_sum_max_mean_logsumexp, (x, w, b)),
+    }
+    for name, (fn, args) in checks.items():
+        assert torch.autograd.gradcheck(fn, args), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_array_functions_keep_autograd(device):
+    x = torch.randn(8, 24, device=device, requires_grad=True)
+    w = torch.randn(16, 24, device=device, requires_grad=True)
+    for y in (cupykern.l1_normalize(x), cupykern.l2_normalize(x), cupykern.linear(x, w),
+              cupykern.matmul_sum_max_mean_logsumexp(x, w)):
+        assert y.requires_grad and y.grad_fn is not None
+    with pytest.raises(ValueError, match="no backward"):
+        cupykern.l1_normalize(x, out=torch.empty_like(x))
+
+
+def _compare(got, want, tol):
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_forward_backward_matches_reference(name, device):
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, device)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    want, got = ref(x), ours(x2)
+    _compare(got, want, tol)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    _compare(x2.grad, x.grad, 10 * tol)
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+        _compare(q.grad, p.grad, 10 * tol * max(1.0, p.grad.abs().max().item()))
+    for a, b in zip(ref.buffers(), ours.buffers()):
+        _compare(b, a, tol)
+
+
+MODES = {"default": {}, "reduce-overhead": {"mode": "reduce-overhead"}, "dynamic": {"dynamic": True}}
+
+
+@gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_module_compiles_fullgraph(name, mode):
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    torch._dynamo.reset()
+    ref, ours = model_pair(ref_cls, ours_cls, init, "cuda")
+    eager = copy.deepcopy(ours)
+    explain = torch._dynamo.explain(copy.deepcopy(ours))(torch.randn(*shape, device="cuda"))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(ours, fullgraph=True, **MODES[mode])
+    for rows in (shape[0], shape[0] + 8):  # a second shape: recompiles, or dynamic
+        x = torch.randn(rows, *shape[1:], device="cuda")
+        for _ in range(3):  # reduce-overhead records, then replays
+            got = compiled(x)
+            want = eager(x)
+        _compare(got, want, tol)
+        _compare(got, ref(x), tol)
+    for a, b in zip(eager.buffers(), ours.buffers()):  # running statistics updated alike
+        _compare(b, a, tol)
+
+
+@gpu
+def test_array_functions_compile_fullgraph():
+    torch._dynamo.reset()
+    x = torch.randn(32, 64, device="cuda")
+    w, b = torch.randn(48, 64, device="cuda") / 8, torch.randn(48, device="cuda")
+    s, g, be = (torch.randn(48, device="cuda") for _ in range(3))
+
+    def f(x):
+        y = cupykern.l2_normalize(cupykern.linear(x, w, b)) + cupykern.l1_normalize(x).sum()
+        z = cupykern.gemm_scale_batchnorm(x, w, b, s, g, be)
+        return y + z + cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
+
+    assert torch._dynamo.explain(f)(x).graph_break_count == 0
+    _compare(torch.compile(f, fullgraph=True)(x), f(x), 1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_module_cuda_graph_replays_new_inputs(name):
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, "cuda")
+    ref.eval(), ours.eval()
+    static_x = torch.randn(*shape, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            ours(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_y = ours(static_x)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        static_x.copy_(torch.randn(*shape, device="cuda"))
+        graph.replay()
+        with torch.no_grad():
+            _compare(static_y, ref(static_x), tol)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_exports_for_inference(name, device):
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, device)
+    ref.eval(), ours.eval()
+    x = torch.randn(*shape, device=device)
+    program = torch.export.export(ours, (x,))
+    if device == "cuda" or name.startswith("L"):  # CUDA, or CPU modules that run our ops
+        assert any("cupykern" in str(n.target) for n in program.graph.nodes)
+    with torch.no_grad():
+        _compare(program.module()(x), ref(x), tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [None, 3.0, "x", [[1.0]]], ids=["None", "float", "str", "list"])
+@pytest.mark.parametrize("name", MODELS)
+def test_module_rejects_non_tensors(name, bad, device):
+    _, ours_cls, init, _, _ = MODELS[name]
+    with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
+        ours_cls(*init).to(device)(bad)
