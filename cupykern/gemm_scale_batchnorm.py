@@ -99,10 +99,10 @@ def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
         raise ValueError("scale: required, got None")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
-    eps = _real(eps, "eps")
+    eps = check_real(eps, "eps")
     if eps < 0:
         raise ValueError(f"eps: expected a non-negative number, got {eps}")
-    momentum = None if momentum is None else _real(momentum, "momentum")
+    momentum = None if momentum is None else check_real(momentum, "momentum")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be given or both be None")
     if not training and running_mean is None:
@@ -171,7 +171,7 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
     return out
 
 
-def _real(v, name: str) -> float:
+def check_real(v, name: str) -> float:
     """A finite real-number argument as a float; TypeError/ValueError naming it otherwise."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(v).__name__}")

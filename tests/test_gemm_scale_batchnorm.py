@@ -114,15 +114,6 @@ def test_deterministic_and_precisions():
 
 
 @pytest.mark.gpu
-def test_backward_raises():
-    _, new = _pair(32, 16)
-    new = new.cuda()
-    out = new(torch.randn(8, 32, device="cuda"))
-    with pytest.raises(NotImplementedError, match="no backward"):
-        out.sum().backward()
-
-
-@pytest.mark.gpu
 def test_float64_and_cupy():
     cp = pytest.importorskip("cupy")
     ref, new = _pair(40, 24)

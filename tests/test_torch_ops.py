@@ -10,7 +10,8 @@ import torch
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 from cupykern.torch.gemm import linear_op, linear_out_op
-from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference, gemm_scale_batchnorm_op
+from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, batch_stats_op,
+                                                 gemm_scale_batchnorm_op)
 from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
                                                           matmul_sum_op, plan_op)
 from cupykern.torch.normalize import L1NormReference, L2NormReference, normalize_op, normalize_out_op
@@ -46,6 +47,7 @@ def _opcheck_cases(device):
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest")
     yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest")
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest")
+    yield batch_stats_op, (x, w, b, *v, 1e-5, "highest")
     yield plan_op, (w, b)
     yield matmul_sum_op, (x, w, b, plan_op(w, b))
     yield matmul_sum_op, (x, w, None, plan_op(w, None))

@@ -18,12 +18,13 @@ import torch
 
 NAMESPACE = "cupykern"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional, DTensor...
 
 
 def _direct(tensors) -> bool:
     """Whether an eager call may skip the dispatcher: real tensors, nothing tracing."""
     return (not torch.compiler.is_compiling()
-            and all(type(t) is torch.Tensor for t in tensors)
+            and all(type(t) in _PLAIN for t in tensors)
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._are_functorch_transforms_active())
 

@@ -12,15 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import batch_size_error, check, check_inputs, gemm_scale_batchnorm_core
+from ..gemm_scale_batchnorm import (batch_size_error, check, check_inputs, check_real,
+                                    gemm_scale_batchnorm_core)
 from ._checks import require_submodule, require_tensor
 from ._op import Op
 from .gemm import resolve_precision
 
-_SCHEMA = ("gemm_scale_batchnorm(Tensor x, Tensor weight, Tensor? bias, Tensor scale, "
-           "Tensor? bn_weight, Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+_PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
+           "Tensor? bn_bias")
+_SCHEMA = (f"gemm_scale_batchnorm({_PARAMS}, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
            "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
            "str precision) -> Tensor")
+# Training without running statistics mutates nothing: a functional op of its own
+# (Inductor cannot lower the mutating op when every buffer it may mutate is None).
+_BATCH_STATS_SCHEMA = f"gemm_scale_batchnorm_batch_stats({_PARAMS}, float eps, str precision) -> Tensor"
 
 
 def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
@@ -75,7 +80,16 @@ def _backward(ctx, g):
     return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 7
 
 
+def _full(args):
+    """The batch-statistics op's arguments as the stateful op's (no buffers, training)."""
+    *params, eps, precision = args
+    return (*params, None, None, None, True, None, eps, precision)
+
+
 gemm_scale_batchnorm_op = Op(_SCHEMA, _impl, _fake, _setup_context, _backward)
+batch_stats_op = Op(_BATCH_STATS_SCHEMA, lambda *a: _impl(*_full(a)), _fake,
+                    lambda ctx, inputs, output: _setup_context(ctx, _full(inputs), output),
+                    lambda ctx, g: _backward(ctx, g)[:6] + (None, None))
 
 
 def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
@@ -85,9 +99,13 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 1
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
+    prec = resolve_precision(precision)
+    if training and running_mean is None and running_var is None and num_batches_tracked is None:
+        if momentum is not None:  # unused without buffers, but checked as the stateful op does
+            check_real(momentum, "momentum")
+        return batch_stats_op(x, weight, bias, scale, bn_weight, bn_bias, eps, prec)
     return gemm_scale_batchnorm_op(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-                                   running_var, num_batches_tracked, training, momentum, eps,
-                                   resolve_precision(precision))
+                                   running_var, num_batches_tracked, training, momentum, eps, prec)
 
 
 class GemmScaleBatchNormReference(nn.Module):
