@@ -397,6 +397,10 @@ def check_gsbn(data, kinds):
     assert_close_or_within_2x_torch(got, theirs, ref, rtol, d_out, skip=skip_out,
                                     what=f"output ({'training' if training else 'eval'}, {prec})")
     if stats:
+        # Where a training batch column holds +-inf, PyTorch's own Welford statistics are
+        # nan or +-inf depending on how it splits the rows over threads: not compared.
+        if training:
+            skip = skip | torch.isinf(torch.nn.functional.linear(*args64[:3]) * args64[3]).any(0)
         for i, (name, new, bound) in enumerate((("running_mean", new_rm, d_rm),
                                                 ("running_var", new_rv, d_rv))):
             assert_close_or_within_2x_torch(new, their_stats[i], ref_stats[i], rtol, bound,

@@ -163,7 +163,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
-        self._cache = None  # (weight, bias, key(weight), key(bias), plan tensor)
+        self._cache = None  # (weight, bias, key(weight), key(bias), plan, detached weights)
 
     def plan(self) -> torch.Tensor:
         """The plan tensor for the current weights (rebuilt if they changed since the last)."""
@@ -171,8 +171,11 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         c = self._cache
         if c is not None and c[0] is w and c[1] is b and c[2] == _key(w) and c[3] == _key(b):
             return c[4]
-        plan = plan_op(w.detach(), _detach(b))
-        self._cache = (w, b, _key(w), _key(b), plan)
+        wd, bd = w.detach(), _detach(b)
+        plan = plan_op(wd, bd)
+        # The detached views keep the old storage alive while cached, so that new data
+        # (``.data = ...``) can never reuse the cached data pointer.
+        self._cache = (w, b, _key(w), _key(b), plan, (wd, bd))
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
