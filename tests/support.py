@@ -20,6 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cupykern.torch.matmul_sum_max_mean_logsumexp import reference as m4_torch  # noqa: F401
+from cupykern.torch.normalize import reference as normalize_reference
+
 GPU_KINDS = ("cupy", "torch")
 CPU_KINDS = ("numpy", "torch_cpu")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -110,10 +113,8 @@ def _where(mask):
 # ---------------------------------------------------------------- references (PyTorch ops)
 
 def normalize_torch(x, p, axis):
-    """Documented models 1 and 2 (any axis): a zero row gives nan (0/0)."""
-    if p == "l1":
-        return x / torch.mean(torch.abs(x), dim=axis, keepdim=True)
-    return x / torch.norm(x, p=2, dim=axis, keepdim=True)
+    """Documented models 1 and 2 (any axis; ``p`` "l1" or "l2"): the package's reference."""
+    return normalize_reference(x, 1 if p == "l1" else 2, axis)
 
 
 def linear_torch(x, w, b=None):
@@ -129,15 +130,6 @@ def bn_factor(momentum, nbt_after):
     """nn.BatchNorm1d's running-average factor: momentum, or 1 / num_batches_tracked (after
     the increment) when momentum is None."""
     return momentum if momentum is not None else 1.0 / nbt_after
-
-
-def m4_torch(x, w, b=None):
-    """Documented model 4, literally."""
-    y = torch.sum(F.linear(x, w, b), dim=1, keepdim=True)
-    y = torch.max(y, dim=1, keepdim=True)[0]
-    y = torch.mean(y, dim=1, keepdim=True)
-    y = torch.logsumexp(y, dim=1, keepdim=True)
-    return torch.logsumexp(y, dim=1, keepdim=True)
 
 
 @contextlib.contextmanager
