@@ -7,9 +7,9 @@ through ``cupy.RawModule`` for the current device (``sm_90a`` on Hopper, so
 wgmma/TMA/cluster code is allowed), and caches the launchable function per
 (file, instantiation, device, dynamic shared memory).
 
-Ops also *register* every instantiation they may launch, so that
-:func:`compile_check` can compile all of them without a GPU (CI does this for
-sm_80 and sm_90a with the flags CuPy adds at run time).
+Ops also *register* every instantiation they may launch, and on which archs, so
+that :func:`compile_check` can compile all of them without a GPU (CI does this for
+sm_75 to sm_120 with the flags CuPy adds at run time).
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ _BASE_OPTIONS = ("-std=c++17",)
 # cupy/cuda/compiler.py); the compile check adds the same so CI compiles what runs.
 _CUPY_IMPLICIT = ("-ftz=true", "--device-as-default-execution-space")
 
-# file -> {name expression: minimum compute capability}
-_REGISTRY: dict[str, dict[str, int]] = {}
+# file -> {name expression: (lowest, highest) compute capability it is built for}
+_REGISTRY: dict[str, dict[str, tuple[int, int]]] = {}
+# Archs the GPU-free compile check covers: Turing to Blackwell (90 is built as sm_90a).
+CHECKED_CCS = (75, 80, 86, 89, 90, 100, 120)
 _functions: dict = {}
 
 
@@ -65,14 +67,16 @@ def arch_options(cc: int) -> tuple[str, ...]:
     return _BASE_OPTIONS
 
 
-def register(filename: str, exprs, min_cc: int = 0) -> None:
-    """Declare instantiations an op may launch (for the GPU-free compile check)."""
+def register(filename: str, exprs, min_cc: int = 0, max_cc: int = 1000) -> None:
+    """Declare instantiations an op may launch on compute capabilities min_cc..max_cc
+    (for the GPU-free compile check)."""
     reg = _REGISTRY.setdefault(filename, {})
     for e in exprs:
-        reg[e] = max(reg.get(e, 0), min_cc)
+        lo, hi = reg.get(e, (0, 1000))
+        reg[e] = (max(lo, min_cc), min(hi, max_cc))
 
 
-def registry() -> dict[str, dict[str, int]]:
+def registry() -> dict[str, dict[str, tuple[int, int]]]:
     import cupykern  # noqa: F401  (importing the package registers every op)
     return _REGISTRY
 
@@ -123,7 +127,7 @@ def compile_nvrtc(filename: str, names, cc: int) -> None:
                   method="cubin").compile(opts)
 
 
-def compile_check(ccs=(80, 90)) -> list[str]:
+def compile_check(ccs=CHECKED_CCS) -> list[str]:
     """Compile every registered instantiation with NVRTC for each arch; no GPU needed.
 
     Returns a list of failure messages (empty when everything compiles).
@@ -131,7 +135,7 @@ def compile_check(ccs=(80, 90)) -> list[str]:
     failures = []
     for filename, exprs in sorted(registry().items()):
         for cc in ccs:
-            names = sorted(e for e, need in exprs.items() if cc >= need)
+            names = sorted(e for e, (lo, hi) in exprs.items() if lo <= cc <= hi)
             if not names:
                 continue
             try:

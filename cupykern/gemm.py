@@ -60,11 +60,13 @@ def _wgmma_expr(mode: int) -> str:
 
 _SIMPLE_EXPR = f"gemm_simple<double, {_SIMPLE['TILE']}, {_SIMPLE['THREADS']}>"
 
+# mma.sync / cp.async need sm_80 (older GPUs raise NotImplementedError for those dtypes);
+# wgmma is sm_90a only.
 for _al in (True, False):
-    _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()])
-    _loader.register(_FILE, [_mma_expr(d, _HALF, _al) for d in ("float16", "bfloat16")])
+    _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()], min_cc=80)
+    _loader.register(_FILE, [_mma_expr(d, _HALF, _al) for d in ("float16", "bfloat16")], min_cc=80)
 _loader.register(_FILE, [_SIMPLE_EXPR])
-_loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90)
+_loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90, max_cc=90)
 
 
 def check_precision(precision) -> str:

@@ -40,7 +40,13 @@ template <> __device__ __forceinline__ half_t from_acc<half_t>(double v) {
 }
 template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(float v) {
   bf16_t h;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800  // no bf16 cvt: round to nearest even by hand
+  const unsigned u = __float_as_uint(v);
+  h.bits = (u & 0x7fffffffu) > 0x7f800000u ? (u16)((u >> 16) | 0x40u)  // nan stays a (quiet) nan
+                                           : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+#endif
   return h;
 }
 template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double v) {
@@ -56,15 +62,24 @@ template <typename T> struct Vec16 {
 // Round two accumulator values into one 32-bit word of T (lo in the low half).
 // Packed cvt halves the conversion count for 16-bit types (conversions are a
 // quarter-rate pipe and would otherwise cap fp16 output bandwidth).
+// (Packed cvt needs sm_80; older archs round each half on its own.)
 __device__ __forceinline__ unsigned pack2(float lo, float hi, half_t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  return (unsigned)from_acc<half_t>(lo).bits | ((unsigned)from_acc<half_t>(hi).bits << 16);
+#else
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 __device__ __forceinline__ unsigned pack2(float lo, float hi, bf16_t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  return (unsigned)from_acc<bf16_t>(lo).bits | ((unsigned)from_acc<bf16_t>(hi).bits << 16);
+#else
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 
 // Vec16 of T from N accumulator values: f(j) gives element j.
