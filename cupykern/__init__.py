@@ -11,7 +11,7 @@ from .gemm import linear
 from .gemm_scale_batchnorm import gemm_scale_batchnorm
 from .matmul_sum_max_mean_logsumexp import MatmulSumPlan, matmul_sum_max_mean_logsumexp, prepare_matmul_sum
 
-if "torch" in _sys.modules:  # register the custom ops now: torch.compile cannot trace an import
+if _sys.modules.get("torch") is not None:  # register the ops now: torch.compile cannot trace an import
     from . import torch as _torch_layer  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The main job: verify and benchmark every documented model.
 
-    python -m cupykern [--quick] [--json PATH] [--models l1norm,l2norm,...]
+    python -m cupykern [--quick] [--json PATH] [--models L1Norm,L2Norm,...]
 
 For each model and benchmark shape it checks ModelNew against the PyTorch
 reference (same seed, several random inputs, allclose at the case's tolerance)
@@ -17,20 +17,24 @@ import time
 
 import numpy as np
 
+from cupykern.models import CLASSES, NAMES, resolve
 
-def _gpu_name() -> str | None:
+
+def _gpu() -> tuple[str | None, str]:
+    """(GPU name or None, why there is none)."""
     try:
         import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name()
     except ImportError:
-        pass
-    return None
+        return None, ("PyTorch is not installed (the main job compares against it: install "
+                      "the torch build for your CUDA driver, see the README's recipes)")
+    if not torch.cuda.is_available():
+        return None, "No CUDA GPU found (torch.cuda.is_available() is False)"
+    return torch.cuda.get_device_name(), ""
 
 
-def _cpu_check() -> int:
-    """Exercise every array function's NumPy path on small shapes against float64 math."""
+def _cpu_check() -> dict:
+    """Exercise every array function's NumPy path on small shapes against float64 math;
+    {function: {"correct": bool, "max_abs_err": float}}."""
     import cupykern
 
     rng = np.random.default_rng(0)
@@ -50,12 +54,12 @@ def _cpu_check() -> int:
                                           (z + b64).sum(1, keepdims=True)),
         "gemm_scale_batchnorm": (cupykern.gemm_scale_batchnorm(x, w, b, s, g, beta), want_bn),
     }
-    failures = 0
+    results = {}
     for name, (got, want) in checks.items():
-        ok = np.allclose(got, want, atol=1e-4, rtol=1e-4)
-        failures += not ok
-        print(f"  {name:<32} {'ok' if ok else 'MISMATCH'}")
-    return failures
+        ok = bool(np.allclose(got, want, atol=1e-4, rtol=1e-4))
+        results[name] = {"correct": ok, "max_abs_err": float(np.abs(got - want).max())}
+        print(f"  {name:<32} {'ok' if ok else 'MISMATCH'}", flush=True)
+    return results
 
 
 def _check(case, ref, new, seeds=3):
@@ -154,24 +158,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupykern", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes only")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(_model_names()))
+    ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(CLASSES)
+                    + " (or their lower-case module names)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     args = ap.parse_args(argv)
+    try:
+        wanted = resolve(args.models) if args.models is not None else NAMES
+    except ValueError as e:
+        ap.error(f"--models: {e}")
 
-    gpu = _gpu_name()
+    gpu, why = _gpu()
     if gpu is None:
-        print("No CUDA GPU found (torch.cuda.is_available() is False): nothing to benchmark.")
+        print(f"{why}: nothing to benchmark.")
         print("Checking the NumPy reference path on small shapes instead:")
-        return 1 if _cpu_check() else 0
+        checks = _cpu_check()
+        if args.json:
+            _write_json(args.json, {"gpu": None, "reason": why, "cpu_check": checks})
+        return 0 if all(c["correct"] for c in checks.values()) else 1
 
     from cupykern import models
 
-    wanted = set(args.models.split(",")) if args.models else None
     print(f"GPU: {gpu}")
     rows = []
     for module in models.available():
         name = module.__name__.rsplit(".", 1)[1]
-        if wanted and name not in wanted:
+        if name not in wanted:
             continue
         for case in module.CASES:
             if args.quick and not case.quick:
@@ -188,15 +199,14 @@ def main(argv=None) -> int:
         print("yes*: outside allclose of PyTorch's float32 output, but within it of a float64 run of"
               " the reference and closer to it than PyTorch.")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "rows": rows}, f, indent=2)
+        _write_json(args.json, {"gpu": gpu, "rows": rows})
     return 0 if all(r["correct"] for r in rows) else 1
 
 
-def _model_names():
-    from cupykern.models import NAMES
-
-    return NAMES
+def _write_json(path, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"Wrote {path}")
 
 
 if __name__ == "__main__":

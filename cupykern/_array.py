@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from . import _loader
 from ._geometry import byte_extent, extents_meet, row_stride, self_overlapping
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -133,7 +134,7 @@ def stream_of(a: Operand):
     """The stream a launch for ``a`` must go on: torch's or CuPy's current one."""
     if a.kind == "torch":
         return _RawStream(_torch()._C._cuda_getCurrentRawStream(a.device))
-    import cupy
+    cupy = _loader.cupy()
     return cupy.cuda.get_current_stream()
 
 
@@ -144,7 +145,7 @@ def empty(like: Operand, shape, dtype: str | None = None):
         t = _torch()
         return t.empty(shape, dtype=like.obj.dtype if same else getattr(t, dtype),
                        device=like.obj.device)
-    import cupy
+    cupy = _loader.cupy()
     with cupy.cuda.Device(like.device):
         return cupy.empty(shape, dtype=like.obj.dtype if same else dtype)
 
@@ -160,7 +161,7 @@ def contiguous(a: Operand, copy: bool = False):
     if a.kind == "torch":
         t = _torch()
         return a.obj.clone(memory_format=t.contiguous_format) if copy else a.obj.contiguous()
-    import cupy
+    cupy = _loader.cupy()
     with cupy.cuda.Device(a.device):
         return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
 
@@ -235,7 +236,7 @@ def rows_2d(o: Operand, name: str) -> Operand:
 
 def launch(a: Operand, fn, grid, block, args, shared_mem: int = 0) -> None:
     """Launch ``fn`` on ``a``'s device and current stream (torch's or CuPy's)."""
-    import cupy
+    cupy = _loader.cupy()
 
     if cupy.cuda.runtime.getDevice() == a.device:
         fn(grid, block, args, shared_mem=shared_mem, stream=stream_of(a))
@@ -248,7 +249,7 @@ def moveaxis(obj, src: int, dst: int):
     """``obj`` with axis ``src`` moved to ``dst`` (a view), for CuPy or torch."""
     if is_torch(obj):
         return obj.movedim(src, dst)
-    import cupy
+    cupy = _loader.cupy()
     return cupy.moveaxis(obj, src, dst)
 
 

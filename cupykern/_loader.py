@@ -30,6 +30,17 @@ CHECKED_CCS = (75, 80, 86, 89, 90, 100, 120)
 _functions: dict = {}
 
 
+def cupy():
+    """The CuPy module; an ImportError naming the extras when it is not installed."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise ImportError("cupykern needs CuPy for GPU arrays and tensors: pip install "
+                          "'cupykern[cuda12]' (CUDA 12 driver) or 'cupykern[cuda13]' (CUDA 13 "
+                          "driver); see the README's install recipes") from e
+    return cp
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_dir() -> pathlib.Path:
     """Where the .cu files are: inside the installed package, else the checkout."""
@@ -83,14 +94,12 @@ def registry() -> dict[str, dict[str, tuple[int, int]]]:
 
 @functools.lru_cache(maxsize=None)
 def device_cc(device: int) -> int:
-    import cupy
-    return int(cupy.cuda.Device(device).compute_capability)
+    return int(cupy().cuda.Device(device).compute_capability)
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device: int) -> int:
-    import cupy
-    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
 
 
 def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
@@ -107,9 +116,9 @@ def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
 
 
 def _build(filename, expr, device, dynamic_smem):
-    import cupy
-    with cupy.cuda.Device(device):
-        mod = cupy.RawModule(code=source(filename), options=arch_options(device_cc(device)),
+    cp = cupy()
+    with cp.cuda.Device(device):
+        mod = cp.RawModule(code=source(filename), options=arch_options(device_cc(device)),
                              name_expressions=(expr,))
         rk = mod.get_function(expr)
         if dynamic_smem > 48 * 1024:

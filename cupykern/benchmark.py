@@ -4,6 +4,24 @@ stream, L2 flushed between calls, mean of many calls; and the hardware ceilings
 from __future__ import annotations
 
 import statistics
+import sys
+
+
+def torch_or_exit():
+    """The torch module, or exit with a message saying what to install."""
+    try:
+        import torch
+    except ImportError:
+        sys.exit("This benchmark needs PyTorch and a CUDA GPU: install the torch build for "
+                 "your CUDA driver (see the README's install recipes).")
+    return torch
+
+
+def require_gpu() -> None:
+    """Exit with a clear message unless a CUDA GPU is present (after --help was handled)."""
+    if not torch_or_exit().cuda.is_available():
+        sys.exit("No CUDA GPU found (torch.cuda.is_available() is False): this benchmark "
+                 "needs one. `python -m cupykern` checks the CPU path without a GPU.")
 
 
 def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:

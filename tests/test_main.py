@@ -15,6 +15,43 @@ def test_main_job_without_gpu():
     assert r.stdout.count(" ok") == 5 and "MISMATCH" not in r.stdout
 
 
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the job benchmarks instead (test_quick_main_job)")
+def test_main_job_json_without_gpu(tmp_path):
+    import json
+
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "cupykern", "--json", str(out), "--models", "L1Norm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["gpu"] is None and data["reason"]
+    assert len(data["cpu_check"]) == 5 and all(c["correct"] for c in data["cpu_check"].values())
+
+
+@pytest.mark.parametrize("models", ["bogus", "l1norm,nope", ""])
+def test_unknown_model_is_an_error_listing_the_valid_ones(models):
+    r = subprocess.run([sys.executable, "-m", "cupykern", "--models", models],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "--models" in r.stderr and "L1Norm" in r.stderr and "GemmScaleBatchNorm" in r.stderr
+
+
+def test_model_names_in_either_spelling():
+    from cupykern.models import NAMES, resolve
+
+    assert resolve("L1Norm,l2norm,MATMULSUMMAXMEANLOGSUMEXP,GemmScaleBatchNorm") == list(NAMES)
+
+
+@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead"])
+def test_benchmarks_have_help_and_need_a_gpu(module):
+    name = f"cupykern.benchmarks.{module}"
+    r = subprocess.run([sys.executable, "-m", name, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+    if not gpu_count():
+        r = subprocess.run([sys.executable, "-m", name], capture_output=True, text=True)
+        assert r.returncode == 1 and "No CUDA GPU found" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.gpu
 def test_quick_main_job(tmp_path):
     import json

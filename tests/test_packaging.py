@@ -28,3 +28,28 @@ def test_wheel_ships_kernels_and_loader_finds_them(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == [str(site / "cupykern" / "kernels_cu"), "True"]
+
+
+def _run_without(module, code):
+    """Run ``code`` in a fresh interpreter where ``import module`` fails."""
+    pre = f"import sys; sys.modules[{module!r}] = None\n"
+    return subprocess.run([sys.executable, "-c", pre + code], capture_output=True, text=True)
+
+
+def test_missing_torch_names_what_to_install():
+    r = _run_without("torch", "import cupykern, numpy as np\n"
+                              "print(cupykern.l1_normalize(np.ones((2, 3), np.float32)).sum())\n"
+                              "import cupykern.torch")
+    assert r.stdout.strip() == "6.0"  # the array functions need no torch
+    assert "ImportError: cupykern.torch needs PyTorch" in r.stderr and "install" in r.stderr
+
+
+def test_missing_cupy_names_the_extras():
+    r = _run_without("cupy", "import cupykern._loader as l\nl.cupy()")
+    assert "cupykern[cuda12]" in r.stderr and "cupykern[cuda13]" in r.stderr
+
+
+def test_main_job_without_torch_says_so():
+    r = _run_without("torch", "import sys; from cupykern.__main__ import main; sys.exit(main([]))")
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch is not installed" in r.stdout and "MISMATCH" not in r.stdout

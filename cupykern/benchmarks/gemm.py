@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import torch
+from cupykern.benchmark import require_gpu, tflops, time_ms, torch_or_exit
 
-import cupykern
-from cupykern.benchmark import time_ms, tflops
-from cupykern.models import gemm_scale_batchnorm as model3
+torch = torch_or_exit()
+import cupykern  # noqa: E402
+from cupykern.models import gemm_scale_batchnorm as model3  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -100,9 +100,11 @@ def bench_model(case, iters):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--part", choices=("all", "gemm", "model"), default="all")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
+    ap.add_argument("--part", choices=("all", "gemm", "model"), default="all",
+                    help="the GEMM alone, GemmScaleBatchNorm, or both")
     args = ap.parse_args(argv)
+    require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.part != "model":
         bench_gemm(1024, 8192, 8192, args.iters)

@@ -15,14 +15,15 @@ back-to-back calls instead, so host overhead is included.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
-import torch
+from cupykern.benchmark import copy_ms, gbps, require_gpu, time_ms, torch_or_exit
 
-import cupykern
-from cupykern.matmul_sum_max_mean_logsumexp import ROWS_PER_BLOCK
-from cupykern.benchmark import copy_ms, gbps, time_ms
-from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
+torch = torch_or_exit()
+import cupykern  # noqa: E402
+from cupykern.matmul_sum_max_mean_logsumexp import ROWS_PER_BLOCK  # noqa: E402
+from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew  # noqa: E402
 
 
 def _wall_us(fn, n=3000):
@@ -54,7 +55,9 @@ def _models(k, n):
     return ref, new, torch.compile(ref)
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    require_gpu()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     big = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     ceiling = gbps(2 * big.nbytes, copy_ms(big))

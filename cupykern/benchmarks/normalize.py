@@ -13,11 +13,11 @@ import subprocess
 import sys
 import tempfile
 
-import torch
+from cupykern.benchmark import copy_ms, require_gpu, time_ms, torch_or_exit
 
-import cupykern
-from cupykern import normalize
-from cupykern.benchmark import copy_ms, time_ms
+torch = torch_or_exit()
+import cupykern  # noqa: E402
+from cupykern import normalize  # noqa: E402
 
 REF = {
     "l1": lambda x: x / torch.mean(torch.abs(x), dim=1, keepdim=True),
@@ -102,11 +102,12 @@ def compile_times():
             print(f"  {label}: {r.stdout.strip() or r.stderr[-500:]}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4096 rows instead of 32768")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
+    args = ap.parse_args(argv)
+    require_gpu()
     print(f"GPU: {torch.cuda.get_device_name()}")
     compile_times()
     small([(16, 16384), (128, 4096)])

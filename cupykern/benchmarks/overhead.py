@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cupykern.benchmark import require_gpu
+
 
 def per_call_us(fn, n: int = 500) -> float:
     import torch
@@ -71,11 +73,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=500, help="back-to-back calls per figure")
     args = ap.parse_args(argv)
+    require_gpu()
     import torch
 
-    if not torch.cuda.is_available():
-        print("No CUDA GPU found: this benchmark needs one.")
-        return 1
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'call':<50} {'ours us':>8} {'baseline':>16} {'us':>8} {'ratio':>6}")
     for label, ours, base_name, base in rows():

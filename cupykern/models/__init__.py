@@ -10,8 +10,24 @@ import dataclasses
 import importlib
 from typing import Callable
 
-# Submodules in the order the main job runs them.
+# Submodules in the order the main job runs them, and the class each one documents.
 NAMES = ("l1norm", "l2norm", "matmul_sum_max_mean_logsumexp", "gemm_scale_batchnorm")
+CLASSES = ("L1Norm", "L2Norm", "MatmulSumMaxMeanLogSumExp", "GemmScaleBatchNorm")
+
+
+def resolve(names: str) -> list[str]:
+    """Submodule names for a comma-separated list of model names, in either spelling
+    (``l1norm`` or ``L1Norm``, any case); ValueError listing the valid ones otherwise."""
+    known = {n.lower(): n for n in NAMES} | {c.lower(): n for c, n in zip(CLASSES, NAMES)}
+    picked = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name.lower() not in known:
+            raise ValueError(f"unknown model {name!r}; choose from "
+                             + ", ".join(f"{c} ({n})" for c, n in zip(CLASSES, NAMES)))
+        picked.append(known[name.lower()])
+    if not picked:
+        raise ValueError("no model named; choose from " + ", ".join(CLASSES))
+    return picked
 
 
 @dataclasses.dataclass(frozen=True)

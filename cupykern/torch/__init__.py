@@ -1,6 +1,12 @@
 """cupykern for PyTorch: every kernel as a ``torch.ops.cupykern`` custom op (fake
 implementation, autograd, ``mutates_args`` for the buffers it updates), and drop-in
 ``nn.Module`` replacements for the documented models."""
+try:
+    import torch  # noqa: F401
+except ImportError as e:
+    raise ImportError("cupykern.torch needs PyTorch: install the torch build for your CUDA "
+                      "driver (or the CPU build) as the README's install recipes show") from e
+
 from .gemm_scale_batchnorm import GemmScaleBatchNorm
 from .matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp
 from .normalize import L1Norm, L2Norm
