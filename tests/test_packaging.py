@@ -19,6 +19,8 @@ def test_wheel_ships_kernels_and_loader_finds_them(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     kernels = sorted(p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
     assert kernels and all(f"cupykern/kernels_cu/{k}" in names for k in kernels)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")
+               for n in names), sorted(names)
 
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)  # a pure-Python wheel: unpacking is installing

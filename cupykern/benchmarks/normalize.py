@@ -1,7 +1,7 @@
 """Benchmark l1_normalize / l2_normalize: ``python -m cupykern.benchmarks.normalize [--quick]``.
 
 Byte model: one read of x and one write of y (2 * x.nbytes), against the
-same-run ceiling ``y.copy_(x)`` on the same tensor. Targets (issue 2): <= 1.15x
+same-run ceiling ``y.copy_(x)`` on the same tensor. Targets: <= 1.15x
 copy time in float32, <= 1.25x in float16/bfloat16 at 32768x65535; at the
 small shapes, no slower than PyTorch eager with host overhead included.
 """

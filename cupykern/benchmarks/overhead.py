@@ -6,7 +6,7 @@ events on torch's current stream (so host time is included, as a training loop s
 it), next to the PyTorch expression it replaces in the same run. Only public API is
 called, so the script measures any version of the package.
 
-Targets (issue 9): MatmulSumMaxMeanLogSumExp at 1024x8192->8192 with parameters that
+Targets: MatmulSumMaxMeanLogSumExp at 1024x8192->8192 with parameters that
 require grad and grad mode on no slower than ``torch.mv(x, v)`` (one read of x, like
 ours) and <= 20 us on an H200; L1/L2 at 16x16384 no slower than eager;
 GemmScaleBatchNorm training at 128x1024->512 >= 1.0x eager.

@@ -1,4 +1,4 @@
-"""Model 3, GemmScaleBatchNorm: ``bn(gemm(x) * scale)`` (../shared/spec/MODELS.md)."""
+"""Model 3, GemmScaleBatchNorm: ``bn(gemm(x) * scale)`` (README: The documented models)."""
 import torch
 
 from ..torch.gemm_scale_batchnorm import GemmScaleBatchNorm as ModelNew  # noqa: F401
