@@ -38,13 +38,14 @@ def _is_cupy(x) -> bool:
 
 
 class Operand:
-    """A validated array argument. ``strides`` are in elements."""
+    """A validated array argument. ``strides`` are in elements; ``torch``: a torch tensor."""
 
-    __slots__ = ("obj", "kind", "dtype", "shape", "strides", "ptr", "device", "name")
+    __slots__ = ("obj", "kind", "dtype", "shape", "strides", "ptr", "device", "name", "torch")
 
-    def __init__(self, obj, kind, dtype, shape, strides, ptr, device, name):
+    def __init__(self, obj, kind, dtype, shape, strides, ptr, device, name, torch=False):
         self.obj, self.kind, self.dtype, self.shape = obj, kind, dtype, shape
         self.strides, self.ptr, self.device, self.name = strides, ptr, device, name
+        self.torch = torch
 
     @property
     def ndim(self) -> int:
@@ -68,8 +69,9 @@ class Operand:
 
 def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
     """Validate ``x`` (argument ``name``) and describe it. Raises TypeError."""
-    if is_torch(x):
-        if x.layout is not _torch().strided:
+    t = _torch()
+    if t is not None and isinstance(x, t.Tensor):
+        if x.layout is not t.strided:
             raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
         dtype = str(x.dtype).removeprefix("torch.")
         _check_dtype(dtype, name, dtypes)
@@ -79,7 +81,7 @@ def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
             kind, ptr, dev = "cpu", 0, None
         else:
             raise TypeError(f"{name}: expected a CUDA or CPU tensor, got device {x.device}")
-        return Operand(x, kind, dtype, tuple(x.shape), tuple(x.stride()), ptr, dev, name)
+        return Operand(x, kind, dtype, tuple(x.shape), tuple(x.stride()), ptr, dev, name, True)
     if _is_cupy(x):
         dtype = x.dtype.name
         _check_dtype(dtype, name, dtypes)
@@ -100,7 +102,7 @@ def _check_dtype(dtype, name, dtypes):
 
 def same_place(a: Operand, b: Operand) -> None:
     """``b`` must live where ``a`` lives (same kind and device). Raises ValueError/TypeError."""
-    if a.kind != b.kind or is_torch(a.obj) != is_torch(b.obj):
+    if a.kind != b.kind or a.torch != b.torch:
         raise TypeError(f"{b.name}: is a {_describe(b)} but {a.name} is a {_describe(a)}; "
                         "do not mix CPU and GPU or CuPy and torch arguments")
     if a.device != b.device:
@@ -109,7 +111,7 @@ def same_place(a: Operand, b: Operand) -> None:
 
 def _describe(a: Operand) -> str:
     if a.kind == "cpu":
-        return "torch CPU tensor" if is_torch(a.obj) else "NumPy array"
+        return "torch CPU tensor" if a.torch else "NumPy array"
     return {"cupy": "CuPy array", "torch": "torch CUDA tensor"}[a.kind]
 
 
@@ -229,7 +231,7 @@ def rows_2d(o: Operand, name: str) -> Operand:
     if o.ndim == 2:
         rs = row_stride(o.shape, o.strides)
         if rs is not None and rs >= k:
-            return Operand(o.obj, o.kind, o.dtype, o.shape, (rs, 1), o.ptr, o.device, name)
+            return Operand(o.obj, o.kind, o.dtype, o.shape, (rs, 1), o.ptr, o.device, name, o.torch)
     obj = o.obj if o.is_c_contiguous() else contiguous(o)
     return operand(obj.reshape(m, k), name)
 
