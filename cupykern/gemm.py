@@ -40,9 +40,9 @@ _MMA["SMEM"] = _MMA["STAGES"] * (_MMA["BM"] + _MMA["BN"]) * (128 + 16)
 # alignment slack; a producer warpgroup and two consumer warpgroups.
 _WGMMA = {}
 for _m, _bn in ((0, 128), (1, 256)):
-    _stage = 128 * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
-    _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4}
-    _WGMMA[_m]["SMEM"] = 4 * _stage + 3 * 4 * 8 + 1024
+    _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4}
+    _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
+    _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # float64 CUDA-core kernel: 16x16 threads, 4x4 each
 MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
 

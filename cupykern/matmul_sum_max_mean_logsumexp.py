@@ -196,11 +196,14 @@ class MatmulSumPlan:
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = w.shape
         self.dtype, self.kind, self.device = w.dtype, w.kind, w.device
-        self._w, self._b = w, b
         self.wsum = self.data = None
-        if w.kind != "cpu":
+        if w.kind != "cpu":  # rows contiguous once here, so calls never copy the weights
+            w = _row_view(w, "weight")[0]
+            if b is not None and b.shape[0] > 1 and b.strides[0] != 1:
+                b = operand(contiguous(b), "bias")
             self.data = build_plan(w, b)
             self.wsum = self.data[:self.in_features]
+        self._w, self._b = w, b
 
     def __call__(self, x):
         """The model's output (B, 1) for x (B, in_features), as x's kind."""

@@ -121,6 +121,8 @@ def check(x, p: int, axis, out=None, config=None):
     o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
     if config is not None:
         config = tuple(config)
+        if len(config) == 5 and config[4] < 1:
+            raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
         known = CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]
         if config[:4] not in {c + (True,) * (4 - len(c)) for c in known} | set(known):
             raise ValueError(f"config: {config} is not one of the {a.dtype} configurations "

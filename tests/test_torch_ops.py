@@ -202,3 +202,48 @@ def test_module_rejects_non_tensors(name, bad, device):
     _, ours_cls, init, _, _ = MODELS[name]
     with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
         ours_cls(*init).to(device)(bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_sum_op_checks_its_plan(device):
+    x, w = torch.ones(2, 3, device=device), torch.ones(4, 3, device=device)
+    good = plan_op(w, None)
+    for bad in (good.float(), good[:-1], torch.zeros(12, dtype=torch.float64, device=device)[1:7]):
+        with pytest.raises(ValueError, match="^plan: "):
+            matmul_sum_op(x, w, None, bad)
+    with pytest.raises(TypeError, match="^plan: "):
+        matmul_sum_op(x, w, None, [0.0] * 6)
+
+
+def test_ops_are_visible_to_jit_trace_meta_tensors_and_torch_function_modes():
+    """Anything that watches or traces a call sees the op, never its implementation."""
+    from torch.overrides import TorchFunctionMode
+
+    x = torch.randn(4, 6)
+    traced = torch.jit.trace(L1Norm(), (x,))
+    assert "cupykern::normalize" in str(traced.graph)
+    assert L1Norm()(x.to("meta")).device.type == "meta"
+    assert tuple(GemmScaleBatchNorm(6, 5, (5,)).to("meta")(x.to("meta")).shape) == (4, 5)
+
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        L2Norm()(x)
+    assert any("cupykern.normalize" in f for f in seen), seen
+
+
+def test_gsbn_backward_computes_only_the_gradients_asked_for():
+    """Frozen weights: no weight gradient (and no GEMM for it), through either path."""
+    torch.manual_seed(0)
+    m = GemmScaleBatchNorm(6, 5, (5,))
+    m.gemm.weight.requires_grad_(False)
+    x = torch.randn(8, 6, requires_grad=True)
+    y = cupykern.gemm_scale_batchnorm(x, m.gemm.weight, m.gemm.bias, m.scale, m.bn.weight, m.bn.bias,
+                                      m.bn.running_mean, m.bn.running_var, m.bn.num_batches_tracked)
+    y.square().sum().backward()
+    assert m.gemm.weight.grad is None and x.grad is not None and m.scale.grad is not None

@@ -8,7 +8,7 @@ PyTorch ops), a fake (meta) implementation for tracing, and optionally autograd
 Calling an :class:`Op` goes through the dispatcher whenever something is tracing or
 transforming the call (torch.compile, torch.export, fake or functional tensors,
 dispatch modes, vmap/grad transforms). In plain eager mode it calls the very same
-implementation directly, inside an ``autograd.Function`` made of the very same
+implementation directly (see :func:`_direct`), inside an ``autograd.Function`` made of the very same
 ``setup_context`` / ``backward`` when a gradient is needed: the dispatcher costs
 microseconds a call, which small calls cannot afford.
 """
@@ -22,10 +22,14 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional,
 
 
 def _direct(tensors) -> bool:
-    """Whether an eager call may skip the dispatcher: real tensors, nothing tracing."""
+    """Whether an eager call may skip the dispatcher: real CPU/CUDA tensors, and nothing
+    tracing or watching (torch.compile/export, jit.trace, fake/functional/meta tensors,
+    dispatch or torch-function modes, functorch transforms)."""
     return (not torch.compiler.is_compiling()
-            and all(type(t) in _PLAIN for t in tensors)
+            and all(type(t) in _PLAIN and not t.is_meta for t in tensors)
+            and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
             and not torch._C._are_functorch_transforms_active())
 
 

@@ -49,8 +49,12 @@ def _fake(x, weight, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, scale, gamma, _, rmean, rvar, _, training, _, eps, _ = inputs
-    ctx.training, ctx.eps, ctx.has_bias = training, eps, bias is not None
+    x, weight, bias, scale, gamma, beta, rmean, rvar, _, training, _, eps, _ = inputs
+    ctx.training, ctx.eps = training, eps
+    # Which of x, weight, bias, scale, gamma, beta want a gradient (read from the inputs:
+    # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
+    ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
+                      for t in (x, weight, bias, scale, gamma, beta))
     stats = (None, None) if training else (rmean, rvar)
     ctx.save_for_backward(x, weight, bias, scale, gamma, *stats)
 
@@ -75,8 +79,10 @@ def _backward(ctx, g):
     else:
         dy = dyhat * inv
     dz = dy * sa
-    grads = (dz @ wa, dz.t() @ xa, dz.sum(0) if ctx.has_bias else None, (dy * z).sum(0),
-             None if gamma is None else (ga * yhat).sum(0), ga.sum(0))
+    want = ctx.wants
+    grads = (dz @ wa if want[0] else None, dz.t() @ xa if want[1] else None,
+             dz.sum(0) if want[2] else None, (dy * z).sum(0) if want[3] else None,
+             (ga * yhat).sum(0) if want[4] else None, ga.sum(0) if want[5] else None)
     return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 7
 
 
@@ -141,7 +147,7 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
     def forward(self, x):
         require_tensor(x)
         if not x.is_cuda:  # the reference model itself: honours any submodule
-            if isinstance(self.gemm, nn.Linear):
+            if isinstance(self.gemm, nn.Linear) and x.device.type == "cpu":  # (meta: shapes only)
                 check_inputs(x, self.gemm.weight)
                 if self.bn.training and x.shape[0] <= 1:  # before bn counts it
                     raise batch_size_error(torch.Size([x.shape[0], self.gemm.out_features]))

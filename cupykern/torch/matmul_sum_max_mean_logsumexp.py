@@ -61,9 +61,24 @@ def _impl(x, weight, bias, plan):
     a = operand(x, "x")
     w, b = check_weights(weight, bias)
     check_x(a, w)
+    _check_plan(plan, w)
     if x.is_cuda:
         return apply_plan(a, w, b, plan.data_ptr())
     return reference(x, weight, bias)
+
+
+def _check_plan(plan, w) -> None:
+    """The plan the kernel reads: float64 [K + PLAN_TAIL], contiguous, beside the weights,
+    16-byte aligned (it is read in 16-byte vectors)."""
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"plan: expected a torch.Tensor, got {type(plan).__name__}")
+    want = (w.shape[1] + PLAN_TAIL,)
+    if plan.dtype != torch.float64 or tuple(plan.shape) != want or not plan.is_contiguous():
+        raise ValueError(f"plan: expected a contiguous float64 tensor of shape {want} from "
+                         f"matmul_sum_plan, got {plan.dtype} {tuple(plan.shape)}")
+    if plan.device != w.obj.device or plan.data_ptr() % 16:
+        raise ValueError(f"plan: must be 16-byte aligned on the weights' device "
+                         f"({w.obj.device}), got {plan.device}")
 
 
 def _fake(x, weight, bias, plan):
@@ -182,7 +197,8 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         require_tensor(x)
         w, b = self.linear.weight, self.linear.bias
         if not (x.is_cuda or w.is_cuda):  # the reference model itself
-            check_x(operand(x, "x"), operand(w, "weight"))
+            if x.device.type == "cpu":  # (meta tensors: shapes only)
+                check_x(operand(x, "x"), operand(w, "weight"))
             return super().forward(x)
         require_submodule(self, "linear", nn.Linear)
         plan = self.plan() if _direct((x, w)) else plan_op(w.detach(), _detach(b))
