@@ -34,10 +34,15 @@ _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it
 _TWO_PASS = {"THREADS": 256, "CHUNK": 65536, "MAX_CHUNKS": 1024}
 
 
+def _kernel_of(cfg) -> tuple:
+    """(cluster CTAs, threads, vectors, prefetch) of a configuration: prefetch defaults to
+    on, and a 5th entry (rows per cluster) changes the launch, not the kernel."""
+    return tuple(cfg[:3]) + (bool(cfg[3]) if len(cfg) > 3 else True,)
+
+
 def _cluster_expr(p, dtype, cfg):
-    c, t, v = cfg[:3]
-    prefetch = "true" if len(cfg) < 4 or cfg[3] else "false"
-    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {prefetch}>"
+    c, t, v, prefetch = _kernel_of(cfg)
+    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {'true' if prefetch else 'false'}>"
 
 
 def _two_pass_exprs(p, dtype):
@@ -124,7 +129,7 @@ def check(x, p: int, axis, out=None, config=None):
         if len(config) == 5 and config[4] < 1:
             raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
         known = CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]
-        if config[:4] not in {c + (True,) * (4 - len(c)) for c in known} | set(known):
+        if _kernel_of(config) not in {_kernel_of(c) for c in known}:
             raise ValueError(f"config: {config} is not one of the {a.dtype} configurations "
                              f"{known} (optionally with a rows-per-cluster 5th entry)")
     return a, ax, p, o, config
