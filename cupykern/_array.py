@@ -48,6 +48,16 @@ class Operand:
         self.torch = torch
 
     @property
+    def array_dtype(self):
+        """The array library's own dtype object (torch.dtype / numpy.dtype)."""
+        return self.obj.dtype
+
+    @property
+    def array_device(self):
+        """torch's device object for a tensor (None otherwise)."""
+        return self.obj.device if self.torch else None
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -140,16 +150,17 @@ def stream_of(a: Operand):
     return cupy.cuda.get_current_stream()
 
 
-def empty(like: Operand, shape, dtype: str | None = None):
-    """A new uninitialised C-contiguous array of the caller's kind, on ``like``'s device."""
+def empty(like, shape, dtype: str | None = None):
+    """A new uninitialised C-contiguous array of the caller's kind, on ``like``'s device
+    (``like``: an Operand or a Place), of ``like``'s dtype or the named one."""
     same = dtype is None or dtype == like.dtype
     if like.kind == "torch":
         t = _torch()
-        return t.empty(shape, dtype=like.obj.dtype if same else getattr(t, dtype),
-                       device=like.obj.device)
+        return t.empty(shape, dtype=like.array_dtype if same else getattr(t, dtype),
+                       device=like.array_device)
     cupy = _loader.cupy()
     with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=like.obj.dtype if same else dtype)
+        return cupy.empty(shape, dtype=like.array_dtype if same else dtype)
 
 
 def data_ptr(obj) -> int:
@@ -223,28 +234,94 @@ def torch_layer(stem: str):
     return mod
 
 
-def rows_2d(o: Operand, name: str) -> Operand:
-    """``o`` (..., K) as a 2-D Operand whose rows are K-contiguous, with its row stride
-    (at least K) in ``strides[0]`` (copies only if needed)."""
+def row_view_stride(o: Operand):
+    """The row stride (elements, at least K) with which ``o`` (..., K) reads in place as
+    2-D rows that are K-contiguous, or None if it must be copied first (see rows_2d)."""
     k = o.shape[-1]
-    m = o.size // k if k else int(np.prod(o.shape[:-1]))
     if o.ndim == 2:
         rs = row_stride(o.shape, o.strides)
         if rs is not None and rs >= k:
-            return Operand(o.obj, o.kind, o.dtype, o.shape, (rs, 1), o.ptr, o.device, name, o.torch)
-    obj = o.obj if o.is_c_contiguous() else contiguous(o)
-    return operand(obj.reshape(m, k), name)
+            return rs
+    return k if o.is_c_contiguous() else None
 
 
-def launch(a: Operand, fn, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch ``fn`` on ``a``'s device and current stream (torch's or CuPy's)."""
+def rows_2d(o: Operand, name: str) -> Operand:
+    """``o`` (..., K) as a 2-D Operand (M, K) whose rows are K-contiguous, with its row
+    stride in ``strides[0]`` (copies only if :func:`row_view_stride` says so)."""
+    k = o.shape[-1]
+    rs = row_view_stride(o)
+    if rs is None:
+        o, rs = operand(contiguous(o), name), k
+    m = o.size // k if k else int(np.prod(o.shape[:-1]))
+    return Operand(o.obj, o.kind, o.dtype, (m, k), (rs, 1), o.ptr, o.device, name, o.torch)
+
+
+def launch(a, fn, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch ``fn`` on ``a``'s device and current stream (torch's or CuPy's); ``a`` is an
+    Operand or a :class:`Place`."""
+    launch_all(a, ((fn, grid, block, args, shared_mem),))
+
+
+def launch_all(a, calls) -> None:
+    """Launch each ``(fn, grid, block, args, shared_mem)`` in order on ``a``'s device and
+    current stream, looked up once."""
     cupy = _loader.cupy()
-
     if cupy.cuda.runtime.getDevice() == a.device:
-        fn(grid, block, args, shared_mem=shared_mem, stream=stream_of(a))
+        stream = stream_of(a)
+        for fn, grid, block, args, smem in calls:
+            fn(grid, block, args, shared_mem=smem, stream=stream)
     else:
         with cupy.cuda.Device(a.device):  # CuPy's current stream is per device
-            fn(grid, block, args, shared_mem=shared_mem, stream=stream_of(a))
+            stream = stream_of(a)
+            for fn, grid, block, args, smem in calls:
+                fn(grid, block, args, shared_mem=smem, stream=stream)
+
+
+class Place:
+    """Where an Operand lives (kind, device, dtype) without the array itself: what a cached
+    launch plan keeps, so that it holds no reference to the arrays it was planned for.
+    :func:`empty` and :func:`launch` take it as they take an Operand."""
+
+    __slots__ = ("kind", "device", "dtype", "array_dtype", "array_device")
+
+    def __init__(self, a: Operand):
+        self.kind, self.device, self.dtype = a.kind, a.device, a.dtype
+        self.array_dtype, self.array_device = a.array_dtype, a.array_device
+
+
+def signature(x):
+    """What an op's checks and launch plan read of a GPU array argument, as a hashable key:
+    dtype, device, shape, strides and the data pointer modulo 16 (alignment). Calls whose
+    arguments share signatures validate and plan alike, so they can share a cached plan.
+    None for None; False for anything else (NumPy, CPU tensors, tensor subclasses, other
+    types): see :func:`cached`."""
+    if x is None:
+        return None
+    t = _torch()
+    if t is not None and (type(x) is t.Tensor or type(x) is t.nn.Parameter):
+        if x.is_cuda and x.layout is t.strided:
+            return (x.dtype, x.device, x.shape, x.stride(), x.data_ptr() & 15)
+        return False
+    if _is_cupy(x):
+        return (x.dtype, x.device.id, x.shape, x.strides, x.data.ptr & 15)
+    return False
+
+
+_PLAN_CACHE_SIZE = 4096
+
+
+def cached(plans: dict, key: tuple, build):
+    """``plans[key]``, made by ``build()`` on a miss (bounded: cleared when full). A key
+    with a False entry (an argument :func:`signature` does not describe) is never
+    stored: then ``build()`` runs on every call."""
+    plan = plans.get(key, plans)  # plans itself: a sentinel no plan can be
+    if plan is plans:
+        plan = build()
+        if not any(k is False for k in key):
+            if len(plans) >= _PLAN_CACHE_SIZE:
+                plans.clear()
+            plans[key] = plan
+    return plan
 
 
 def moveaxis(obj, src: int, dst: int):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, check_out, copy_into, empty, is_torch, launch, operand,
-                     require_writable, rows_2d, same_place, scalar, torch_layer, contiguous)
+from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into, data_ptr,
+                     empty, is_torch, launch_all, operand, require_writable, row_view_stride,
+                     rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, vector_aligned
 
 _FILE = "gemm.cu"
@@ -119,25 +120,21 @@ def check_operands(x, weight):
     return xo, wo
 
 
-def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
-    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K, b: N x K, c: M x N, rows
-    contiguous, row strides in ``strides[0]``). ``bias`` (T) is an Operand or None;
-    ``alpha`` / ``beta`` / ``part`` (accumulation type) are raw device pointers or 0.
-    Returns the M-tile height of ``part``'s partial statistics."""
+def gemm_kernel(a, b, precision: str):
+    """``(fn, grid, block, shared_mem, bm)`` of the GEMM for ``a @ b.T`` (2-D Operands, rows
+    contiguous, row strides in ``strides[0]``): it depends on the dtype, the sizes, the
+    rows' 16-byte alignment and the device. ``bm`` is the M-tile height of the partial
+    statistics (GSBN)."""
     M, K = a.shape
     N = b.shape[0]
     dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
-    args = (a.ptr, b.ptr, c.ptr, scalar(M, "int"), scalar(N, "int"), scalar(K, "int"),
-            a.strides[0], b.strides[0], c.strides[0], 0 if bias is None else bias.ptr,
-            alpha, beta, part)
     cc = _loader.device_cc(dev)
     if dt == "float64" or cc < 80:
         if dt != "float64":
             raise NotImplementedError("cupykern.linear: float32/16-bit GEMM needs compute capability >= 8.0")
         ts = _SIMPLE["TILE"]
         fn = _loader.function(_FILE, _SIMPLE_EXPR, dev)
-        launch(a, fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), args)
-        return ts
+        return fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts
     mode = _MODE[precision] if dt == "float32" else _HALF
     aligned = (vector_aligned(a.ptr, a.strides[0], K, isz)
                and vector_aligned(b.ptr, b.strides[0], K, isz))
@@ -149,9 +146,30 @@ def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part
     else:
         cfg, expr = _MMA, _mma_expr(dt, mode, aligned)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
-    launch(a, fn, (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),), (cfg["THREADS"],), args,
-           shared_mem=cfg["SMEM"])
-    return cfg["BM"]
+    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
+    return fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"]
+
+
+def gemm_call(kernel, a, b, ldc: int):
+    """``call(a_ptr, b_ptr, c_ptr, bias_ptr, alpha, beta, part)``: the launch tuple of
+    :func:`gemm_kernel`'s ``kernel`` for these sizes (pointers 0 for none)."""
+    fn, grid, block, smem, _ = kernel
+    M, K = a.shape
+    sizes = (scalar(M, "int"), scalar(b.shape[0], "int"), scalar(K, "int"),
+             a.strides[0], b.strides[0], ldc)
+    return lambda ap, bp, cp, bias, alpha, beta, part: (
+        fn, grid, block, (ap, bp, cp) + sizes + (bias, alpha, beta, part), smem)
+
+
+def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
+    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K, b: N x K, c: M x N, rows
+    contiguous, row strides in ``strides[0]``). ``bias`` (T) is an Operand or None;
+    ``alpha`` / ``beta`` / ``part`` (accumulation type) are raw device pointers or 0.
+    Returns the M-tile height of ``part``'s partial statistics."""
+    kernel = gemm_kernel(a, b, precision)
+    call = gemm_call(kernel, a, b, c.strides[0])
+    launch_all(a, (call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, alpha, beta, part),))
+    return kernel[4]
 
 
 def reference(x, w, b=None):
@@ -200,9 +218,17 @@ def check(x, weight, bias, precision, out):
     return xo, wo, bo, o, prec, shape
 
 
+_plans: dict = {}  # (signatures, precision) -> run(x, weight, bias), or None
+
+
 def linear_core(x, weight, bias=None, precision=None, out=None):
     """:func:`linear` for CuPy arrays, NumPy arrays and (from the torch layer) torch
     CUDA tensors."""
+    if out is None and (precision is None or type(precision) is str):  # the common call
+        key = (signature(x), signature(weight), signature(bias), precision)
+        run = cached(_plans, key, lambda: _fresh(x, weight, bias, precision))
+        if run is not None:
+            return run(x, weight, bias)
     xo, wo, bo, o, prec, shape = check(x, weight, bias, precision, out)
     if xo.kind == "cpu":
         res = reference(x, weight, bias)
@@ -223,3 +249,23 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     if not direct:
         copy_into(out, res)
     return out
+
+
+def _fresh(x, weight, bias, precision):
+    """``run(x, weight, bias) -> out`` for calls like this one without ``out``: one
+    allocation and the GEMM; None where the call needs the general path (CPU, empty,
+    or an operand that must be copied first)."""
+    xo, wo, bo, _, prec, shape = check(x, weight, bias, precision, None)
+    if (xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias)
+            or row_view_stride(xo) is None or row_view_stride(wo) is None):
+        return None
+    a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
+    call, place = gemm_call(gemm_kernel(a, b, prec), a, b, shape[-1]), Place(xo)
+
+    def run(x, weight, bias):
+        out = empty(place, shape)
+        launch_all(place, (call(data_ptr(x), data_ptr(weight), data_ptr(out),
+                                0 if bias is None else data_ptr(bias), 0, 0, 0),))
+        return out
+
+    return run

@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, contiguous, data_ptr, empty, is_torch, launch, operand,
-                     same_place, scalar, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, cached, contiguous, data_ptr, empty, is_torch, launch,
+                     launch_all, operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
@@ -157,24 +157,68 @@ def build_plan(w, b):
 def apply_plan(a, w, b, plan_ptr: int, rows=None):
     """The model's output (B, 1) for x (Operand ``a``) on the GPU, from the plan at
     ``plan_ptr`` built from the weights ``w`` / ``b`` (Operands)."""
-    bsz, k = a.shape
-    out = empty(a, (bsz, 1))
-    if bsz == 0:
+    out = empty(a, (a.shape[0], 1))
+    if a.shape[0] == 0:
         return out
-    a, ldx = _row_view(a, "x")
-    w, ldw = _row_view(w, "weight")
+    a, w = _row_view(a, "x")[0], _row_view(w, "weight")[0]
     if b is not None and b.shape[0] > 1 and b.strides[0] != 1:
         b = operand(contiguous(b), "bias")
+    call = _rows_call(a, w, b, rows)
+    launch_all(a, (call(a.ptr, plan_ptr, w.ptr, 0 if b is None else b.ptr, data_ptr(out)),))
+    return out
+
+
+def _rows_call(a, w, b, rows=None):
+    """``call(x_ptr, plan_ptr, w_ptr, b_ptr, out_ptr)``: the launch tuple of
+    matmul_sum_rows for x (``a``, B > 0) and the weights, rows contiguous."""
+    bsz, k = a.shape
+    ldx, ldw = row_stride(a.shape, a.strides), row_stride(w.shape, w.strides)
     v = _vec(a.dtype) if vector_aligned(a.ptr, ldx, k, ITEMSIZE[a.dtype]) else 1
     if rows is None:  # 4 rows per block share wsum's L2 reads, if that still fills the GPU
         sms = _loader.sm_count(a.device)
         rows = 4 if bsz >= 4 * sms else 2 if bsz >= 2 * sms else 1
     fn = _loader.function(_FILE, _rows_expr(a.dtype, v, rows), a.device)
     n = w.shape[0]
-    launch(a, fn, (cdiv(bsz, rows),), (_THREADS,), (
-        a.ptr, ldx, bsz, k, plan_ptr, w.ptr, ldw, b.ptr if b is not None else 0, n,
-        scalar(_zlim(a.dtype, n), "double"), data_ptr(out)))
-    return out
+    grid, block = (cdiv(bsz, rows),), (_THREADS,)
+    head, mid, tail = (ldx, bsz, k), (ldw,), (n, scalar(_zlim(a.dtype, n), "double"))
+    return lambda x, plan, wp, bp, out: (fn, grid, block,
+                                         (x,) + head + (plan, wp) + mid + (bp,) + tail + (out,), 0)
+
+
+_plans: dict = {}  # (signatures of x, weight, bias, plan) -> run(x, weight, bias, plan), or None
+
+
+def apply_cached(x, weight, bias, plan, check):
+    """The model's output for GPU arrays ``x``, ``weight``, ``bias`` and the ``plan``
+    array built from those weights, with the launch planned once per signature.
+    ``check(x, weight, bias, plan)`` validates them on a miss and returns the Operands
+    of x, weight and bias."""
+    key = (signature(x), signature(weight), signature(bias), signature(plan))
+    run = cached(_plans, key, lambda: _fresh(*check(x, weight, bias, plan)))
+    if run is None:  # x or the weights need copies first
+        a, w, b = check(x, weight, bias, plan)
+        return apply_plan(a, w, b, data_ptr(plan))
+    return run(x, weight, bias, plan)
+
+
+def _fresh(a, w, b):
+    """``run(x, weight, bias, plan) -> out`` for calls like this one (checked Operands),
+    or None where x or the weights must be copied first."""
+    if (row_stride(a.shape, a.strides) is None or row_stride(w.shape, w.strides) is None
+            or (b is not None and b.shape[0] > 1 and b.strides[0] != 1)):
+        return None
+    place, shape = Place(a), (a.shape[0], 1)
+    if a.shape[0] == 0:
+        return lambda x, weight, bias, plan: empty(place, shape)
+    call = _rows_call(a, w, b)
+
+    def run(x, weight, bias, plan):
+        out = empty(place, shape)
+        launch_all(place, (call(data_ptr(x), data_ptr(plan), data_ptr(weight),
+                                0 if bias is None else data_ptr(bias), data_ptr(out)),))
+        return out
+
+    return run
 
 
 class MatmulSumPlan:

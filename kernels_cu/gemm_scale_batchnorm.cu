@@ -14,7 +14,7 @@ __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(
 // (Chan), then write the coefficients and update running stats like BatchNorm1d:
 // mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
 // factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
-// (the caller increments num_batches_tracked after this kernel).
+// (bn_apply, launched after this kernel, increments num_batches_tracked).
 // One thread per column n: grid cdiv(N, THREADS), block THREADS.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
@@ -79,18 +79,21 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
 // owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows, loading
 // UNROLL rows before storing any (the stores may alias later loads for all the
 // compiler knows, so without this each row would wait for the previous one's load).
+// It also counts the batch: ++num_batches_tracked when nbt is not null, after
+// bn_train_coef has read it (a launch of its own would cost a call of host time).
 // Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
 template <typename T, int VEC, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_apply(T* __restrict__ z, long long ldz, int M, int N,
          const typename acc_of<T>::type* __restrict__ ca,
          const typename acc_of<T>::type* __restrict__ cm,
-         const typename acc_of<T>::type* __restrict__ cb) {
+         const typename acc_of<T>::type* __restrict__ cb, long long* __restrict__ nbt) {
   static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_apply: VEC is 1 or one 16-byte vector of T");
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_apply: THREADS must be whole warps, at most 1024");
   static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   constexpr int UNROLL = 8;
+  if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col >= N) return;
   A fa[VEC], fm[VEC], fb[VEC];

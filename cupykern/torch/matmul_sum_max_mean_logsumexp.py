@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..matmul_sum_max_mean_logsumexp import PLAN_TAIL, apply_plan, build_plan, check_weights, check_x
+from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan, check_weights,
+                                              check_x)
 from .._array import operand
 from ._checks import require_submodule, require_tensor
 from ._op import Op, _direct
@@ -58,13 +59,19 @@ def _plan_fake(weight, bias):
 
 
 def _impl(x, weight, bias, plan):
+    if x.is_cuda:
+        return apply_cached(x, weight, bias, plan, _check)
+    _check(x, weight, bias, plan)
+    return reference(x, weight, bias)
+
+
+def _check(x, weight, bias, plan):
+    """Validate the op's arguments: the Operands of x, weight and bias."""
     a = operand(x, "x")
     w, b = check_weights(weight, bias)
     check_x(a, w)
     _check_plan(plan, w)
-    if x.is_cuda:
-        return apply_plan(a, w, b, plan.data_ptr())
-    return reference(x, weight, bias)
+    return a, w, b
 
 
 def _check_plan(plan, w) -> None:
