@@ -282,11 +282,15 @@ class Place:
     launch plan keeps, so that it holds no reference to the arrays it was planned for.
     :func:`empty` and :func:`launch` take it as they take an Operand."""
 
-    __slots__ = ("kind", "device", "dtype", "array_dtype", "array_device")
+    __slots__ = ("kind", "device", "dtype", "array_dtype", "array_device", "ptr")
 
     def __init__(self, a: Operand):
         self.kind, self.device, self.dtype = a.kind, a.device, a.dtype
         self.array_dtype, self.array_device = a.array_dtype, a.array_device
+        # ptr(array) -> its data pointer (None -> 0), without data_ptr()'s type test
+        tensor_ptr = _torch().Tensor.data_ptr if a.kind == "torch" else None
+        self.ptr = (lambda v: 0 if v is None else tensor_ptr(v)) if tensor_ptr else \
+            (lambda v: 0 if v is None else v.data.ptr)
 
 
 def signature(x):

@@ -261,11 +261,11 @@ def _fresh(x, weight, bias, precision):
         return None
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
     call, place = gemm_call(gemm_kernel(a, b, prec), a, b, shape[-1]), Place(xo)
+    ptr = place.ptr
 
     def run(x, weight, bias):
         out = empty(place, shape)
-        launch_all(place, (call(data_ptr(x), data_ptr(weight), data_ptr(out),
-                                0 if bias is None else data_ptr(bias), 0, 0, 0),))
+        launch_all(place, (call(ptr(x), ptr(weight), ptr(out), ptr(bias), 0, 0, 0),))
         return out
 
     return run

@@ -176,19 +176,19 @@ def _plan(a, b, training, momentum, eps, precision):
     kernel = gemm_kernel(a, b, precision)
     gemm_ = gemm_call(kernel, a, b, N)
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
-    ptr = lambda v: 0 if v is None else data_ptr(v)  # noqa: E731
+    ptr = place.ptr
 
     if not training:
         coef = _loader.function(_FILE, f"bn_eval_coef<{t}, {_COEF_THREADS}>", dev)
         n_, eps_ = scalar(N, "int"), scalar(eps, "double")
 
         def run_eval(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
-            out = empty(place, (M, N))
-            c0 = data_ptr(empty(place, (2 * N,), acc))
+            out, coefs = empty(place, (M, N)), empty(place, (2 * N,), acc)  # held to the launch
+            c0 = ptr(coefs)
             launch_all(place, (
-                (coef, *coef_launch, (n_, ptr(bias), data_ptr(scale), ptr(gamma), ptr(beta),
-                                      data_ptr(rmean), data_ptr(rvar), eps_, c0, c0 + step), 0),
-                gemm_(data_ptr(x), data_ptr(weight), data_ptr(out), 0, c0, c0 + step, 0)))
+                (coef, *coef_launch, (n_, ptr(bias), ptr(scale), ptr(gamma), ptr(beta),
+                                      ptr(rmean), ptr(rvar), eps_, c0, c0 + step), 0),
+                gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0)))
             return out
 
         return run_eval
@@ -204,12 +204,12 @@ def _plan(a, b, training, momentum, eps, precision):
     apply_ = _apply_call(place, M, N)
 
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
-        out = empty(place, (M, N))
-        c0 = data_ptr(empty(place, (scratch,), acc))
-        part, o, n = c0 + 3 * step, data_ptr(out), ptr(nbt)
+        out, buf = empty(place, (M, N)), empty(place, (scratch,), acc)  # held to the launch
+        c0 = ptr(buf)
+        part, o, n = c0 + 3 * step, ptr(out), ptr(nbt)
         launch_all(place, (
-            gemm_(data_ptr(x), data_ptr(weight), o, 0, 0, 0, part),
-            (coef, *coef_launch, (part, *sizes, ptr(bias), data_ptr(scale), ptr(gamma),
+            gemm_(ptr(x), ptr(weight), o, 0, 0, 0, part),
+            (coef, *coef_launch, (part, *sizes, ptr(bias), ptr(scale), ptr(gamma),
                                   ptr(beta), ptr(rmean), ptr(rvar), n, factor, eps_, c0,
                                   c0 + step, c0 + 2 * step), 0),
             apply_(o, c0, c0 + step, c0 + 2 * step, n)))

@@ -210,12 +210,11 @@ def _fresh(a, w, b):
     place, shape = Place(a), (a.shape[0], 1)
     if a.shape[0] == 0:
         return lambda x, weight, bias, plan: empty(place, shape)
-    call = _rows_call(a, w, b)
+    call, ptr = _rows_call(a, w, b), place.ptr
 
     def run(x, weight, bias, plan):
         out = empty(place, shape)
-        launch_all(place, (call(data_ptr(x), data_ptr(plan), data_ptr(weight),
-                                0 if bias is None else data_ptr(bias), data_ptr(out)),))
+        launch_all(place, (call(ptr(x), ptr(plan), ptr(weight), ptr(bias), ptr(out)),))
         return out
 
     return run

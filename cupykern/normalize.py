@@ -196,7 +196,7 @@ def _fresh(x, p, axis):
 
     def run(x):
         y = empty(place, shape)
-        plan(place, data_ptr(x), data_ptr(y))
+        plan(place, place.ptr(x), place.ptr(y))
         return y
 
     return run

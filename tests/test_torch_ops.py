@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.utils.parametrize
+import torch.nn.utils.prune
 
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
@@ -247,3 +249,38 @@ def test_gsbn_backward_computes_only_the_gradients_asked_for():
                                       m.bn.running_mean, m.bn.running_var, m.bn.num_batches_tracked)
     y.square().sum().backward()
     assert m.gemm.weight.grad is None and x.grad is not None and m.scale.grad is not None
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def _prune(m):
+    torch.nn.utils.prune.l1_unstructured(m, "weight", amount=0.5)  # a forward pre-hook
+
+
+def _parametrize(m):
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", _Doubled())
+
+
+def _forward_hook(m):
+    m.register_forward_hook(lambda mod, args, out: out.abs())
+
+
+@pytest.mark.parametrize("change", [_prune, _parametrize, _forward_hook],
+                         ids=["prune", "parametrize", "forward_hook"])
+@pytest.mark.parametrize("name", ["GemmScaleBatchNorm", "MatmulSumMaxMeanLogSumExp"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_submodule_hooks_and_parametrizations_are_honoured(name, change, device):
+    """The fused forward never calls its submodules: hooks on them must not be skipped,
+    and a parametrized weight must be read through its parametrization."""
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, device)
+    for m in (ref, ours):
+        change(m.gemm if name == "GemmScaleBatchNorm" else m.linear)
+    x = torch.randn(*shape, device=device)
+    want = ref(x)
+    _compare(ours(x), want, tol)
+    plain = model_pair(ref_cls, ours_cls, init, device)[1]
+    assert not torch.allclose(plain(x), want, atol=tol, rtol=tol)  # the change matters

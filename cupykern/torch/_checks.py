@@ -13,12 +13,43 @@ def require_tensor(x, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
 
 
-def require_submodule(owner: nn.Module, attr: str, kind: type) -> None:
-    """TypeError unless ``owner.attr`` computes what ``kind`` computes (an instance of
-    ``kind`` or of a subclass that keeps its forward): the fused kernel reproduces that
-    forward only, so a replacement it cannot honour must not be silently ignored."""
-    m = getattr(owner, attr)
+def require_submodule(owner: nn.Module, attr: str, kind: type, m: nn.Module) -> nn.Module:
+    """``m`` (= ``owner.attr``), after a TypeError unless it computes what ``kind``
+    computes (an instance of ``kind`` or of a subclass that keeps its forward): the fused
+    kernel reproduces that forward only, so a replacement it cannot honour must not be
+    silently ignored."""
     if not isinstance(m, kind) or type(m).forward is not kind.forward:
         raise TypeError(f"{attr}: {type(owner).__name__}.{attr} is a {type(m).__name__}, but the "
                         f"fused CUDA kernel computes a {kind.__name__}; keep a plain "
                         f"{kind.__name__} there, or run the reference model")
+    return m
+
+
+def members(module: nn.Module, kind: type, names):
+    """``[getattr(module, n) for n in names]``. For a module of exactly type ``kind`` (not a
+    subclass, so no parametrization's property) its parameter, buffer and submodule
+    dicts are read directly: nn.Module.__getattr__ costs about 0.5 us a name, and a
+    call reads about ten."""
+    if type(module) is not kind:
+        return [getattr(module, n) for n in names]
+    d = module.__dict__
+    found = []
+    for n in names:
+        for store in (d["_parameters"], d["_buffers"], d["_modules"]):
+            if n in store:
+                found.append(store[n])
+                break
+        else:
+            found.append(getattr(module, n))
+    return found
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether calling these submodules would run hooks (their own or global ones): a
+    fused forward that never calls them would silently skip those."""
+    g = nn.modules.module
+    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+            or g._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+               or m._backward_pre_hooks for m in modules)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..gemm_scale_batchnorm import (batch_size_error, check, check_inputs, check_real,
                                     gemm_scale_batchnorm_core)
-from ._checks import require_submodule, require_tensor
+from ._checks import hooked, members, require_submodule, require_tensor
 from ._op import Op
 from .gemm import resolve_precision
 
@@ -141,7 +141,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
     CPU tensors run the reference model itself. On CUDA, ``gemm`` must stay an
     nn.Linear and ``bn`` an nn.BatchNorm1d (or a SyncBatchNorm that does not
     synchronize, e.g. in eval mode or a single process); anything else raises rather
-    than being silently ignored.
+    than being silently ignored. While either has hooks (forward or backward, its own
+    or global: pruning, weight norm, probes) the reference model runs, so they do too.
     """
 
     def forward(self, x):
@@ -152,26 +153,31 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
                 if self.bn.training and x.shape[0] <= 1:  # before bn counts it
                     raise batch_size_error(torch.Size([x.shape[0], self.gemm.out_features]))
             return super().forward(x)
-        require_submodule(self, "gemm", nn.Linear)
-        bn = self.bn
-        batch_stats = bn.training or bn.running_mean is None
+        gemm, bn, scale = members(self, GemmScaleBatchNorm, ("gemm", "bn", "scale"))
+        require_submodule(self, "gemm", nn.Linear, gemm)
         if isinstance(bn, nn.SyncBatchNorm):
-            if batch_stats and _synchronizes(bn):
+            if (bn.training or bn.running_mean is None) and _synchronizes(bn):
                 raise NotImplementedError(
                     "bn: GemmScaleBatchNorm.bn is a SyncBatchNorm over several processes; "
                     "cupykern does not synchronize batch statistics yet, and per-GPU "
                     "statistics would be wrong. Use the reference model for this step.")
         else:
-            require_submodule(self, "bn", nn.BatchNorm1d)
+            require_submodule(self, "bn", nn.BatchNorm1d, bn)
+        if hooked(gemm, bn):  # hooks (pruning, weight norm, probes) run in the reference
+            return super().forward(x)
+        weight, bias = members(gemm, nn.Linear, ("weight", "bias"))
+        gamma, beta, rmean, rvar, nbt = members(bn, nn.BatchNorm1d, (
+            "weight", "bias", "running_mean", "running_var", "num_batches_tracked"))
+        batch_stats = bn.training or rmean is None
         track = bn.training and bn.track_running_stats
         stats = track or not batch_stats
-        scale = self.scale.reshape(-1)
+        if scale.dim() != 1:
+            scale = scale.reshape(-1)
         if scale.shape[0] == 1:  # a broadcast scale, as the reference model allows
-            scale = scale.expand(self.gemm.out_features)
+            scale = scale.expand(weight.shape[0])
         return gemm_scale_batchnorm(
-            x, self.gemm.weight, self.gemm.bias, scale, bn.weight, bn.bias,
-            bn.running_mean if stats else None, bn.running_var if stats else None,
-            bn.num_batches_tracked if track else None, training=batch_stats,
+            x, weight, bias, scale, gamma, beta, rmean if stats else None,
+            rvar if stats else None, nbt if track else None, training=batch_stats,
             momentum=bn.momentum, eps=bn.eps)
 
 

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan, check_weights,
                                               check_x)
 from .._array import operand
-from ._checks import require_submodule, require_tensor
+from ._checks import hooked, members, require_submodule, require_tensor
 from ._op import Op, _direct
 
 
@@ -180,7 +180,8 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
 
     Same parameters (``linear.weight``, ``linear.bias``), RNG order and state_dict as the
     documented model. CUDA inputs run on cupykern with a plan of the weights (cached in
-    eager mode, never stale: see the module docstring); CPU inputs run the reference.
+    eager mode, never stale: see the module docstring); CPU inputs, and any call while
+    ``linear`` has hooks (pruning, weight norm, probes), run the reference.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -189,7 +190,9 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
 
     def plan(self) -> torch.Tensor:
         """The plan tensor for the current weights (rebuilt if they changed since the last)."""
-        w, b = self.linear.weight, self.linear.bias
+        return self._plan(self.linear.weight, self.linear.bias)
+
+    def _plan(self, w, b):
         c = self._cache
         if c is not None and c[0] is w and c[1] is b and c[2] == _key(w) and c[3] == _key(b):
             return c[4]
@@ -202,13 +205,14 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         require_tensor(x)
-        w, b = self.linear.weight, self.linear.bias
-        if not (x.is_cuda or w.is_cuda):  # the reference model itself
+        (linear,) = members(self, MatmulSumMaxMeanLogSumExp, ("linear",))
+        w, b = members(linear, nn.Linear, ("weight", "bias"))
+        if not (x.is_cuda or w.is_cuda) or hooked(linear):  # the reference model itself
             if x.device.type == "cpu":  # (meta tensors: shapes only)
                 check_x(operand(x, "x"), operand(w, "weight"))
             return super().forward(x)
-        require_submodule(self, "linear", nn.Linear)
-        plan = self.plan() if _direct((x, w)) else plan_op(w.detach(), _detach(b))
+        require_submodule(self, "linear", nn.Linear, linear)
+        plan = self._plan(w, b) if _direct((x, w)) else plan_op(w.detach(), _detach(b))
         return matmul_sum_op(x, w, b, plan)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .half(): free the old plan now
