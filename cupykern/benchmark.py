@@ -17,6 +17,17 @@ def torch_or_exit():
     return torch
 
 
+class _LazyTorch:
+    """``torch``, imported on first use (exiting with :func:`torch_or_exit`'s message
+    without it), so that benchmark modules import, and answer ``--help``, without it."""
+
+    def __getattr__(self, name):
+        return getattr(torch_or_exit(), name)
+
+
+torch = _LazyTorch()
+
+
 def require_gpu() -> None:
     """Exit with a clear message unless a CUDA GPU is present (after --help was handled)."""
     if not torch_or_exit().cuda.is_available():

@@ -52,6 +52,21 @@ def test_benchmarks_have_help_and_need_a_gpu(module):
         assert r.returncode == 1 and "No CUDA GPU found" in r.stderr and "Traceback" not in r.stderr
 
 
+_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; "
+                  "runpy.run_module(sys.argv.pop(1), run_name='__main__')")
+
+
+@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead"])
+def test_benchmarks_without_torch_help_then_say_what_to_install(module):
+    name = f"cupykern.benchmarks.{module}"
+    run = lambda *args: subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, name, *args],  # noqa: E731
+                                       capture_output=True, text=True)
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+    r = run()
+    assert r.returncode == 1 and "needs PyTorch" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.gpu
 def test_quick_main_job(tmp_path):
     import json

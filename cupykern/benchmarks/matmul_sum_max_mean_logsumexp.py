@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from cupykern.benchmark import copy_ms, gbps, require_gpu, time_ms, torch_or_exit
-
-torch = torch_or_exit()
-import cupykern  # noqa: E402
-from cupykern.matmul_sum_max_mean_logsumexp import ROWS_PER_BLOCK  # noqa: E402
-from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew  # noqa: E402
+import cupykern
+from cupykern.benchmark import copy_ms, gbps, require_gpu, time_ms, torch
+from cupykern.matmul_sum_max_mean_logsumexp import ROWS_PER_BLOCK
 
 
 def _wall_us(fn, n=3000):
@@ -48,6 +45,8 @@ def _rotating(xs):
 
 
 def _models(k, n):
+    from cupykern.models.matmul_sum_max_mean_logsumexp import Model, ModelNew
+
     torch.manual_seed(0)
     ref = Model(k, n).cuda()
     torch.manual_seed(0)

@@ -13,11 +13,9 @@ import subprocess
 import sys
 import tempfile
 
-from cupykern.benchmark import copy_ms, require_gpu, time_ms, torch_or_exit
-
-torch = torch_or_exit()
-import cupykern  # noqa: E402
-from cupykern import normalize  # noqa: E402
+import cupykern
+from cupykern import normalize
+from cupykern.benchmark import copy_ms, require_gpu, time_ms, torch
 
 REF = {
     "l1": lambda x: x / torch.mean(torch.abs(x), dim=1, keepdim=True),
