@@ -293,22 +293,25 @@ class Place:
             (lambda v: 0 if v is None else v.data.ptr)
 
 
+UNPLANNED = object()  # the signature of an argument no plan is cached for
+
+
 def signature(x):
     """What an op's checks and launch plan read of a GPU array argument, as a hashable key:
     dtype, device, shape, strides and the data pointer modulo 16 (alignment). Calls whose
     arguments share signatures validate and plan alike, so they can share a cached plan.
-    None for None; False for anything else (NumPy, CPU tensors, tensor subclasses, other
-    types): see :func:`cached`."""
+    None for None; :data:`UNPLANNED` for anything else (NumPy, CPU tensors, tensor
+    subclasses, other types): see :func:`cached`."""
     if x is None:
         return None
     t = _torch()
     if t is not None and (type(x) is t.Tensor or type(x) is t.nn.Parameter):
         if x.is_cuda and x.layout is t.strided:
             return (x.dtype, x.device, x.shape, x.stride(), x.data_ptr() & 15)
-        return False
+        return UNPLANNED
     if _is_cupy(x):
         return (x.dtype, x.device.id, x.shape, x.strides, x.data.ptr & 15)
-    return False
+    return UNPLANNED
 
 
 _PLAN_CACHE_SIZE = 4096
@@ -316,12 +319,12 @@ _PLAN_CACHE_SIZE = 4096
 
 def cached(plans: dict, key: tuple, build):
     """``plans[key]``, made by ``build()`` on a miss (bounded: cleared when full). A key
-    with a False entry (an argument :func:`signature` does not describe) is never
+    holding :data:`UNPLANNED` (an argument :func:`signature` does not describe) is never
     stored: then ``build()`` runs on every call."""
     plan = plans.get(key, plans)  # plans itself: a sentinel no plan can be
     if plan is plans:
         plan = build()
-        if not any(k is False for k in key):
+        if not any(k is UNPLANNED for k in key):
             if len(plans) >= _PLAN_CACHE_SIZE:
                 plans.clear()
             plans[key] = plan

@@ -1,0 +1,93 @@
+"""GPU-free check of the cached launch plans: with the device faked (CPU tensors stand in
+for CUDA tensors, launches are recorded instead of made), a call whose plan is cached
+must launch exactly what the first, fully validated call launched, with every pointer
+taken from the new call's own arrays. Catches a plan that keeps a stale pointer or
+size, in CI where no GPU is present."""
+import sys
+
+import pytest
+import torch
+
+import cupykern
+import cupykern.torch.matmul_sum_max_mean_logsumexp
+from cupykern import _array, _loader
+
+MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
+    "normalize", "gemm", "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp",
+    "torch.matmul_sum_max_mean_logsumexp")]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The recorded launches (kernel name, grid, block, args, shared memory)."""
+    log = []
+    real_operand = _array.operand
+
+    def operand(x, name, dtypes=_array.FLOAT_DTYPES):
+        o = real_operand(x, name, dtypes)
+        if o.torch and o.kind == "cpu":  # a CPU tensor plays a CUDA tensor on device 0
+            o.kind, o.device, o.ptr = "torch", 0, x.data_ptr()
+        return o
+
+    def signature(x):
+        if type(x) in (torch.Tensor, torch.nn.Parameter):
+            return (x.dtype, 0, x.shape, x.stride(), x.data_ptr() & 15)
+        return None if x is None else _array.UNPLANNED
+
+    def launch_all(place, calls):
+        log.extend((fn, tuple(grid), tuple(block), tuple(args), smem)
+                   for fn, grid, block, args, smem in calls)
+
+    for m in MODULES:
+        for name, fake in (("operand", operand), ("signature", signature),
+                           ("launch_all", launch_all)):
+            if hasattr(m, name):
+                monkeypatch.setattr(m, name, fake)
+    monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    for m in MODULES:
+        monkeypatch.setattr(m, "_plans", {}, raising=False)
+    return log
+
+
+def _named(log, arrays):
+    """The log with each array's data pointer replaced by its position in ``arrays`` and
+    other pointers (fresh outputs and scratch) by "new"."""
+    names = {a.data_ptr(): i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor)}
+    out = [(fn, g, b, tuple(names.get(int(v), "new" if type(v) is int and v > 2**32 else v)
+                            for v in args), s) for fn, g, b, args, s in log]
+    log.clear()
+    return out
+
+
+def _calls():
+    """(label, fn(arrays), make_arrays()) for each op; arrays of one geometry."""
+    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    m4 = sys.modules["cupykern.matmul_sum_max_mean_logsumexp"]
+    r = torch.randn
+    yield "normalize", lambda a: cupykern.normalize.normalize(a[0], 2, 1), lambda: [r(6, 100)[:, 2:98]]
+    yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)]
+    for training in (True, False):
+        yield (f"gemm_scale_batchnorm training={training}",
+               lambda a, t=training: gs.gemm_scale_batchnorm_core(*a, t, 0.1, 1e-5, "highest"),
+               lambda: [r(9, 24), r(8, 24), r(8), r(8), r(8), r(8), r(8), r(8).abs(),
+                        torch.zeros((), dtype=torch.int64)])
+
+    def m4_call(a):
+        from cupykern.torch.matmul_sum_max_mean_logsumexp import _check
+        return m4.apply_cached(*a, _check)
+
+    yield ("matmul_sum_max_mean_logsumexp", m4_call,
+           lambda: [r(5, 24), r(8, 24), r(8), torch.empty(24 + m4.PLAN_TAIL, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("label, call, make", list(_calls()), ids=lambda v: v if isinstance(v, str) else "")
+def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make):
+    first, second = make(), make()
+    call(first)
+    planned = _named(launches, first)
+    assert planned, "nothing was launched"
+    assert sum(len(getattr(m, "_plans", ())) for m in MODULES) == 1  # planned once, cached
+    call(second)  # a cache hit: same signatures
+    assert _named(launches, second) == planned
