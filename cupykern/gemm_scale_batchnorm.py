@@ -7,7 +7,7 @@ Training (batch statistics), three launches:
      stable and deterministic), folds s, gamma, beta into out = a*(z - mean) + beta and
      updates running_mean (bias included) / running_var (unbiased) like
      ``nn.BatchNorm1d``;
-  3. an in-place pass out = a*(z - mean) + beta.
+  3. an in-place pass out = a*(z - mean) + beta, which also counts num_batches_tracked.
 Eval (running statistics): a and c are folded first, then one GEMM with a per-column
 affine epilogue.
 """
