@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into, data_ptr,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into,
                      empty, is_torch, launch_all, operand, require_writable, row_view_stride,
                      rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, vector_aligned

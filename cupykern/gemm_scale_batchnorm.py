@@ -19,7 +19,7 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, data_ptr, empty, is_torch, launch_all,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all,
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
