@@ -14,7 +14,9 @@ float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
 float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
 float32 "highest"/"high" with 16-byte aligned rows use wgmma (sm_90a); everything
-else uses mma.sync (sm_80+).
+else uses mma.sync (sm_80+). Below sm_80 (Turing: T4, RTX 20) every dtype runs on the
+CUDA-core kernel, accumulating in float32 (float64 for float64): fp32-accurate at
+every precision, but without tensor cores.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ for _m, _bn in ((0, 128), (1, 256)):
     _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4}
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
-_SIMPLE = {"TILE": 64, "THREADS": 256}  # float64 CUDA-core kernel: 16x16 threads, 4x4 each
+_SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
 
 
@@ -59,14 +61,17 @@ def _wgmma_expr(mode: int) -> str:
     return f"gemm_wgmma<{mode}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>"
 
 
-_SIMPLE_EXPR = f"gemm_simple<double, {_SIMPLE['TILE']}, {_SIMPLE['THREADS']}>"
+def _simple_expr(dtype: str) -> str:
+    return f"gemm_simple<{CTYPE[dtype]}, {_SIMPLE['TILE']}, {_SIMPLE['THREADS']}>"
 
-# mma.sync / cp.async need sm_80 (older GPUs raise NotImplementedError for those dtypes);
-# wgmma is sm_90a only.
+
+# mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
+# sm_90a only.
 for _al in (True, False):
     _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()], min_cc=80)
     _loader.register(_FILE, [_mma_expr(d, _HALF, _al) for d in ("float16", "bfloat16")], min_cc=80)
-_loader.register(_FILE, [_SIMPLE_EXPR])
+_loader.register(_FILE, [_simple_expr("float64")])
+_loader.register(_FILE, [_simple_expr(d) for d in ("float32", "float16", "bfloat16")], max_cc=79)
 _loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90, max_cc=90)
 
 
@@ -130,10 +135,8 @@ def gemm_kernel(a, b, precision: str):
     dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
     cc = _loader.device_cc(dev)
     if dt == "float64" or cc < 80:
-        if dt != "float64":
-            raise NotImplementedError("cupykern.linear: float32/16-bit GEMM needs compute capability >= 8.0")
         ts = _SIMPLE["TILE"]
-        fn = _loader.function(_FILE, _SIMPLE_EXPR, dev)
+        fn = _loader.function(_FILE, _simple_expr(dt), dev)
         return fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts
     mode = _MODE[precision] if dt == "float32" else _HALF
     aligned = (vector_aligned(a.ptr, a.strides[0], K, isz)

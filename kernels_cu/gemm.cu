@@ -12,7 +12,7 @@
 //   MODE 1  "high": TF32 (raw fp32 bits; the tensor core ignores the low 13 bits).
 //   MODE 2  "medium": fp32 data rounded to bf16 in registers, bf16 MMA.
 //   MODE 3  native float16 / bfloat16 inputs.
-// gemm_simple: CUDA-core kernel for float64.
+// gemm_simple: CUDA-core kernel for float64, and for every dtype below sm_80 (no mma.sync).
 //
 // Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
@@ -412,7 +412,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
     for (int j = 0; j < 4; ++j) {
       A v[4], n, mean, m2;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = acc[i][j];
+      for (int i = 0; i < 4; ++i) v[i] = to_acc(from_acc<T>(acc[i][j]));  // as stored in C
       local_stats(v, valid, n, mean, m2);
       s_mean[ty * TS + tx + 16 * j] = mean;
       s_m2[ty * TS + tx + 16 * j] = m2;

@@ -21,3 +21,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def as_sm75(monkeypatch):
+    """Run the ops as on a Turing GPU (compute capability 7.5: no mma.sync, no clusters)
+    on whatever GPU is present, with fresh launch plans (a plan does not record the
+    capability it was made for: on a real device that never changes)."""
+    import sys
+
+    from cupykern import _loader
+
+    monkeypatch.setattr(_loader, "device_cc", lambda device: 75)
+    for stem in ("normalize", "gemm", "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp"):
+        monkeypatch.setattr(sys.modules[f"cupykern.{stem}"], "_plans", {})

@@ -150,3 +150,15 @@ def test_second_device():
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="cuda:0"):
         cupykern.linear(x, w.to("cuda:0"), b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES[:7], ids=lambda s: "x".join(map(str, s)))
+def test_below_sm80_every_dtype_on_cuda_cores(as_sm75, shape, dtype):
+    x, w, b = (t.cuda() for t in _data(*shape, dtype))
+    for precision in ("highest", "medium"):  # float32 accumulation whatever is asked
+        out = cupykern.linear(x, w, b, precision=precision)
+        assert out.dtype == dtype
+        err, mag = _errors(out, x, w, b)
+        assert err <= (1e-6 if dtype == torch.float32 else 1.6e-2) * mag

@@ -149,3 +149,20 @@ def test_module_on_second_device():
         assert out.device == x.device
         assert torch.allclose(out, ref(x), atol=1e-4, rtol=1e-4)
     assert torch.allclose(new.bn.running_var, ref.bn.running_var, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_below_sm80_trains_and_evaluates(as_sm75, dtype):
+    ref, new = _pair(130, 96)
+    ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for _ in range(2):
+        x = torch.randn(37, 130, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            assert torch.allclose(new(x).float(), ref(x).float(), atol=tol, rtol=tol)
+    assert torch.allclose(new.bn.running_var.float(), ref.bn.running_var.float(), atol=tol, rtol=tol)
+    assert new.bn.num_batches_tracked.item() == 2
+    ref.eval(), new.eval()
+    with torch.no_grad():
+        assert torch.allclose(new(x).float(), ref(x).float(), atol=tol, rtol=tol)
