@@ -284,3 +284,44 @@ def test_submodule_hooks_and_parametrizations_are_honoured(name, change, device)
     _compare(ours(x), want, tol)
     plain = model_pair(ref_cls, ours_cls, init, device)[1]
     assert not torch.allclose(plain(x), want, atol=tol, rtol=tol)  # the change matters
+
+
+CUDA_AUTOCAST = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16)] + [
+    pytest.param("cuda", d, marks=gpu) for d in CUDA_AUTOCAST])
+def test_linear_follows_autocast(device, dtype):
+    """In an autocast region ``linear`` computes in the region's dtype, as F.linear does
+    (float64 untouched), in eager mode and compiled, and keeps autograd."""
+    x = torch.randn(33, 40, device=device, requires_grad=True)
+    w = torch.randn(24, 40, device=device, requires_grad=True)
+    b = torch.randn(24, device=device)
+    compiled = torch.compile(lambda *a: cupykern.linear(*a), fullgraph=True)
+    with torch.autocast(device, dtype=dtype):
+        want = torch.nn.functional.linear(x, w, b)
+        for fn in (cupykern.linear, compiled):
+            got = fn(x, w, b)
+            assert got.dtype == want.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert cupykern.linear(x.double(), w.double(), b.double()).dtype == torch.float64
+    got.float().sum().backward()
+    assert x.grad is not None and w.grad is not None and w.grad.dtype == torch.float32
+
+
+@gpu
+@pytest.mark.parametrize("dtype", CUDA_AUTOCAST)
+@pytest.mark.parametrize("name", MODELS)
+def test_modules_follow_autocast(name, dtype):
+    """Under CUDA autocast each module returns the reference's dtype and values within
+    16-bit matmul tolerance (our GEMMs run at TF32 there, at least as accurate), and trains."""
+    ref_cls, ours_cls, init, shape, _ = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, "cuda")
+    x = torch.randn(*shape, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        want, got = ref(x), ours(x)
+    assert got.dtype == want.dtype
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
+    got.float().sum().backward()
+    assert all(p.grad is not None for p in ours.parameters())

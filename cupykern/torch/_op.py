@@ -23,8 +23,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional,
 
 def _eager() -> bool:
     """Nothing is tracing or watching: no torch.compile/export, jit.trace, dispatch or
-    torch-function mode, or functorch transform."""
+    torch-function mode, functorch transform or autocast region."""
     return (not torch.compiler.is_compiling()
+            and not torch._C._is_any_autocast_enabled()
             and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
@@ -76,6 +77,24 @@ def _below_autograd(op):
     return forward
 
 
+def _autocast_kernel(op, device_type):
+    """The op's autocast rule, PyTorch's for matmuls: in an autocast region of
+    ``device_type``, float32 (and 16-bit) tensors on that device are cast to the region's
+    dtype, then the op runs with autocast off (float64 stays float64, as in PyTorch)."""
+    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey,
+                                          "Autocast" + torch._C._dispatch_key_for_device(device_type)))
+
+    def kernel(keyset, *args):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                and a.dtype != torch.float64 and a.device.type == device_type else a
+                for a in args]
+        with torch._C._ExcludeDispatchKeyGuard(key):
+            return op.op(*cast)
+
+    return kernel
+
+
 class Op:
     """``torch.ops.cupykern.<name>`` (see the module docstring).
 
@@ -83,16 +102,23 @@ class Op:
     outputs' metadata; ``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)``
     (both or neither) its autograd, as ``torch.library.register_autograd`` takes them.
     An op without backward raises a ValueError when a gradient would be needed, rather
-    than returning a result cut off from autograd.
+    than returning a result cut off from autograd. ``autocast``: in an autocast region
+    the op computes in the region's dtype, as PyTorch's matmuls do.
     """
 
-    def __init__(self, schema: str, impl, fake, setup_context=None, backward=None):
+    def __init__(self, schema: str, impl, fake, setup_context=None, backward=None,
+                 autocast: bool = False):
         self.name = schema.split("(", 1)[0]
         qualname = f"{NAMESPACE}::{self.name}"
         _LIB.define(schema)
         _LIB.impl(self.name, impl, "CPU")
         _LIB.impl(self.name, impl, "CUDA")
         torch.library.register_fake(qualname, fake, lib=_LIB)
+        if autocast:
+            for device_type in ("cpu", "cuda"):
+                _LIB.impl(self.name, _autocast_kernel(self, device_type),
+                          "Autocast" + torch._C._dispatch_key_for_device(device_type),
+                          with_keyset=True)
         self.impl = impl
         self.op = getattr(getattr(torch.ops, NAMESPACE), self.name).default
         self.function = None

@@ -18,11 +18,17 @@ from ._op import Op
 def resolve_precision(precision) -> str:
     """``None`` -> torch's float32 matmul precision; anything else is checked by the op.
 
+    In a CUDA autocast region ``None`` is "high" (TF32, at least as accurate as the
+    region's 16-bit matmuls): a fused op whose GEMM PyTorch would autocast (GSBN's
+    Linear) follows that policy while keeping its float32 output.
+
     Under torch.compile the precision string cannot be traced, but the TF32 flag it sets
     can (Dynamo folds it and guards on it): there "medium" runs as "high" (TF32), which
     PyTorch's definition of "medium" (at least bf16's accuracy) allows."""
     if precision is not None:
         return precision
+    if torch.is_autocast_enabled("cuda"):
+        return "high"
     if torch.compiler.is_compiling():
         return "high" if torch._C._get_cublas_allow_tf32() else "highest"
     return torch.get_float32_matmul_precision()
@@ -63,7 +69,7 @@ def _out_impl(x, weight, bias, precision, out):
 
 
 linear_op = Op("linear(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor",
-               _impl, _fake, _setup_context, _backward)
+               _impl, _fake, _setup_context, _backward, autocast=True)
 linear_out_op = Op("linear_out(Tensor x, Tensor weight, Tensor? bias, str precision, "
                    "Tensor(a!) out) -> ()", _out_impl, lambda *args: None)
 
