@@ -325,3 +325,17 @@ def test_modules_follow_autocast(name, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
     got.float().sum().backward()
     assert all(p.grad is not None for p in ours.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["L1Norm", "L2Norm"])
+def test_norms_follow_autocast_on_16bit_inputs(name, device):
+    """CUDA autocast computes torch.norm in float32, so the reference L2 model returns
+    float32 for bfloat16 x there; L1 (and CPU autocast) stay in x's dtype."""
+    ref_cls, ours_cls, init, shape, _ = MODELS[name]
+    ref, ours = model_pair(ref_cls, ours_cls, init, device)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want, got = ref(x), ours(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)

@@ -77,22 +77,28 @@ def _below_autograd(op):
     return forward
 
 
-def _autocast_kernel(op, device_type):
-    """The op's autocast rule, PyTorch's for matmuls: in an autocast region of
-    ``device_type``, float32 (and 16-bit) tensors on that device are cast to the region's
-    dtype, then the op runs with autocast off (float64 stays float64, as in PyTorch)."""
+def _autocast_kernel(op, device_type, policy):
+    """The op's autocast rule: in an autocast region of ``device_type``, floating tensors
+    on that device other than float64 are cast to ``policy(device_type, *args)`` (None:
+    left as they are), then the op runs with autocast off, as PyTorch's own ops do."""
     key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey,
                                           "Autocast" + torch._C._dispatch_key_for_device(device_type)))
 
     def kernel(keyset, *args):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                and a.dtype != torch.float64 and a.device.type == device_type else a
-                for a in args]
+        dtype = policy(device_type, *args)
+        if dtype is not None:
+            args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    and a.dtype != torch.float64 and a.device.type == device_type else a
+                    for a in args]
         with torch._C._ExcludeDispatchKeyGuard(key):
-            return op.op(*cast)
+            return op.op(*args)
 
     return kernel
+
+
+def lower_precision(device_type, *args):
+    """Autocast policy of PyTorch's matmuls: the region's 16-bit dtype."""
+    return torch.get_autocast_dtype(device_type)
 
 
 class Op:
@@ -102,21 +108,22 @@ class Op:
     outputs' metadata; ``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)``
     (both or neither) its autograd, as ``torch.library.register_autograd`` takes them.
     An op without backward raises a ValueError when a gradient would be needed, rather
-    than returning a result cut off from autograd. ``autocast``: in an autocast region
-    the op computes in the region's dtype, as PyTorch's matmuls do.
+    than returning a result cut off from autograd. ``autocast(device_type, *args)``, if
+    given, names the dtype the op computes in inside an autocast region (None: the
+    inputs' own), e.g. :func:`lower_precision` as PyTorch's matmuls.
     """
 
     def __init__(self, schema: str, impl, fake, setup_context=None, backward=None,
-                 autocast: bool = False):
+                 autocast=None):
         self.name = schema.split("(", 1)[0]
         qualname = f"{NAMESPACE}::{self.name}"
         _LIB.define(schema)
         _LIB.impl(self.name, impl, "CPU")
         _LIB.impl(self.name, impl, "CUDA")
         torch.library.register_fake(qualname, fake, lib=_LIB)
-        if autocast:
+        if autocast is not None:
             for device_type in ("cpu", "cuda"):
-                _LIB.impl(self.name, _autocast_kernel(self, device_type),
+                _LIB.impl(self.name, _autocast_kernel(self, device_type, autocast),
                           "Autocast" + torch._C._dispatch_key_for_device(device_type),
                           with_keyset=True)
         self.impl = impl

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import gemm as core
-from ._op import Op
+from ._op import Op, lower_precision
 
 
 def resolve_precision(precision) -> str:
@@ -69,7 +69,7 @@ def _out_impl(x, weight, bias, precision, out):
 
 
 linear_op = Op("linear(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor",
-               _impl, _fake, _setup_context, _backward, autocast=True)
+               _impl, _fake, _setup_context, _backward, autocast=lower_precision)
 linear_out_op = Op("linear_out(Tensor x, Tensor weight, Tensor? bias, str precision, "
                    "Tensor(a!) out) -> ()", _out_impl, lambda *args: None)
 

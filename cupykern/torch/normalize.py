@@ -71,8 +71,14 @@ def _out_impl(x, p, axis, config, out):
     out.copy_(reference(x, p, ax))
 
 
+def _autocast(device_type, x, p, axis, config):
+    """PyTorch's CUDA autocast computes torch.norm in float32 (so the reference L2 model
+    returns float32 for 16-bit x there); L1's abs/mean/div run in x's dtype."""
+    return torch.float32 if device_type == "cuda" and p == 2 else None
+
+
 normalize_op = Op("normalize(Tensor x, int p, int axis, int[]? config) -> Tensor",
-                  _impl, _fake, _setup_context, _backward)
+                  _impl, _fake, _setup_context, _backward, autocast=_autocast)
 normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, Tensor(a!) out) -> ()",
                       _out_impl, lambda *args: None)
 
