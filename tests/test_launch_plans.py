@@ -17,9 +17,10 @@ MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
     "torch.matmul_sum_max_mean_logsumexp")]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The recorded launches (kernel name, grid, block, args, shared memory)."""
+@pytest.fixture(params=[90, 75], ids=["sm_90", "sm_75"])
+def launches(monkeypatch, request):
+    """The recorded launches (kernel name, grid, block, args, shared memory), on a
+    faked Hopper (wgmma, clusters) and a faked Turing (CUDA-core GEMM, no clusters)."""
     log = []
     real_operand = _array.operand
 
@@ -44,7 +45,7 @@ def launches(monkeypatch):
             if hasattr(m, name):
                 monkeypatch.setattr(m, name, fake)
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
-    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     for m in MODULES:
         monkeypatch.setattr(m, "_plans", {}, raising=False)
@@ -82,7 +83,10 @@ def _calls():
            lambda: [r(5, 24), r(8, 24), r(8), torch.empty(24 + m4.PLAN_TAIL, dtype=torch.float64)])
 
 
-@pytest.mark.parametrize("label, call, make", list(_calls()), ids=lambda v: v if isinstance(v, str) else "")
+CALLS = list(_calls())
+
+
+@pytest.mark.parametrize("label, call, make", CALLS, ids=[c[0] for c in CALLS])
 def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make):
     first, second = make(), make()
     call(first)
