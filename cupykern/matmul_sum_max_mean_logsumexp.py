@@ -126,12 +126,18 @@ def _row_view(o, name):
 def build_plan(w, b):
     """The plan of GPU weights (Operands from :func:`check_weights`): a new float64 array
     [W.sum(0), bias.sum(), max|W|, max|bias|] of w's kind, from one read of W."""
+    w = _row_view(w, "weight")[0]
+    if b is not None and w.shape[0] > 1 and b.strides[0] != 1:
+        b = operand(contiguous(b), "bias")
+    return _plan_builder(w, b)(w.obj, None if b is None else b.obj)
+
+
+def _plan_builder(w, b):
+    """``run(weight, bias) -> plan`` for weights like ``w`` / ``b`` (Operands, rows and
+    bias contiguous): the column-sum launches with their sizes fixed."""
     n, k = w.shape
     dt, dev = w.dtype, w.device
-    w, ldw = _row_view(w, "weight")
-    if b is not None and n > 1 and b.strides[0] != 1:
-        b = operand(contiguous(b), "bias")
-    data = empty(w, (k + PLAN_TAIL,), "float64")
+    ldw = row_stride(w.shape, w.strides)
     v = _vec(dt) if vector_aligned(w.ptr, ldw, k, ITEMSIZE[dt]) else 1
     gx = cdiv(k // v, _COLSUM["BX"])
     # (column tile, row chunk) blocks: about 16 per SM, chunks a multiple of the
@@ -141,17 +147,47 @@ def build_plan(w, b):
         nchunks = min(cdiv(n, _ROW_STEP), cdiv(_loader.sm_count(dev) * 16, gx))
         rows_per_chunk = cdiv(cdiv(n, nchunks), _ROW_STEP) * _ROW_STEP
         nchunks = cdiv(n, rows_per_chunk)
-    psum = operand(empty(w, (max(nchunks * k, 1),), "float64"), "psum")
-    pmax = operand(empty(w, (max(nchunks * gx, 1),), "float64"), "pmax")
-    if nchunks:
-        fn = _loader.function(_FILE, _partial_expr(dt, v), dev)
-        launch(w, fn, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),
-               (w.ptr, ldw, n, k, rows_per_chunk, psum.ptr, pmax.ptr))
-    fn = _loader.function(_FILE, _final_expr(dt), dev)
-    launch(w, fn, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
-        psum.ptr, pmax.ptr, nchunks, nchunks * gx, k, b.ptr if b is not None else 0, n,
-        data_ptr(data)))
-    return data
+    nsum, nmax = max(nchunks * k, 1), max(nchunks * gx, 1)  # partial sums, partial maxima
+    partial = _loader.function(_FILE, _partial_expr(dt, v), dev) if nchunks else None
+    final = _loader.function(_FILE, _final_expr(dt), dev)
+    place = Place(w)
+    ptr = place.ptr
+
+    def run(weight, bias):
+        data = empty(place, (k + PLAN_TAIL,), "float64")
+        scratch = empty(place, (nsum + nmax,), "float64")  # held to the launch
+        psum = ptr(scratch)
+        pmax = psum + 8 * nsum
+        calls = [(final, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
+            psum, pmax, nchunks, nchunks * gx, k, ptr(bias), n, ptr(data)), 0)]
+        if partial is not None:
+            calls.insert(0, (partial, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),
+                             (ptr(weight), ldw, n, k, rows_per_chunk, psum, pmax), 0))
+        launch_all(place, calls)
+        return data
+
+    return run
+
+
+# (signatures of x, weight, bias, plan) -> run(x, weight, bias, plan), and
+# ("build", signatures of weight, bias) -> run(weight, bias) -> plan; or None
+_plans: dict = {}
+
+
+def build_plan_cached(weight, bias, check):
+    """:func:`build_plan` for GPU arrays, with the launches planned once per signature;
+    ``check(weight, bias)`` validates them on a miss (Operands of weight and bias)."""
+    key = ("build", signature(weight), signature(bias))
+    run = cached(_plans, key, lambda: _builder_fresh(*check(weight, bias)))
+    return build_plan(*check(weight, bias)) if run is None else run(weight, bias)
+
+
+def _builder_fresh(w, b):
+    """A plan builder for weights like these, or None where they must be copied first."""
+    if row_stride(w.shape, w.strides) is None or (
+            b is not None and b.shape[0] > 1 and b.strides[0] != 1):
+        return None
+    return _plan_builder(w, b)
 
 
 def apply_plan(a, w, b, plan_ptr: int, rows=None):
@@ -183,9 +219,6 @@ def _rows_call(a, w, b, rows=None):
     head, mid, tail = (ldx, bsz, k), (ldw,), (n, scalar(_zlim(a.dtype, n), "double"))
     return lambda x, plan, wp, bp, out: (fn, grid, block,
                                          (x,) + head + (plan, wp) + mid + (bp,) + tail + (out,), 0)
-
-
-_plans: dict = {}  # (signatures of x, weight, bias, plan) -> run(x, weight, bias, plan), or None
 
 
 def apply_cached(x, weight, bias, plan, check):

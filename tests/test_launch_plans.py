@@ -79,6 +79,8 @@ def _calls():
         from cupykern.torch.matmul_sum_max_mean_logsumexp import _check
         return m4.apply_cached(*a, _check)
 
+    yield ("matmul_sum_plan", lambda a: m4.build_plan_cached(*a, m4.check_weights),
+           lambda: [r(8, 24), r(8)])
     yield ("matmul_sum_max_mean_logsumexp", m4_call,
            lambda: [r(5, 24), r(8, 24), r(8), torch.empty(24 + m4.PLAN_TAIL, dtype=torch.float64)])
 

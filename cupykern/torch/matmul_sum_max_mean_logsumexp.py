@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan, check_weights,
-                                              check_x)
+from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan_cached,
+                                              check_weights, check_x)
 from .._array import operand
 from ._checks import hooked, members, require_submodule, require_tensor
 from ._op import Op, _direct
@@ -44,9 +44,9 @@ def reference(x, weight, bias=None):
 
 
 def _plan_impl(weight, bias):
-    w, b = check_weights(weight, bias)
     if weight.is_cuda:
-        return build_plan(w, b)
+        return build_plan_cached(weight, bias, check_weights)
+    check_weights(weight, bias)
     wd = weight.double()
     bd = torch.zeros(1, dtype=torch.float64) if bias is None else bias.double()
     maxabs = lambda t: t.abs().amax() if t.numel() else t.new_zeros(())  # noqa: E731
