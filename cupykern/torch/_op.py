@@ -77,12 +77,15 @@ def _below_autograd(op):
     return forward
 
 
+def _autocast_key(device_type: str) -> str:
+    return "Autocast" + torch._C._dispatch_key_for_device(device_type)
+
+
 def _autocast_kernel(op, device_type, policy):
     """The op's autocast rule: in an autocast region of ``device_type``, floating tensors
     on that device other than float64 are cast to ``policy(device_type, *args)`` (None:
     left as they are), then the op runs with autocast off, as PyTorch's own ops do."""
-    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey,
-                                          "Autocast" + torch._C._dispatch_key_for_device(device_type)))
+    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _autocast_key(device_type)))
 
     def kernel(keyset, *args):
         dtype = policy(device_type, *args)
@@ -91,7 +94,7 @@ def _autocast_kernel(op, device_type, policy):
                     and a.dtype != torch.float64 and a.device.type == device_type else a
                     for a in args]
         with torch._C._ExcludeDispatchKeyGuard(key):
-            return op.op(*args)
+            return op(*args)
 
     return kernel
 
@@ -121,13 +124,12 @@ class Op:
         _LIB.impl(self.name, impl, "CPU")
         _LIB.impl(self.name, impl, "CUDA")
         torch.library.register_fake(qualname, fake, lib=_LIB)
-        if autocast is not None:
-            for device_type in ("cpu", "cuda"):
-                _LIB.impl(self.name, _autocast_kernel(self, device_type, autocast),
-                          "Autocast" + torch._C._dispatch_key_for_device(device_type),
-                          with_keyset=True)
         self.impl = impl
         self.op = getattr(getattr(torch.ops, NAMESPACE), self.name).default
+        if autocast is not None:
+            for device_type in ("cpu", "cuda"):
+                _LIB.impl(self.name, _autocast_kernel(self.op, device_type, autocast),
+                          _autocast_key(device_type), with_keyset=True)
         self.function = None
         if backward is None:
             return
