@@ -13,8 +13,11 @@ def row_stride(shape, strides):
 
     Size-1 dims are skipped; the remaining leading dims must collapse into one evenly
     strided row index. A single leading dim may have any stride, 0 or negative included
-    (an expanded row read many times); two or more must nest exactly.
+    (an expanded row read many times); two or more must nest exactly. An empty view
+    reads nothing, so it is a row view with any strides.
     """
+    if 0 in shape:
+        return shape[-1]
     if shape[-1] > 1 and strides[-1] != 1:
         return None
     lead = [(n, s) for n, s in zip(shape[:-1], strides[:-1]) if n != 1]

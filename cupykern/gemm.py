@@ -48,6 +48,7 @@ for _m, _bn in ((0, 128), (1, 256)):
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
+PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
 def _mma_expr(dtype: str, mode: int, aligned: bool) -> str:

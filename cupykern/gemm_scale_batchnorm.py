@@ -2,7 +2,8 @@
 
 Training (batch statistics), three launches:
   1. the GEMM writes z = x @ W.T and, from its registers, per-(128-row tile, column)
-     (mean, M2) partials of z (the bias cancels out of the output);
+     (mean, M2, min, max) partials of z (the bias cancels out of the output; min and
+     max tell where y = s*(z + b), as the reference forms it, overflows the dtype);
   2. one thread per column merges the partials in tile order (Chan's formula:
      stable and deterministic), folds s, gamma, beta into out = a*(z - mean) + beta and
      updates running_mean (bias included) / running_var (unbiased) like
@@ -23,11 +24,15 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
-from .gemm import MIN_TILE_M, check_operands, check_precision, check_vector, gemm_call, gemm_kernel
+from .gemm import MIN_TILE_M, PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef: one thread per column
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
+
+
+def _train_coef_expr(t):
+    return f"bn_train_coef<{t}, {_COEF_THREADS}, {PART_ROWS}>"
 
 
 def _apply_expr(dtype, vec):
@@ -36,7 +41,7 @@ def _apply_expr(dtype, vec):
 
 for _dt in CTYPE:
     _t = CTYPE[_dt]
-    _loader.register(_FILE, [f"bn_train_coef<{_t}, {_COEF_THREADS}>", f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
+    _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
                              _apply_expr(_dt, 1), _apply_expr(_dt, 16 // ITEMSIZE[_dt])])
 
 
@@ -194,10 +199,10 @@ def _plan(a, b, training, momentum, eps, precision):
         return run_eval
 
     # One scratch buffer: the coefficients (3, N), then the GEMM's partial statistics
-    # (2 * mtiles, N), sized for the smallest M tile of any GEMM kernel.
-    scratch = (3 + 2 * cdiv(M, MIN_TILE_M)) * N
+    # (PART_ROWS * mtiles, N), sized for the smallest M tile of any GEMM kernel.
+    scratch = (3 + PART_ROWS * cdiv(M, MIN_TILE_M)) * N
     bm = kernel[4]
-    coef = _loader.function(_FILE, f"bn_train_coef<{t}, {_COEF_THREADS}>", dev)
+    coef = _loader.function(_FILE, _train_coef_expr(t), dev)
     sizes = tuple(scalar(v, "int") for v in (cdiv(M, bm), bm, M, N))
     factor = scalar(momentum if momentum is not None else -1.0, "double")  # -1: cumulative
     eps_ = scalar(eps, "double")

@@ -12,6 +12,10 @@ struct bf16_t { u16 bits; };
 template <typename T> struct acc_of { typedef float type; };
 template <> struct acc_of<double> { typedef double type; };
 
+// +inf and a quiet nan of A (NVRTC has no math.h macros); float's convert exactly to double.
+template <typename A> __device__ __forceinline__ A infinity() { return (A)__int_as_float(0x7f800000); }
+template <typename A> __device__ __forceinline__ A quiet_nan() { return (A)__int_as_float(0x7fc00000); }
+
 __device__ __forceinline__ float to_acc(float v) { return v; }
 __device__ __forceinline__ double to_acc(double v) { return v; }
 __device__ __forceinline__ float to_acc(half_t v) {

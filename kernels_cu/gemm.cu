@@ -16,11 +16,11 @@
 //
 // Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
-// M tile mt and every column n, the (mean, M2) over the tile's valid rows of the values
-// as stored in C (rounded to T, so that they agree with what BatchNorm then normalises:
-// a batch of two amplifies any mismatch up to 1/sqrt(eps)-fold): part[2*mt*N + n],
-// part[(2*mt+1)*N + n]. Partials are merged in a fixed order (Chan's formula), so the
-// statistics are deterministic.
+// M tile mt and every column n, the (mean, M2, min, max) over the tile's valid rows of the
+// values as stored in C (rounded to T, so that they agree with what BatchNorm then
+// normalises: a batch of two amplifies any mismatch up to 1/sqrt(eps)-fold), in rows
+// PART_ROWS*mt + 0..3 of part (stats.cuh). Partials are merged in a fixed order (Chan's
+// formula), so the statistics are deterministic.
 #include "common.cuh"
 #include "stats.cuh"
 
@@ -41,15 +41,41 @@ __device__ __forceinline__ void local_stats(const A (&v)[V], const bool (&valid)
     if (valid[i]) { const A d = v[i] - mean; m2 += d * d; }
 }
 
-// Threads with col in 0..COLS-1 merge the SLOTS partials of that column, in slot order.
+// Per-thread min and max of the same values (+inf, -inf if none valid; nan is skipped:
+// it reaches the mean anyway).
+template <typename A, int V>
+__device__ __forceinline__ void local_range(const A (&v)[V], const bool (&valid)[V], A& lo, A& hi) {
+  lo = infinity<A>();
+  hi = -infinity<A>();
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { lo = fmin(lo, v[i]); hi = fmax(hi, v[i]); }
+}
+
+// Threads with col in 0..COLS-1 merge the SLOTS partials of that column in slot order:
+// (mean, M2) into rows 0, 1 of the tile's PART_ROWS ...
 template <typename A, int SLOTS, int COLS>
 __device__ __forceinline__ void merge_slots(const A* s_mean, const A* s_m2, const A* s_cnt,
                                             A* part, int col, int mt, int n0, int N) {
   if (col >= COLS || n0 + col >= N) return;
   A n = 0, mean = 0, m2 = 0;
   for (int s = 0; s < SLOTS; ++s) chan_merge(n, mean, m2, s_cnt[s], s_mean[s * COLS + col], s_m2[s * COLS + col]);
-  part[(2LL * mt) * N + n0 + col] = mean;
-  part[(2LL * mt + 1) * N + n0 + col] = m2;
+  part[((long long)PART_ROWS * mt) * N + n0 + col] = mean;
+  part[((long long)PART_ROWS * mt + 1) * N + n0 + col] = m2;
+}
+
+// ... and (min, max) into rows 2, 3.
+template <typename A, int SLOTS, int COLS>
+__device__ __forceinline__ void merge_range(const A* s_lo, const A* s_hi, A* part, int col,
+                                            int mt, int n0, int N) {
+  if (col >= COLS || n0 + col >= N) return;
+  A lo = infinity<A>(), hi = -infinity<A>();
+  for (int s = 0; s < SLOTS; ++s) {
+    lo = fmin(lo, s_lo[s * COLS + col]);
+    hi = fmax(hi, s_hi[s * COLS + col]);
+  }
+  part[((long long)PART_ROWS * mt + 2) * N + n0 + col] = lo;
+  part[((long long)PART_ROWS * mt + 3) * N + n0 + col] = hi;
 }
 
 template <typename T, typename A>
@@ -338,23 +364,28 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) valid[2 * i + h] = r0 + i * 16 + h * 8 < M;
+    for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v[8], n, mean, m2;
+        for (int e = 0; e < 2; ++e) {
+          float v[8], n, a, b;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+          for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) v[2 * i + h] = to_acc(from_acc<T>(res[i][j][2 * h + e]));
-        local_stats(v, valid, n, mean, m2);
-        const int col = wn * 32 + j * 8 + 2 * t + e;
-        s_mean[slot * BN + col] = mean;
-        s_m2[slot * BN + col] = m2;
-        if (wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
-      }
-    __syncthreads();
-    merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
+            for (int h = 0; h < 2; ++h) v[2 * i + h] = to_acc(from_acc<T>(res[i][j][2 * h + e]));
+          if (range) local_range(v, valid, a, b);
+          else local_stats(v, valid, n, a, b);
+          const int col = wn * 32 + j * 8 + 2 * t + e;
+          s_mean[slot * BN + col] = a;
+          s_m2[slot * BN + col] = b;
+          if (!range && wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
+        }
+      __syncthreads();
+      if (range) merge_range<float, 16, BN>(s_mean, s_m2, part, threadIdx.x, m0 / BM, n0, N);
+      else merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
+      __syncthreads();
+    }
   }
 }
 
@@ -408,18 +439,23 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) valid[i] = m0 + ty + 16 * i < M;
+    for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      A v[4], n, mean, m2;
+      for (int j = 0; j < 4; ++j) {
+        A v[4], n, a, b;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = to_acc(from_acc<T>(acc[i][j]));  // as stored in C
-      local_stats(v, valid, n, mean, m2);
-      s_mean[ty * TS + tx + 16 * j] = mean;
-      s_m2[ty * TS + tx + 16 * j] = m2;
-      if (tx == 0 && j == 0) s_cnt[ty] = n;
+        for (int i = 0; i < 4; ++i) v[i] = to_acc(from_acc<T>(acc[i][j]));  // as stored in C
+        if (range) local_range(v, valid, a, b);
+        else local_stats(v, valid, n, a, b);
+        s_mean[ty * TS + tx + 16 * j] = a;
+        s_m2[ty * TS + tx + 16 * j] = b;
+        if (!range && tx == 0 && j == 0) s_cnt[ty] = n;
+      }
+      __syncthreads();
+      if (range) merge_range<A, 16, TS>(s_mean, s_m2, part, threadIdx.x, mt, n0, N);
+      else merge_slots<A, 16, TS>(s_mean, s_m2, s_cnt, part, threadIdx.x, mt, n0, N);
+      __syncthreads();
     }
-    __syncthreads();
-    merge_slots<A, 16, TS>(s_mean, s_m2, s_cnt, part, threadIdx.x, mt, n0, N);
   }
 }
 
@@ -622,8 +658,8 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
     }
 }
 
-// Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2)
-// over 64 slots (one per consumer thread row pair), merged in slot order.
+// Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2,
+// min, max) over 64 slots (one per consumer thread row pair), merged in slot order.
 template <int BM, int BN>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
@@ -662,19 +698,24 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
     float* s_cnt = s_m2 + 64 * BN;
     const int slot = cw * 8 + g;
     const bool valid[2] = {r0 < M, r0 + 8 < M};
+    for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
 #pragma unroll
-    for (int j = 0; j < R / 4; ++j)
+      for (int j = 0; j < R / 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float v[2] = {res[4 * j + e], res[4 * j + 2 + e]};
-        float n, mean, m2;
-        local_stats(v, valid, n, mean, m2);
-        s_mean[slot * BN + 8 * j + 2 * t + e] = mean;
-        s_m2[slot * BN + 8 * j + 2 * t + e] = m2;
-        if (t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
-      }
-    consumer_sync();
-    merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / BM, n0, N);
+        for (int e = 0; e < 2; ++e) {
+          const float v[2] = {res[4 * j + e], res[4 * j + 2 + e]};
+          float n, a, b;
+          if (range) local_range(v, valid, a, b);
+          else local_stats(v, valid, n, a, b);
+          s_mean[slot * BN + 8 * j + 2 * t + e] = a;
+          s_m2[slot * BN + 8 * j + 2 * t + e] = b;
+          if (!range && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
+        }
+      consumer_sync();
+      if (range) merge_range<float, 64, BN>(s_mean, s_m2, part, tid - 128, m0 / BM, n0, N);
+      else merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / BM, n0, N);
+      consumer_sync();
+    }
   }
 }
 

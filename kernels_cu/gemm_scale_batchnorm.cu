@@ -10,13 +10,16 @@
 template <typename T, typename A>
 __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
 
-// Training: merge the GEMM's per-M-tile (mean, M2) partials of z in tile order
+// Training: merge the GEMM's per-M-tile (mean, M2, min, max) partials of z in tile order
 // (Chan), then write the coefficients and update running stats like BatchNorm1d:
 // mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
+// The reference forms y = s*(z + b) in T, rounding twice: where that overflows T in some
+// row (checked at z's min and max, y being monotonic in z), its batch mean is +-inf (nan
+// if both signs overflow) and its variance nan, so every output of the column is nan.
 // factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
 // (bn_apply, launched after this kernel, increments num_batches_tracked).
 // One thread per column n: grid cdiv(N, THREADS), block THREADS.
-template <typename T, int THREADS>
+template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
               int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
@@ -27,6 +30,7 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
               typename acc_of<T>::type* __restrict__ cm,
               typename acc_of<T>::type* __restrict__ cb) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS == PART_ROWS, "bn_train_coef: the GEMM's partial statistics are PART_ROWS rows per tile");
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
@@ -37,21 +41,34 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
       const int t = min(t0 + i, mtiles - 1);
-      pm[i] = part[2LL * t * N + n];
-      pv[i] = part[(2LL * t + 1) * N + n];
+      pm[i] = part[(long long)PART_ROWS * t * N + n];
+      pv[i] = part[((long long)PART_ROWS * t + 1) * N + n];
     }
 #pragma unroll
     for (int i = 0; i < BATCH; ++i)
       if (t0 + i < mtiles) chan_merge(cnt, mean, m2, (A)min(bm, M - (t0 + i) * bm), pm[i], pv[i]);
   }
-  const A var = m2 / (A)M, s = to_acc(scale[n]);
+  A lo = infinity<A>(), hi = -infinity<A>();
+  for (int t = 0; t < mtiles; ++t) {
+    lo = fmin(lo, part[((long long)PART_ROWS * t + 2) * N + n]);
+    hi = fmax(hi, part[((long long)PART_ROWS * t + 3) * N + n]);
+  }
+  const A s = to_acc(scale[n]), b = opt(bias, n, (A)0);
+  const A y_lo = to_acc(from_acc<T>(s * to_acc(from_acc<T>(lo + b))));
+  const A y_hi = to_acc(from_acc<T>(s * to_acc(from_acc<T>(hi + b))));
+  const bool up = y_lo == infinity<A>() || y_hi == infinity<A>();
+  const bool down = y_lo == -infinity<A>() || y_hi == -infinity<A>();
+  A var = m2 / (A)M, mean_y = s * (mean + b);
+  if (up || down) {
+    var = quiet_nan<A>();
+    mean_y = up && down ? quiet_nan<A>() : (up ? infinity<A>() : -infinity<A>());
+  }
   const A a = opt(gamma, n, (A)1) * s / sqrt(s * s * var + (A)eps);
   ca[n] = a;
   cm[n] = mean;
   cb[n] = opt(beta, n, (A)0);
   if (rmean) {
     const A f = factor < 0 ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
-    const A mean_y = s * (mean + opt(bias, n, (A)0));
     const A var_y = s * s * var * (A)M / (A)(M - 1);
     rmean[n] = from_acc<T>(((A)1 - f) * to_acc(rmean[n]) + f * mean_y);
     rvar[n] = from_acc<T>(((A)1 - f) * to_acc(rvar[n]) + f * var_y);

@@ -166,3 +166,34 @@ def test_below_sm80_trains_and_evaluates(as_sm75, dtype):
     ref.eval(), new.eval()
     with torch.no_grad():
         assert torch.allclose(new(x).float(), ref(x).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["native", "sm_75"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_training_where_the_scaled_product_overflows(request, dtype, arch):
+    """The fused kernels never form y = s*(x @ W.T + b); where the reference's y overflows
+    the dtype in some row, that column's outputs are nan and its running mean +-inf (nan
+    if both signs overflow), as in PyTorch. Columns: +inf only, -inf only, both, none."""
+    if arch == "sm_75":
+        request.getfixturevalue("as_sm75")
+    ref, new = _pair(8, 4)
+    ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
+    big = torch.finfo(dtype).max / 4  # finite in z, overflows once scaled by 8
+    x = 0.1 * torch.randn(6, 8, device="cuda", dtype=dtype)
+    x[0, 0], x[1, 1] = big, -big
+    w = torch.zeros(4, 8, device="cuda", dtype=dtype)
+    w[:, 2:] = 0.1
+    w[0, 0] = w[1, 0] = w[2, 0] = w[2, 1] = 1
+    with torch.no_grad():
+        for m in (ref, new):
+            m.gemm.weight.copy_(w)
+            m.scale.copy_(torch.tensor([8.0, -8.0, 8.0, 1.0]))
+    with torch.no_grad():
+        want, got = ref(x), new(x)
+    assert got.isnan().equal(want.isnan()) and want[:, :3].isnan().all()
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2, equal_nan=True)
+    assert new.bn.running_mean[:3].isinf().tolist() == [True, True, False]
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(new.bn, name).float(), getattr(ref.bn, name).float(),
+                                   atol=5e-2, rtol=5e-2, equal_nan=True)

@@ -19,10 +19,12 @@ MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
 
 @pytest.fixture(params=[90, 75], ids=["sm_90", "sm_75"])
 def launches(monkeypatch, request):
-    """The recorded launches (kernel name, grid, block, args, shared memory), on a
-    faked Hopper (wgmma, clusters) and a faked Turing (CUDA-core GEMM, no clusters)."""
+    """(recorded launches (kernel name, grid, block, args, shared memory), address ranges
+    the ops allocated), on a faked Hopper (wgmma, clusters) and a faked Turing (CUDA-core
+    GEMM, no clusters)."""
     log = []
-    real_operand = _array.operand
+    fresh = []  # (start, end) of every array the ops allocate: outputs, scratch, copies
+    real_operand, real_empty, real_contiguous = _array.operand, _array.empty, _array.contiguous
 
     def operand(x, name, dtypes=_array.FLOAT_DTYPES):
         o = real_operand(x, name, dtypes)
@@ -35,13 +37,25 @@ def launches(monkeypatch, request):
             return (x.dtype, 0, x.shape, x.stride(), x.data_ptr() & 15)
         return None if x is None else _array.UNPLANNED
 
+    def new(a):
+        fresh.append((a.data_ptr(), a.data_ptr() + max(a.nbytes, 1)))
+        return a
+
+    def empty(like, shape, dtype=None):
+        return new(real_empty(like, shape, dtype))
+
+    def contiguous(a, copy=False):
+        c = real_contiguous(a, copy)
+        return c if c is a.obj else new(c)
+
     def launch_all(place, calls):
         log.extend((fn, tuple(grid), tuple(block), tuple(args), smem)
                    for fn, grid, block, args, smem in calls)
 
     for m in MODULES:
         for name, fake in (("operand", operand), ("signature", signature),
-                           ("launch_all", launch_all)):
+                           ("launch_all", launch_all), ("empty", empty),
+                           ("contiguous", contiguous)):
             if hasattr(m, name):
                 monkeypatch.setattr(m, name, fake)
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
@@ -49,16 +63,25 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     for m in MODULES:
         monkeypatch.setattr(m, "_plans", {}, raising=False)
-    return log
+    return log, fresh
 
 
-def _named(log, arrays):
+def _named(launches, arrays):
     """The log with each array's data pointer replaced by its position in ``arrays`` and
-    other pointers (fresh outputs and scratch) by "new"."""
+    a pointer into a fresh allocation (output, scratch) by ("new", offset)."""
+    log, fresh = launches
     names = {a.data_ptr(): i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor)}
-    out = [(fn, g, b, tuple(names.get(int(v), "new" if type(v) is int and v > 2**32 else v)
-                            for v in args), s) for fn, g, b, args, s in log]
+
+    def name(v):
+        if type(v) is not int:
+            return v
+        if v in names:
+            return names[v]
+        return next((("new", v - lo) for lo, hi in fresh if lo <= v < hi), v)
+
+    out = [(fn, g, b, tuple(map(name, args)), s) for fn, g, b, args, s in log]
     log.clear()
+    fresh.clear()
     return out
 
 

@@ -298,11 +298,14 @@ def test_linear_follows_autocast(device, dtype):
     w = torch.randn(24, 40, device=device, requires_grad=True)
     b = torch.randn(24, device=device)
     compiled = torch.compile(lambda *a: cupykern.linear(*a), fullgraph=True)
+    compiled_ref = torch.compile(lambda *a: torch.nn.functional.linear(*a), fullgraph=True)
     with torch.autocast(device, dtype=dtype):
         want = torch.nn.functional.linear(x, w, b)
-        for fn in (cupykern.linear, compiled):
+        assert want.dtype == dtype
+        # compiled: as compiled F.linear (whose autocast casts are traced into the graph)
+        for fn, ref in ((cupykern.linear, want), (compiled, compiled_ref(x, w, b))):
             got = fn(x, w, b)
-            assert got.dtype == want.dtype == dtype
+            assert got.dtype == ref.dtype
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         assert cupykern.linear(x.double(), w.double(), b.double()).dtype == torch.float64
     got.float().sum().backward()
@@ -317,14 +320,14 @@ def test_modules_follow_autocast(name, dtype):
     16-bit matmul tolerance (our GEMMs run at TF32 there, at least as accurate), and trains."""
     ref_cls, ours_cls, init, shape, _ = MODELS[name]
     ref, ours = model_pair(ref_cls, ours_cls, init, "cuda")
-    x = torch.randn(*shape, device="cuda")
+    x = torch.randn(*shape, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=dtype):
         want, got = ref(x), ours(x)
     assert got.dtype == want.dtype
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
     got.float().sum().backward()
-    assert all(p.grad is not None for p in ours.parameters())
+    assert x.grad is not None and all(p.grad is not None for p in ours.parameters())
 
 
 @pytest.mark.parametrize("device", DEVICES)
