@@ -23,8 +23,20 @@ CTYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
+_TORCH = None
+
+
 def _torch():
-    return sys.modules.get("torch")
+    """torch once it has been imported (cupykern never imports it itself), remembered:
+    code that torch.compile traces must not read sys.modules, which the compiler's own
+    imports change while it wraps the dict."""
+    global _TORCH
+    if _TORCH is None:
+        _TORCH = sys.modules.get("torch")
+    return _TORCH
+
+
+_torch()
 
 
 def is_torch(x) -> bool:
@@ -224,13 +236,17 @@ def scalar(value, ctype: str):
     return _SCALAR[ctype](value)
 
 
+_LAYERS: dict = {}
+
+
 def torch_layer(stem: str):
-    """``cupykern.torch.<stem>``: where torch tensors go (custom ops, autograd). A lookup
-    in ``sys.modules`` once imported, which torch.compile traces without a graph break."""
-    mod = sys.modules.get(f"cupykern.torch.{stem}")
+    """``cupykern.torch.<stem>``: where torch tensors go (custom ops, autograd). Imported
+    on first use, then a lookup in a dict of our own, which torch.compile traces without
+    a graph break (not sys.modules: see :func:`_torch`)."""
+    mod = _LAYERS.get(stem)
     if mod is None:
         import importlib
-        mod = importlib.import_module(f"cupykern.torch.{stem}")
+        mod = _LAYERS[stem] = importlib.import_module(f"cupykern.torch.{stem}")
     return mod
 
 

@@ -7,8 +7,11 @@ except ImportError as e:
     raise ImportError("cupykern.torch needs PyTorch: install the torch build for your CUDA "
                       "driver (or the CPU build) as the README's install recipes show") from e
 
+from .. import _array
 from .gemm_scale_batchnorm import GemmScaleBatchNorm
 from .matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp
 from .normalize import L1Norm, L2Norm
+
+_array._torch()  # torch was imported after cupykern: remember it before anything is traced
 
 __all__ = ["L1Norm", "L2Norm", "GemmScaleBatchNorm", "MatmulSumMaxMeanLogSumExp"]
