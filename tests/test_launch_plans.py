@@ -120,3 +120,23 @@ def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make):
     assert sum(len(getattr(m, "_plans", ())) for m in MODULES) == 1  # planned once, cached
     call(second)  # a cache hit: same signatures
     assert _named(launches, second) == planned
+
+
+def test_kernel_arguments_fill_8_byte_slots():
+    """Each kernel argument fills one 8-byte cuLaunchKernel parameter slot, typed as
+    :func:`cupykern._array.scalar` documents: ints as long long, int32, float64; any
+    other type is a TypeError, never a misread argument."""
+    import struct
+
+    import numpy as np
+
+    args = (0x7F0012345678, -3, np.int32(-7), np.float64(0.5))
+    buf = bytearray(8 * len(args))
+    struct.pack_into(_array._format(tuple(map(type, args))), buf, 0, *args)
+    slots = np.frombuffer(bytes(buf), np.int64)
+    assert slots[0] == 0x7F0012345678 and slots[1] == -3
+    assert np.frombuffer(bytes(buf[16:20]), np.int32)[0] == -7
+    assert np.frombuffer(bytes(buf[24:32]), np.float64)[0] == 0.5
+    for bad in (float, np.float32, bool):
+        with pytest.raises(TypeError, match="kernel arguments"):
+            _array._format((int, bad))
