@@ -12,7 +12,7 @@ import numpy as np
 from . import _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into,
                      data_ptr, empty, is_torch, launch, moveaxis, normalize_axis, operand,
-                     signature, torch_layer)
+                     same_place, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE = "normalize.cu"
@@ -51,11 +51,18 @@ def _two_pass_exprs(p, dtype):
     return (f"normalize_partials<{p}, {CTYPE[dtype]}, {t}>", f"normalize_apply<{p}, {CTYPE[dtype]}, {t}>")
 
 
+def _backward_expr(p, dtype, cfg):
+    c, t, v = cfg[:3]
+    return f"normalize_backward_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}>"
+
+
 for _p in P.values():
     for _dt in CTYPE:
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
         for _cfg in CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
+        for _cfg in CONFIGS[ITEMSIZE[_dt]]:
+            _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -246,3 +253,47 @@ def _plan(src, xs, ys, p, config=None):
         launch(a, k2, grid, block, (x, y, pp, nrows, ncols, xs, ys, chunk, nchunks))
 
     return two_pass
+
+
+def normalize_backward(x, dy, p: int, axis):
+    """dx for ``y = normalize(x, p, axis)`` and the gradient ``dy`` of y, GPU arrays of one
+    kind, shape and dtype: one read of x and dy and one write of dx (the divisor is
+    recomputed from x, so a forward need keep only x). Returns None where the kernel does
+    not apply (CPU or empty arrays, ``axis`` not the last, x or dy not row views whose
+    rows start alike modulo 16 bytes, rows longer than a cluster holds); the caller then
+    computes dx another way."""
+    run = cached(_plans, ("backward", signature(x), signature(dy), p, axis),
+                 lambda: _backward_fresh(x, dy, p, axis))
+    return None if run is None else run(x, dy)
+
+
+def _backward_fresh(x, dy, p, axis):
+    """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
+    a, ax, p, _, _ = check(x, p, axis)
+    g = operand(dy, "dy")
+    same_place(a, g)
+    if (g.dtype, tuple(g.shape)) != (a.dtype, tuple(a.shape)):
+        raise ValueError(f"dy: expected {a.dtype} {tuple(a.shape)} like x, got {g.dtype} "
+                         f"{tuple(g.shape)}")
+    if a.kind == "cpu" or a.size == 0:
+        return None
+    ncols, isz = a.shape[-1], ITEMSIZE[a.dtype]
+    xs, gs = _rows(a, ax), _rows(g, ax)
+    if (xs is None or gs is None or not co_aligned(a.ptr, xs, g.ptr, gs, isz)
+            or not co_aligned(a.ptr, xs, 0, ncols, isz)):  # (dx: fresh, aligned)
+        return None
+    cfg = _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
+    if cfg is None:
+        return None
+    c, t = cfg[:2]
+    fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)
+    nrows = a.size // ncols
+    grid, block, tail = (min(nrows, (2**31 - 1) // c) * c,), (t,), (nrows, ncols, xs, gs, ncols)
+    place, shape = Place(a), a.shape
+
+    def run(x, dy):
+        dx = empty(place, shape)
+        launch(place, fn, grid, block, (place.ptr(x), place.ptr(dy), place.ptr(dx)) + tail)
+        return dx
+
+    return run

@@ -186,3 +186,106 @@ normalize_apply(const T* __restrict__ x, T* __restrict__ y,
       yr[c] = from_acc<T>(scale(to_acc(xr[c])));
   }
 }
+
+// Backward of y = x / d: with s = sum(dy * x) over the row,
+//   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
+//   P == 2: dx = dy / d - x * s / (d * d * d)
+// d recomputed from x (rounded to T as the forward rounds it), so the forward saves only
+// x. One cluster of C CTAs per row holds the row of x and of dy in registers: x and dy
+// are read once and dx written once. Rows of x, dy and dx start at the same offset
+// modulo 16 bytes (the caller checks it). Capacity as normalize_rows.
+template <int P, typename T, int C, int THREADS, int VPT,
+          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) / THREADS>
+__global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
+CK_CLUSTER_DIMS(C)
+normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
+                        long long nrows, long long ncols, long long xs, long long dys,
+                        long long dxs) {
+#ifdef __CUDA_ARCH__
+  static_assert(C == 1 || CK_HAS_CLUSTERS, "normalize_backward_rows: C > 1 (thread-block clusters) needs sm_90");
+#endif
+  static_assert(C >= 1 && C <= 8, "normalize_backward_rows: C is the portable cluster size, 1..8");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_backward_rows: THREADS must be whole warps, at most 1024");
+  static_assert(VPT >= 1, "normalize_backward_rows: VPT >= 1");
+  typedef typename acc_of<T>::type A;
+  typedef Vec16<T> V;
+  constexpr int N = V::N;
+  __shared__ A scratch[THREADS / 32];
+  __shared__ A part[2][2][C];  // [parity][norm term, dy.x][CTA]: the cluster's partial sums
+
+  const unsigned rank = C > 1 ? cluster_ctarank() : 0;
+  const long long nclusters = gridDim.x / C;
+  const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cluster_arrive();
+    cluster_wait();
+  }
+  V xb[VPT], gb[VPT];
+  int parity = 0;
+  for (long long row = blockIdx.x / C; row < nrows; row += nclusters, parity ^= 1) {
+    const T* xr = x + row * xs;
+    const T* gr = dy + row * dys;
+    const RowSplit rs(xr, ncols);
+    A sn = 0, sg = 0, xsc = 0, gsc = 0;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const long long v = vec0 + (long long)i * THREADS;
+      if (v < rs.nvec) {
+        xb[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+        gb[i].u = ld_global_nc_v4(gr + rs.head + v * N);
+      }
+    }
+    const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
+    if (has_scalar) {
+      xsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
+      gsc = to_acc(gr[rs.scalar_pos(threadIdx.x)]);
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (vec0 + (long long)i * THREADS < rs.nvec) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const A xv = to_acc(xb[i].e[j]);
+          sn += norm_term<P>(xv);
+          sg += to_acc(gb[i].e[j]) * xv;
+        }
+      }
+    }
+    if (has_scalar) {  // after the vectors, as the forward adds it: the same d
+      sn += norm_term<P>(xsc);
+      sg += gsc * xsc;
+    }
+    A tn = block_sum(sn, scratch), tg = block_sum(sg, scratch);
+    if constexpr (C > 1) {
+      if (threadIdx.x == 0) {
+        for (unsigned r = 0; r < C; ++r) {
+          st_dsmem(&part[parity][0][rank], r, tn);
+          st_dsmem(&part[parity][1][rank], r, tg);
+        }
+      }
+      cluster_arrive();
+      cluster_wait();
+      tn = tg = 0;
+      for (int r = 0; r < C; ++r) {  // same order in every CTA
+        tn += part[parity][0][r];
+        tg += part[parity][1][r];
+      }
+    }
+    const A d = row_divisor<P, T>(tn, ncols);
+    const A c = P == 1 ? tg / (d * d * (A)ncols) : tg / (d * d * d);
+    auto grad = [&](A xv, A gv) {
+      const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
+      return gv / d - t * c;
+    };
+    T* dr = dx + row * dxs + rs.head;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const long long v = vec0 + (long long)i * THREADS;
+      if (v < rs.nvec) {
+        const V o = vec_from_acc<T>([&](int j) { return grad(to_acc(xb[i].e[j]), to_acc(gb[i].e[j])); });
+        st_global_cs_v4(dr + v * N, o.u);
+      }
+    }
+    if (has_scalar) dx[row * dxs + rs.scalar_pos(threadIdx.x)] = from_acc<T>(grad(xsc, gsc));
+  }
+}

@@ -258,3 +258,55 @@ def test_every_kernel_path(kind, config):
     x[5] = 0
     got = getattr(cupykern, f"{kind}_normalize")(x, config=config)
     assert_matches(got, torch_ref(x, kind), torch.float32)
+
+
+def _grad64(x, g, kind):
+    """dx of the model in float64, from autograd on the reference."""
+    x64 = x.double().requires_grad_()
+    (gx,) = torch.autograd.grad(torch_ref(x64, kind), x64, g.double())
+    return gx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 65535), (5, 1000), (1, 7), (3, 1), (2, 4096)], ids=str)
+@pytest.mark.parametrize("kind", FUNCS)
+def test_fused_backward_matches_float64(kind, shape, dtype):
+    """The fused backward kernel (x and dy read once, dx written once) against autograd of
+    the reference in float64: errors within the dtype's tolerance of max|dx|; zero, inf
+    and nan rows as PyTorch's own ops give them (the same formula in x's dtype)."""
+    core = __import__("sys").modules["cupykern.normalize"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    assert core.normalize_backward(x, g, 1 if kind == "l1" else 2, 1) is not None  # the kernel
+    xr = x.detach().requires_grad_()
+    (got,) = torch.autograd.grad(FUNCS[kind](xr), xr, g)
+    want = _grad64(x, g, kind)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    if shape[0] >= 5:  # special rows: zero, inf, nan
+        x[1], x[2, 0], x[3, -1] = 0, float("inf"), float("nan")
+        xr = x.detach().requires_grad_()
+        (got,) = torch.autograd.grad(FUNCS[kind](xr), xr, g)
+        (want,) = torch.autograd.grad(torch_ref(xr, kind), xr, g)
+        for row in (1, 2, 3):
+            assert torch.equal(got[row].isnan(), want[row].isnan()), row
+            fin = want[row].isfinite()
+            assert torch.equal(got[row][fin], want[row][fin]) or torch.allclose(
+                got[row][fin].double(), want[row][fin].double(), rtol=tol, atol=tol), row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+def test_backward_layouts_outside_the_kernel_match(kind):
+    """Gradients the fused kernel does not take (an expanded dy from .sum(), a transposed
+    x, axis 0, a create_graph backward) are still right."""
+    x = torch.randn(6, 300, device="cuda", dtype=torch.float64)
+    for xx, axis in ((x, 1), (x.t(), 0), (x[:, 1:], 1)):
+        xr = xx.detach().requires_grad_()
+        (got,) = torch.autograd.grad(FUNCS[kind](xr, axis=axis).sum(), xr)
+        (want,) = torch.autograd.grad(torch_ref(xr, kind, dim=axis).sum(), xr)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    xr = x.detach().requires_grad_()
+    assert torch.autograd.gradgradcheck(FUNCS[kind], (x[:3, :20].clone().requires_grad_(),))

@@ -16,7 +16,8 @@ from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, ba
                                                  gemm_scale_batchnorm_op)
 from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
                                                           matmul_sum_op, plan_op)
-from cupykern.torch.normalize import L1NormReference, L2NormReference, normalize_op, normalize_out_op
+from cupykern.torch.normalize import (L1NormReference, L2NormReference, normalize_backward_op,
+                                      normalize_op, normalize_out_op)
 from support import model_pair
 
 gpu = pytest.mark.gpu
@@ -43,6 +44,8 @@ def _opcheck_cases(device):
     yield normalize_op, (x.t(), 2, 0, None)
     yield normalize_op, (r(3, 5, 7)[:, 1:], 2, -1, None)
     yield normalize_out_op, (x, 1, 1, None, torch.empty_like(x))
+    yield normalize_backward_op, (x, r(8, 24), 2, 1)
+    yield normalize_backward_op, (x.t(), r(24, 8), 1, 0)
     yield linear_op, (x, w, b, "highest")
     yield linear_op, (r(2, 3, 24), w, None, "high")
     yield linear_out_op, (x, w, b, "highest", x.new_empty(8, 16))

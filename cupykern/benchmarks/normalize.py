@@ -4,6 +4,9 @@ Byte model: one read of x and one write of y (2 * x.nbytes), against the
 same-run ceiling ``y.copy_(x)`` on the same tensor. Targets: <= 1.15x
 copy time in float32, <= 1.25x in float16/bfloat16 at 32768x65535; at the
 small shapes, no slower than PyTorch eager with host overhead included.
+Training (float32, same shape): the backward reads x and dy and writes dx, so its
+ceiling is 1.5x the copy time; targets <= 1.15x that ceiling, and forward + backward
+>= 2.0x PyTorch eager.
 """
 from __future__ import annotations
 
@@ -61,6 +64,31 @@ def sweep(shape, dtype, iters):
     del x
 
 
+def training(shape, iters):
+    """The fused backward against its ceiling, and forward + backward against eager."""
+    print(f"\n== training, {shape[0]}x{shape[1]} float32: ms (backward: ratio to its ceiling, "
+          "1.5x copy time; forward + backward: speedup)")
+    x = torch.rand(shape, device="cuda")
+    g = torch.rand_like(x)
+    ceiling = 1.5 * copy_ms(x, iters)
+    xr = x.requires_grad_()
+
+    def step(f):
+        return lambda: torch.autograd.grad(f(xr), xr, g)
+
+    for kind in REF:
+        p = normalize.P[kind]
+        b = time_ms(lambda: normalize.normalize_backward(x.detach(), g, p, 1), iters=iters)
+        t = time_ms(step(ours(kind)), iters=iters)
+        e = time_ms(step(REF[kind]), iters=iters)
+        c = time_ms(step(torch.compile(REF[kind])), iters=iters)
+        print(f"{kind}: backward {b:.3f} ({b / ceiling:.3f}x ceiling {ceiling:.3f}); fwd+bwd "
+              f"cupykern {t:.3f}, eager {e:.3f} ({e / t:.2f}x), compile {c:.3f} ({c / t:.2f}x)",
+              flush=True)
+    del x, g, xr
+    torch.cuda.empty_cache()
+
+
 def small(shapes, reps=200):
     """Per-call time including host overhead: CUDA events around `reps` back-to-back calls."""
     print("\n== small shapes, per call incl. host overhead (us): cupykern vs eager")
@@ -104,15 +132,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4096 rows instead of 32768")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
+    ap.add_argument("--training-only", action="store_true", help="only the training figures")
     args = ap.parse_args(argv)
     require_gpu()
     print(f"GPU: {torch.cuda.get_device_name()}")
-    compile_times()
-    small([(16, 16384), (128, 4096)])
     shape = (4096, 65535) if args.quick else (32768, 65535)
-    sweep(shape, torch.float32, args.iters)
-    sweep(shape, torch.float16, args.iters)
-    big(shape, (torch.float32, torch.float16, torch.bfloat16), args.iters)
+    if not args.training_only:
+        compile_times()
+        small([(16, 16384), (128, 4096)])
+        sweep(shape, torch.float32, args.iters)
+        sweep(shape, torch.float16, args.iters)
+        big(shape, (torch.float32, torch.float16, torch.bfloat16), args.iters)
+    training(shape, args.iters)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """L1 / L2 normalisation for torch: the ``cupykern::normalize`` ops and the documented
 models 1 and 2 (``L1Norm``, ``L2Norm``: normalise over dim 1).
 
-Ops: ``normalize(Tensor x, int p, int axis, int[]? config) -> Tensor`` (autograd in
-PyTorch ops: dx = dy/d - x' * sum(dy*x) / (n*d^2) for L1 with x' = sign(x), and
-dy/d - x * sum(dy*x) / d^3 for L2) and ``normalize_out(..., Tensor(a!) out) -> ()``.
+Ops: ``normalize(Tensor x, int p, int axis, int[]? config) -> Tensor`` (autograd:
+dx = dy/d - x' * sum(dy*x) / (n*d^2) for L1 with x' = sign(x), and dy/d - x * sum(dy*x) /
+d^3 for L2, by ``normalize_backward(Tensor x, Tensor dy, int p, int axis) -> Tensor``: one
+fused kernel on CUDA where the rows allow, else PyTorch ops; in PyTorch ops throughout
+when the backward must itself be differentiable) and ``normalize_out(..., Tensor(a!)
+out) -> ()``.
 """
 from __future__ import annotations
 
@@ -48,19 +51,34 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x)
 
 
-def _backward(ctx, g):
-    (x,) = ctx.saved_tensors
-    ax = ctx.axis % x.dim()
+def _grad_reference(x, g, p, axis):
+    """dx of ``reference(x, p, axis)`` for the gradient g, in PyTorch ops (differentiable)."""
+    ax = axis % x.dim()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa, ga = x.to(acc), g.to(acc)
     s = (ga * xa).sum(ax, keepdim=True)
-    if ctx.p == 1:  # d = mean|x|, rounded to x's dtype as the forward rounds it
+    if p == 1:  # d = mean|x|, rounded to x's dtype as the forward rounds it
         d = xa.abs().mean(ax, keepdim=True).to(x.dtype).to(acc)
         gx = ga / d - xa.sign() * s / (d * d * x.shape[ax])
     else:  # d = ||x||
         d = xa.square().sum(ax, keepdim=True).sqrt().to(x.dtype).to(acc)
         gx = ga / d - xa * s / (d * d * d)
-    return gx.to(x.dtype), None, None, None
+    return gx.to(x.dtype)
+
+
+def _backward_impl(x, dy, p, axis):
+    if x.is_cuda:
+        dx = core.normalize_backward(x, dy, p, axis)
+        if dx is not None:
+            return dx
+    return _grad_reference(x, dy, p, axis).contiguous()
+
+
+def _backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        return _grad_reference(x, g, ctx.p, ctx.axis), None, None, None
+    return normalize_backward_op(x, g, ctx.p, ctx.axis), None, None, None
 
 
 def _out_impl(x, p, axis, config, out):
@@ -79,6 +97,8 @@ def _autocast(device_type, x, p, axis, config):
 
 normalize_op = Op("normalize(Tensor x, int p, int axis, int[]? config) -> Tensor",
                   _impl, _fake, _setup_context, _backward, autocast=_autocast)
+normalize_backward_op = Op("normalize_backward(Tensor x, Tensor dy, int p, int axis) -> Tensor",
+                           _backward_impl, lambda x, dy, p, axis: x.new_empty(x.shape))
 normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, Tensor(a!) out) -> ()",
                       _out_impl, lambda *args: None)
 
