@@ -61,7 +61,6 @@ for _p in P.values():
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
         for _cfg in CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
-        for _cfg in CONFIGS[ITEMSIZE[_dt]]:
             _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
@@ -255,21 +254,22 @@ def _plan(src, xs, ys, p, config=None):
     return two_pass
 
 
-def normalize_backward(x, dy, p: int, axis):
+def normalize_backward(x, dy, p: int, axis, config=None):
     """dx for ``y = normalize(x, p, axis)`` and the gradient ``dy`` of y, GPU arrays of one
     kind, shape and dtype: one read of x and dy and one write of dx (the divisor is
     recomputed from x, so a forward need keep only x). Returns None where the kernel does
     not apply (CPU or empty arrays, ``axis`` not the last, x or dy not row views whose
     rows start alike modulo 16 bytes, rows longer than a cluster holds); the caller then
-    computes dx another way."""
-    run = cached(_plans, ("backward", signature(x), signature(dy), p, axis),
-                 lambda: _backward_fresh(x, dy, p, axis))
+    computes dx another way. ``config``: for tuning, (cluster CTAs, threads, vectors) of
+    a :data:`CONFIGS` or :data:`TUNING_CONFIGS` entry; one cluster per row."""
+    run = cached(_plans, ("backward", signature(x), signature(dy), p, axis, config),
+                 lambda: _backward_fresh(x, dy, p, axis, config))
     return None if run is None else run(x, dy)
 
 
-def _backward_fresh(x, dy, p, axis):
+def _backward_fresh(x, dy, p, axis, config):
     """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
-    a, ax, p, _, _ = check(x, p, axis)
+    a, ax, p, _, config = check(x, p, axis, None, config)
     g = operand(dy, "dy")
     same_place(a, g)
     if (g.dtype, tuple(g.shape)) != (a.dtype, tuple(a.shape)):
@@ -282,8 +282,8 @@ def _backward_fresh(x, dy, p, axis):
     if (xs is None or gs is None or not co_aligned(a.ptr, xs, g.ptr, gs, isz)
             or not co_aligned(a.ptr, xs, 0, ncols, isz)):  # (dx: fresh, aligned)
         return None
-    cfg = _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
-    if cfg is None:
+    cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
+    if cfg is None or cfg[0] * cfg[1] * cfg[2] < ncols // (16 // isz):
         return None
     c, t = cfg[:2]
     fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)

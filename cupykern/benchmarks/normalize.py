@@ -76,6 +76,12 @@ def training(shape, iters):
     def step(f):
         return lambda: torch.autograd.grad(f(xr), xr, g)
 
+    nvec = shape[1] // 4
+    for cfg in {c[:3] for c in normalize.CONFIGS[4] + normalize.TUNING_CONFIGS[4]}:
+        if cfg[0] * cfg[1] * cfg[2] >= nvec:
+            b = time_ms(lambda: normalize.normalize_backward(x.detach(), g, 2, 1, cfg), iters=iters)
+            print(f"  l2 backward, cluster {cfg[0]} x {cfg[1]} threads x {cfg[2]} vec: {b:.3f} ms "
+                  f"({b / ceiling:.3f}x ceiling)", flush=True)
     for kind in REF:
         p = normalize.P[kind]
         b = time_ms(lambda: normalize.normalize_backward(x.detach(), g, p, 1), iters=iters)
