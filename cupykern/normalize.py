@@ -269,7 +269,12 @@ def normalize_backward(x, dy, p: int, axis, config=None):
 
 def _backward_fresh(x, dy, p, axis, config):
     """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
-    a, ax, p, _, config = check(x, p, axis, None, config)
+    a, ax, p, _, _ = check(x, p, axis)
+    if config is not None:  # (cluster CTAs, threads, vectors): no prefetch in this kernel
+        known = sorted({tuple(c[:3]) for c in CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]})
+        if tuple(config) not in known:
+            raise ValueError(f"config: {tuple(config)} is not one of the {a.dtype} backward "
+                             f"configurations {known}")
     g = operand(dy, "dy")
     same_place(a, g)
     if (g.dtype, tuple(g.shape)) != (a.dtype, tuple(a.shape)):

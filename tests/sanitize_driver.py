@@ -86,6 +86,14 @@ def norm_ref(x, kind, dim=1):
     return x / d
 
 
+def grad_ref(x, g, kind):
+    """(dx of norm_ref at x for the gradient g, its error scale max|g / d|), float64."""
+    xr = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(norm_ref(xr, kind), xr, g)
+    d = x.abs().mean(1, keepdim=True) if kind == "l1" else x.norm(2, 1, keepdim=True)
+    return dx, (g / d).abs().max()
+
+
 def run_normalize():
     devp = cupy.cuda.Device()
     clusters = int(devp.compute_capability) >= 90
@@ -108,6 +116,10 @@ def run_normalize():
                     x = dev(randn(3, ncols, seed=ncols), dtype)
                     check(f"{tag} config {cfg} ncols {ncols}",
                           fn(x, config=cfg), norm_ref(host(x), kind), t)
+                    gy = dev(randn(3, ncols, seed=ncols + 1), dtype)
+                    dx, scale = grad_ref(host(x), host(gy), kind)
+                    check(f"{tag} backward config {cfg} ncols {ncols}",
+                          nz.normalize_backward(x, gy, nz.P[kind], 1, cfg[:3]), dx, t, scale)
             if kind == "l2":
                 # 12 * SMs rows: each of the 4 * SMs clusters walks 3 rows, so the
                 # prefetch buffers and the double-buffered partial sums are reused.
