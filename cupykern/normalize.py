@@ -135,11 +135,16 @@ def check(x, p: int, axis, out=None, config=None):
         config = tuple(config)
         if len(config) == 5 and config[4] < 1:
             raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
-        known = CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]
-        if _kernel_of(config) not in {_kernel_of(c) for c in known}:
-            raise ValueError(f"config: {config} is not one of the {a.dtype} configurations "
-                             f"{known} (optionally with a rows-per-cluster 5th entry)")
+        _require_config(config, a.dtype, _kernel_of, " (optionally with a rows-per-cluster 5th entry)")
     return a, ax, p, o, config
+
+
+def _require_config(config, dtype, key, hint=""):
+    """ValueError unless ``key(config)`` is ``key`` of a known configuration of ``dtype``."""
+    known = CONFIGS[ITEMSIZE[dtype]] + TUNING_CONFIGS[ITEMSIZE[dtype]]
+    if key(config) not in {key(c) for c in known}:
+        raise ValueError(f"config: {config} is not one of the {dtype} configurations "
+                         f"{known}{hint}")
 
 
 _plans: dict = {}  # (signature(x), p, axis) -> run(x) for a fresh output, or None
@@ -271,10 +276,8 @@ def _backward_fresh(x, dy, p, axis, config):
     """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
     a, ax, p, _, _ = check(x, p, axis)
     if config is not None:  # (cluster CTAs, threads, vectors): no prefetch in this kernel
-        known = sorted({tuple(c[:3]) for c in CONFIGS[ITEMSIZE[a.dtype]] + TUNING_CONFIGS[ITEMSIZE[a.dtype]]})
-        if tuple(config) not in known:
-            raise ValueError(f"config: {tuple(config)} is not one of the {a.dtype} backward "
-                             f"configurations {known}")
+        config = tuple(config)
+        _require_config(config, a.dtype, lambda c: tuple(c[:3]), " (their first three entries)")
     g = operand(dy, "dy")
     same_place(a, g)
     if (g.dtype, tuple(g.shape)) != (a.dtype, tuple(a.shape)):
@@ -288,8 +291,11 @@ def _backward_fresh(x, dy, p, axis, config):
             or not co_aligned(a.ptr, xs, 0, ncols, isz)):  # (dx: fresh, aligned)
         return None
     cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
-    if cfg is None or cfg[0] * cfg[1] * cfg[2] < ncols // (16 // isz):
+    if cfg is None:
         return None
+    if cfg[0] * cfg[1] * cfg[2] < ncols // (16 // isz):  # (only a given config can be short)
+        raise ValueError(f"config: {cfg} holds {cfg[0] * cfg[1] * cfg[2]} 16-byte vectors per "
+                         f"row, fewer than a row of {ncols} {a.dtype} needs")
     c, t = cfg[:2]
     fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)
     nrows = a.size // ncols
