@@ -23,10 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into,
-                     empty, is_torch, launch_all, operand, require_writable, row_view_stride,
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, check_out, contiguous,
+                     copy_into, empty, is_torch, launch_all, operand, require_writable,
                      rows_2d, same_place, scalar, signature, torch_layer)
-from ._geometry import cdiv, vector_aligned
+from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
@@ -51,10 +51,14 @@ MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tile
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
-def _mma_expr(dtype: str, mode: int, aligned: bool) -> str:
+def _cbool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool = False) -> str:
     c = _MMA
-    return (f"gemm_mma<{CTYPE[dtype]}, {mode}, {'true' if aligned else 'false'}, {c['BM']}, "
-            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
+    return (f"gemm_mma<{CTYPE[dtype]}, {mode}, {_cbool(aligned)}, {_cbool(ta)}, {_cbool(tb)}, "
+            f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
 def _wgmma_expr(mode: int) -> str:
@@ -62,17 +66,24 @@ def _wgmma_expr(mode: int) -> str:
     return f"gemm_wgmma<{mode}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>"
 
 
-def _simple_expr(dtype: str) -> str:
-    return f"gemm_simple<{CTYPE[dtype]}, {_SIMPLE['TILE']}, {_SIMPLE['THREADS']}>"
+def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
+    return (f"gemm_simple<{CTYPE[dtype]}, {_cbool(ta)}, {_cbool(tb)}, {_SIMPLE['TILE']}, "
+            f"{_SIMPLE['THREADS']}>")
 
 
 # mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
 # sm_90a only.
-for _al in (True, False):
-    _loader.register(_FILE, [_mma_expr("float32", m, _al) for m in _MODE.values()], min_cc=80)
-    _loader.register(_FILE, [_mma_expr(d, _HALF, _al) for d in ("float16", "bfloat16")], min_cc=80)
-_loader.register(_FILE, [_simple_expr("float64")])
-_loader.register(_FILE, [_simple_expr(d) for d in ("float32", "float16", "bfloat16")], max_cc=79)
+# Operand layouts (A, B transposed): the forward's NT, and the backward's dx = dy @ W (B
+# transposed) and dW = dy^T @ x (both); ALIGNED concerns the K-contiguous operands only.
+_LAYOUTS = [(ta, tb, al) for ta in (False, True) for tb in (False, True)
+            for al in ((False,) if ta and tb else (True, False))]
+_MMA_DTYPES = [("float32", m) for m in _MODE.values()] + [(d, _HALF) for d in ("float16", "bfloat16")]
+_loader.register(_FILE, [_mma_expr(d, m, al, ta, tb) for d, m in _MMA_DTYPES
+                         for ta, tb, al in _LAYOUTS], min_cc=80)
+_TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
+_loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
+_loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
+                         for ta, tb in _TRANSPOSES], max_cc=79)
 _loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90, max_cc=90)
 
 
@@ -126,29 +137,43 @@ def check_operands(x, weight):
     return xo, wo
 
 
+def layout(o):
+    """``(transposed, ld)`` with which the GEMM reads the 2-D Operand ``o`` (rows, K) in
+    place: K-contiguous rows ``(False, row stride)``, or rows-contiguous columns (a
+    transposed view) ``(True, column stride)``; None if it is neither (copy it first)."""
+    rs = row_stride(o.shape, o.strides)
+    if rs is not None and rs >= o.shape[1]:
+        return False, rs
+    cs = row_stride(o.shape[::-1], o.strides[::-1])
+    if cs is not None and cs >= o.shape[0]:
+        return True, cs
+    return None
+
+
 def gemm_kernel(a, b, precision: str):
-    """``(fn, grid, block, shared_mem, bm)`` of the GEMM for ``a @ b.T`` (2-D Operands, rows
-    contiguous, row strides in ``strides[0]``): it depends on the dtype, the sizes, the
-    rows' 16-byte alignment and the device. ``bm`` is the M-tile height of the partial
-    statistics (GSBN)."""
+    """``(fn, grid, block, shared_mem, bm)`` of the GEMM for ``a @ b.T`` (2-D Operands
+    that :func:`layout` reads in place): it depends on the dtype, the sizes, the layouts,
+    the K-contiguous rows' 16-byte alignment and the device. ``bm`` is the M-tile height
+    of the partial statistics (GSBN)."""
     M, K = a.shape
     N = b.shape[0]
     dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
     cc = _loader.device_cc(dev)
+    (ta, lda), (tb, ldb) = layout(a), layout(b)
     if dt == "float64" or cc < 80:
         ts = _SIMPLE["TILE"]
-        fn = _loader.function(_FILE, _simple_expr(dt), dev)
+        fn = _loader.function(_FILE, _simple_expr(dt, ta, tb), dev)
         return fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts
     mode = _MODE[precision] if dt == "float32" else _HALF
-    aligned = (vector_aligned(a.ptr, a.strides[0], K, isz)
-               and vector_aligned(b.ptr, b.strides[0], K, isz))
-    hopper = aligned and cc == 90
+    aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
+    aligned = aligned and not (ta and tb)
+    hopper = aligned and cc == 90 and not (ta or tb)
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
     if mode in _WGMMA and hopper:
         cfg, expr = _WGMMA[mode], _wgmma_expr(mode)
     else:
-        cfg, expr = _MMA, _mma_expr(dt, mode, aligned)
+        cfg, expr = _MMA, _mma_expr(dt, mode, aligned, ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
     return fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"]
@@ -160,20 +185,63 @@ def gemm_call(kernel, a, b, ldc: int):
     fn, grid, block, smem, _ = kernel
     M, K = a.shape
     sizes = (scalar(M, "int"), scalar(b.shape[0], "int"), scalar(K, "int"),
-             a.strides[0], b.strides[0], ldc)
+             layout(a)[1], layout(b)[1], ldc)
     return lambda ap, bp, cp, bias, alpha, beta, part: (
         fn, grid, block, (ap, bp, cp) + sizes + (bias, alpha, beta, part), smem)
 
 
 def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
-    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K, b: N x K, c: M x N, rows
-    contiguous, row strides in ``strides[0]``). ``bias`` (T) is an Operand or None;
+    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K and b: N x K as
+    :func:`layout` reads them; c: M x N, rows contiguous, row stride in ``strides[0]``). ``bias`` (T) is an Operand or None;
     ``alpha`` / ``beta`` / ``part`` (accumulation type) are raw device pointers or 0.
     Returns the M-tile height of ``part``'s partial statistics."""
     kernel = gemm_kernel(a, b, precision)
     call = gemm_call(kernel, a, b, c.strides[0])
     launch_all(a, (call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, alpha, beta, part),))
     return kernel[4]
+
+
+def mm(a, b, precision=None):
+    """``a @ b`` for 2-D a (M, K) and b (K, N) of one kind, device and dtype: the backward
+    passes' GEMMs (dx = dy @ W, dW = dy^T @ x). Each operand is read in place whether
+    its rows or its columns are contiguous (a transposed view is never copied); any
+    other layout is copied first. ``precision`` as in :func:`linear`. Returns a new
+    (M, N) array of a's kind (NumPy: the reference)."""
+    ao, bo, prec = check_mm(a, b, precision)
+    if ao.kind == "cpu":
+        return reference(a, b.T)
+    (M, K), N = ao.shape, bo.shape[1]
+    if M == 0 or N == 0:
+        return empty(ao, (M, N))
+    a2 = _in_place(ao)
+    bt = _in_place(Operand(bo.obj, bo.kind, bo.dtype, (N, K), bo.strides[::-1], bo.ptr,
+                           bo.device, "b", bo.torch))
+    c = operand(empty(ao, (M, N)), "out")
+    gemm(a2, bt, c, prec)
+    return c.obj
+
+
+def check_mm(a, b, precision):
+    """Validate :func:`mm`'s arguments: (a, b Operands, precision)."""
+    ao, bo = operand(a, "a"), operand(b, "b")
+    same_place(ao, bo)
+    if ao.ndim != 2 or bo.ndim != 2 or ao.shape[1] != bo.shape[0]:
+        raise ValueError(f"b: expected 2-D a (M, K) and b (K, N), got shapes {tuple(ao.shape)} "
+                         f"and {tuple(bo.shape)}")
+    if ao.dtype != bo.dtype:
+        raise TypeError(f"b: dtype {bo.dtype} does not match a's dtype {ao.dtype}")
+    return ao, bo, check_precision(precision)
+
+
+def _in_place(o):
+    """``o`` (2-D) itself if the GEMM reads it in place (:func:`layout`), else a copy."""
+    return o if layout(o) is not None else operand(contiguous(o), o.name)
+
+
+def matrix(o):
+    """``o`` (..., K) as the GEMM's 2-D (rows, K) operand: a 2-D view in place whether its
+    rows or columns are contiguous, more dims as rows (:func:`rows_2d`); else a copy."""
+    return _in_place(o) if o.ndim == 2 else rows_2d(o, o.name)
 
 
 def reference(x, w, b=None):
@@ -201,9 +269,9 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
     through the custom op ``torch.ops.cupykern.linear``, with autograd).
-    Copies: a 2-D x or weight whose rows are contiguous (any row stride, e.g. a column
-    slice) is used in place; any other non-contiguous x or weight is first copied to a
-    contiguous array. NumPy arrays use a NumPy reference path.
+    Copies: a 2-D x or weight whose rows or columns are contiguous (any row or column
+    stride: a column slice, a transposed view) is read in place; so is a contiguous x of
+    any rank; anything else is first copied to a contiguous array. NumPy arrays use a NumPy reference path.
     """
     if is_torch(x):
         return torch_layer("gemm").linear(x, weight, bias, precision=precision, out=out)
@@ -243,7 +311,7 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
-    a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
+    a, b = matrix(xo), matrix(wo)
     direct = o is not None and o.is_c_contiguous()
     c = operand((out if direct else empty(xo, shape)).reshape(a.shape[0], N), "out")
     gemm(a, b, c, prec, bias=bo)
@@ -260,10 +328,11 @@ def _fresh(x, weight, bias, precision):
     allocation and the GEMM; None where the call needs the general path (CPU, empty,
     or an operand that must be copied first)."""
     xo, wo, bo, _, prec, shape = check(x, weight, bias, precision, None)
-    if (xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias)
-            or row_view_stride(xo) is None or row_view_stride(wo) is None):
+    if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
         return None
-    a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
+    a, b = matrix(xo), matrix(wo)
+    if a.obj is not x or b.obj is not weight:  # copied: the general path copies each call
+        return None
     call, place = gemm_call(gemm_kernel(a, b, prec), a, b, shape[-1]), Place(xo)
     ptr = place.ptr
 

@@ -1,4 +1,6 @@
-// C = epilogue(A @ B^T) with A (M, K) and B (N, K), both K-contiguous (row stride lda/ldb).
+// C = epilogue(A @ B^T) with A (M, K) and B (N, K), each K-contiguous (row stride lda/ldb)
+// or, in gemm_mma with TA / TB, M- (N-) contiguous: A(m, k) at a[k*lda + m] (backward
+// passes: dx = dy @ W, dW = dy^T @ x read their transposes in place).
 //
 // gemm_mma: tensor cores through mma.sync (sm_80+), 128x128 block tile, 8 warps of
 // 64x32, a 4-stage cp.async pipeline of 128-byte K slices, ldmatrix fragment loads.
@@ -192,9 +194,46 @@ __device__ __forceinline__ void load_slice(unsigned dst, const T* __restrict__ g
   }
 }
 
+// A transposed (M- or N-contiguous) slice: element (r, k) at g[k*ld + r]. Each thread
+// gathers its 16-byte chunks into registers (a warp's lanes take consecutive r, so every
+// load instruction reads consecutive addresses), and later stores them into the same
+// K-major smem layout as load_slice, so the MMA code does not see the layout. Any
+// alignment; out-of-bounds elements are zeros.
+template <typename T, int ROWS, int THREADS>
+struct TransposedSlice {
+  static constexpr int EPC = 16 / sizeof(T), CHUNKS = ROWS * mma_cfg::KB / 16;
+  static_assert(CHUNKS % THREADS == 0, "TransposedSlice: every thread gathers the same number of chunks");
+  Vec16<T> v[CHUNKS / THREADS];
+  __device__ __forceinline__ void gather(const T* __restrict__ g, long long ld, int rows_left,
+                                         int k0, int K) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int c = threadIdx.x + i * THREADS, r = c % ROWS, k = k0 + (c / ROWS) * EPC;
+      v[i].u = make_uint4(0, 0, 0, 0);
+      if (r < rows_left)
+#pragma unroll
+        for (int e = 0; e < EPC; ++e)
+          if (k + e < K) v[i].e[e] = g[(long long)(k + e) * ld + r];
+    }
+  }
+  __device__ __forceinline__ void store(unsigned dst) const {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int c = threadIdx.x + i * THREADS;
+      const unsigned d = dst + (c % ROWS) * mma_cfg::ROW + (c / ROWS) * 16;
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(d), "r"(v[i].u.x), "r"(v[i].u.y),
+                   "r"(v[i].u.z), "r"(v[i].u.w));
+    }
+  }
+};
+
 // BM x BN block tile, THREADS threads, STAGES-deep cp.async ring in SMEM bytes of
-// dynamic shared memory: SMEM == STAGES * (BM + BN) * (128 + 16).
-template <typename T, int MODE, bool ALIGNED, int BM, int BN, int THREADS, int STAGES, int SMEM>
+// dynamic shared memory: SMEM == STAGES * (BM + BN) * (128 + 16). TA / TB: A / B are
+// transposed (M- / N-contiguous); ALIGNED then refers to the K-contiguous operand only.
+// A transposed operand's next slice is gathered into registers before the current
+// slice's MMAs and stored to smem after them, so its loads overlap the math too.
+template <typename T, int MODE, bool ALIGNED, bool TA, bool TB, int BM, int BN, int THREADS,
+          int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
          long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
@@ -215,16 +254,27 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 
   int m0, n0;
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
-  const T* ga = a + (long long)m0 * lda;
-  const T* gb = b + (long long)n0 * ldb;
+  const T* ga = a + (TA ? m0 : (long long)m0 * lda);
+  const T* gb = b + (TB ? n0 : (long long)n0 * ldb);
 
   constexpr int KS = KB / sizeof(T);  // K elements per stage
   const int ktiles = (K + KS - 1) / KS;
   const unsigned s0 = smem_addr(smem);
+  TransposedSlice<T, BM, THREADS> ta;  // (unused unless TA / TB)
+  TransposedSlice<T, BN, THREADS> tb;
+  // Stage kt: cp.async (or element loads) of the K-contiguous operands, register
+  // gathers of the transposed ones, which `store` then puts in place.
   auto load = [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
-    load_slice<T, ALIGNED, BM, THREADS>(st, ga, lda, M - m0, kt * KS, K);
-    load_slice<T, ALIGNED, BN, THREADS>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
+    if constexpr (TA) ta.gather(ga, lda, M - m0, kt * KS, K);
+    else load_slice<T, ALIGNED, BM, THREADS>(st, ga, lda, M - m0, kt * KS, K);
+    if constexpr (TB) tb.gather(gb, ldb, N - n0, kt * KS, K);
+    else load_slice<T, ALIGNED, BN, THREADS>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
+  };
+  auto store = [&](int kt) {
+    const unsigned st = s0 + (kt % STAGES) * TILE;
+    if constexpr (TA) ta.store(st);
+    if constexpr (TB) tb.store(st + BM * ROW);
   };
 
   // ldmatrix row addresses (bytes within a stage): A m16 tile i at + i*16*ROW,
@@ -242,13 +292,17 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ktiles) load(s);
+    if (s < ktiles) {
+      load(s);
+      store(s);
+    }
     cp_async_commit();
   }
   for (int kt = 0; kt < ktiles; ++kt) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage kt landed; stage (kt-1)%STAGES is no longer read
-    if (kt + STAGES - 1 < ktiles) load(kt + STAGES - 1);
+    const bool next = kt + STAGES - 1 < ktiles;
+    if (next) load(kt + STAGES - 1);
     cp_async_commit();
 
     const unsigned st = s0 + (kt % STAGES) * TILE;
@@ -331,6 +385,8 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 #pragma unroll
           for (int e = 0; e < 4; ++e) { pro[i][j][e] += acc[i][j][e]; acc[i][j][e] = 0.f; }
     }
+    // Stage (kt-1)%STAGES: nobody reads it in this iteration (the barrier above).
+    if ((TA || TB) && next) store(kt + STAGES - 1);
   }
   float (&res)[4][4][4] = MODE == 0 ? pro : acc;
 
@@ -390,9 +446,14 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 }
 
 // ---- CUDA-core kernel (float64) ----------------------------------------------------
+// Offset of element (row r, k) of an operand: K-contiguous rows, or transposed (TR).
+template <bool TR> __device__ __forceinline__ long long at(int r, int k, long long ld) {
+  return TR ? (long long)k * ld + r : (long long)r * ld + k;
+}
+
 // TILE x TILE (64x64) tile, THREADS = 16x16 threads, each computes rows ty + 16*i and
-// columns tx + 16*j.
-template <typename T, int TILE, int THREADS>
+// columns tx + 16*j. TA / TB: A / B transposed, as in gemm_mma.
+template <typename T, bool TA, bool TB, int TILE, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
             long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
@@ -412,9 +473,12 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   for (int k0 = 0; k0 < K; k0 += KT) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int e = threadIdx.x + THREADS * q, r = e >> 4, k = k0 + (e & 15);
-      sa[(e & 15) * (TS + 1) + r] = (m0 + r < M && k < K) ? to_acc(a[(long long)(m0 + r) * lda + k]) : (A)0;
-      sb[(e & 15) * (TS + 1) + r] = (n0 + r < N && k < K) ? to_acc(b[(long long)(n0 + r) * ldb + k]) : (A)0;
+      // Consecutive threads take consecutive k (K-contiguous operand) or rows (transposed).
+      const int e = threadIdx.x + THREADS * q;
+      const int ra = TA ? e % TS : e / KT, ka = TA ? e / TS : e % KT;
+      const int rb = TB ? e % TS : e / KT, kb = TB ? e / TS : e % KT;
+      sa[ka * (TS + 1) + ra] = (m0 + ra < M && k0 + ka < K) ? to_acc(a[at<TA>(m0 + ra, k0 + ka, lda)]) : (A)0;
+      sb[kb * (TS + 1) + rb] = (n0 + rb < N && k0 + kb < K) ? to_acc(b[at<TB>(n0 + rb, k0 + kb, ldb)]) : (A)0;
     }
     __syncthreads();
 #pragma unroll

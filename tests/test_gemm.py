@@ -108,7 +108,7 @@ def test_layouts_and_out():
     big = torch.zeros(70, 80, device="cuda")
     big[:, 3:67] = x
     sliced = big[:, 3:67]                      # row-strided, rows not 16-byte aligned
-    transposed = x.t().contiguous().t()        # column-major: copied
+    transposed = x.t().contiguous().t()        # column-major: read in place
     for xv in (sliced, transposed):
         assert torch.allclose(cupykern.linear(xv, w, b), ref, atol=1e-4, rtol=1e-4)
     x3 = x.reshape(7, 10, 64)
@@ -162,3 +162,78 @@ def test_below_sm80_every_dtype_on_cuda_cores(as_sm75, shape, dtype):
         assert out.dtype == dtype
         err, mag = _errors(out, x, w, b)
         assert err <= (1e-6 if dtype == torch.float32 else 1.6e-2) * mag
+
+
+def _col_major(t):
+    """The same values as ``t`` (2-D), stored column by column."""
+    return t.t().contiguous().t()
+
+
+# (dtype, precision, max |error| / (|a| @ |b|)) of the backward GEMM checks below.
+MM_CASES = [(torch.float32, "highest", 1e-6), (torch.float32, "high", REL_BOUND["high"]),
+            (torch.float32, "medium", REL_BOUND["medium"]), (torch.float16, None, 1.6e-2),
+            (torch.bfloat16, None, 1.6e-2), (torch.float64, None, 1e-12)]
+
+
+def _check_mm(a, b, precision, bound):
+    mm = torch.ops.cupykern.mm
+    ref = a.double() @ b.double()
+    mag = (a.double().abs() @ b.double().abs()).max().item()
+    for av in (a, _col_major(a)):
+        for bv in (b, _col_major(b)):
+            out = mm(av, bv, precision or "highest")
+            assert out.shape == ref.shape and out.dtype == a.dtype and out.is_contiguous()
+            err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+            assert err <= bound * mag, (av.stride(), bv.stride(), err, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision, bound", MM_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mm_reads_either_layout_in_place(shape, dtype, precision, bound):
+    """The backward's GEMM: a @ b with each operand row- or column-major, against float64
+    (every tile edge, K = 1, unaligned rows and columns)."""
+    m, n, k = shape
+    a, bt, _ = (t.cuda() for t in _data(m, n, k, dtype))
+    _check_mm(a, bt.t(), precision, bound)
+
+
+@pytest.mark.gpu
+def test_mm_strided_views_and_copies():
+    a, bt, _ = (t.cuda() for t in _data(70, 50, 90, torch.float32))
+    big = torch.randn(200, 200, device="cuda")
+    _check_mm(big[3:73, 5:95], bt.t(), "highest", 1e-6)        # row stride 200, offset
+    _check_mm(big.t()[7:77, 2:92], bt.t(), "highest", 1e-6)    # column stride 200
+    _check_mm(a, big[1:91, 9:59], "highest", 1e-6)
+    _check_mm(big[::2, ::2][:70, :90], bt.t(), "highest", 1e-6)  # neither: copied
+    _check_mm(a, big[::2, ::3][:90, :50], "highest", 1e-6)
+    _check_mm(a, torch.randn(90, 1, device="cuda").expand(90, 50), "highest", 1e-6)
+    mm = torch.ops.cupykern.mm
+    assert mm(a[:0], bt.t(), "highest").shape == (0, 50)
+    assert torch.equal(mm(a[:, :0], bt.t()[:0], "high"), torch.zeros(70, 50, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mm_below_sm80(as_sm75, dtype):
+    a, bt, _ = (t.cuda() for t in _data(130, 70, 50, dtype))
+    _check_mm(a, bt.t(), "highest", 1e-6 if dtype == torch.float32 else 1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
+@pytest.mark.parametrize("shape", [(3, 7, 5), (130, 257, 33), (256, 384, 1024), (2, 99, 3000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_linear_gradients_on_our_gemm(shape, precision, bound):
+    """dx, dW, db of cupykern.linear against float64 autograd, relative to max |grad|
+    (the training issue's tolerance for "highest")."""
+    m, n, k = shape
+    x, w, b = (t.cuda().requires_grad_() for t in _data(m, n, k, torch.float32))
+    g = torch.randn(m, n, device="cuda")
+    cupykern.linear(x, w, b, precision=precision).backward(g)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(x64, w64, b64).backward(g.double())
+    for ours, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert ours.dtype == torch.float32
+        err = (ours.double() - ref).abs().max().item()
+        assert err <= bound * ref.abs().max().item(), (err, ref.abs().max().item())

@@ -11,7 +11,7 @@ import torch.nn.utils.prune
 
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
-from cupykern.torch.gemm import linear_op, linear_out_op
+from cupykern.torch.gemm import linear_op, linear_out_op, mm_op
 from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, batch_stats_op,
                                                  gemm_scale_batchnorm_op)
 from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
@@ -49,6 +49,8 @@ def _opcheck_cases(device):
     yield linear_op, (x, w, b, "highest")
     yield linear_op, (r(2, 3, 24), w, None, "high")
     yield linear_out_op, (x, w, b, "highest", x.new_empty(8, 16))
+    yield mm_op, (x, w.t(), "highest")
+    yield mm_op, (x.t(), r(8, 5), "high")
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest")
     yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest")
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest")

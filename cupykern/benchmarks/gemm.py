@@ -5,7 +5,8 @@ FLOP model: 2*M*N*K; ceiling: the same-run cuBLAS TF32 rate (a third of it for
 ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in each precision against cuBLAS
 through torch in the same run (TF32 off = SGEMM, TF32 on, bf16 inputs for "medium")
 and prints the max |error| against a float64 GEMM.
-Part 2 times GemmScaleBatchNorm (training mode, as the model is normally called) at
+Then linear's backward GEMMs (dx = dy @ W, dW = dy^T @ x, transposes read in place) at
+the same shape against cuBLAS on the same views. Part 3 times GemmScaleBatchNorm (training mode, as the model is normally called) at
 both benchmark shapes, ours at the default precision ("highest") and at "high",
 against PyTorch eager and torch.compile at float32 (the baseline of both targets)
 and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2.
@@ -61,6 +62,32 @@ def bench_gemm(m, n, k, iters):
     return rows
 
 
+def bench_backward(m, n, k, iters):
+    """linear's backward GEMMs at the forward's shape, each operand read in place (the
+    transposes are views): dx = dy @ W (W N-contiguous in the GEMM's terms) and
+    dW = dy^T @ x (both operands transposed), against cuBLAS on the same views."""
+    torch.manual_seed(0)
+    x = torch.rand(m, k, device="cuda")
+    w = torch.rand(n, k, device="cuda") / k
+    dy = torch.randn(m, n, device="cuda")
+    mm = torch.ops.cupykern.mm
+    print(f"\nlinear backward GEMMs at {m}x{k} @ ({n}x{k})^T, float32 (FLOP model 2*M*N*K each)")
+    print(f"{'product':<14} {'precision':<9} {'cupykern ms':>11} {'TFLOP/s':>8} {'cuBLAS ms':>10} "
+          f"{'TFLOP/s':>8} {'speedup':>8} {'max|err| ours':>14} {'cuBLAS':>9}")
+    flops = 2 * m * n * k
+    for name, a, b in (("dx = dy @ W", dy, w), ("dW = dy^T @ x", dy.t(), x)):
+        ref64 = a.double() @ b.double()
+        for prec in ("highest", "high"):
+            with matmul_precision(prec):
+                t_ours = time_ms(lambda: mm(a, b, prec), iters=iters)
+                t_ref = time_ms(lambda: a @ b, iters=iters)
+                e_ours = (mm(a, b, prec).double() - ref64).abs().max().item()
+                e_ref = ((a @ b).double() - ref64).abs().max().item()
+            print(f"{name:<14} {prec:<9} {t_ours:>11.3f} {tflops(flops, t_ours):>8.1f} "
+                  f"{t_ref:>10.3f} {tflops(flops, t_ref):>8.1f} {t_ref / t_ours:>7.2f}x "
+                  f"{e_ours:>14.3e} {e_ref:>9.3e}")
+
+
 def bench_model(case, iters):
     """Ours at "highest" (the default) and "high" against PyTorch at the default float32
     precision (the issue's baseline) and, for reference, PyTorch with TF32 allowed."""
@@ -100,14 +127,16 @@ def bench_model(case, iters):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
-    ap.add_argument("--part", choices=("all", "gemm", "model"), default="all",
-                    help="the GEMM alone, GemmScaleBatchNorm, or both")
+    ap.add_argument("--part", choices=("all", "gemm", "backward", "model"), default="all",
+                    help="the GEMM alone, linear's backward GEMMs, GemmScaleBatchNorm, or all")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.part != "model":
+    if args.part in ("all", "gemm"):
         bench_gemm(1024, 8192, 8192, args.iters)
-    if args.part != "gemm":
+    if args.part in ("all", "backward"):
+        bench_backward(1024, 8192, 8192, args.iters)
+    if args.part in ("all", "model"):
         from cupykern.models import gemm_scale_batchnorm as model3
 
         for case in model3.CASES:

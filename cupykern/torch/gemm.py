@@ -1,8 +1,9 @@
 """``linear`` for torch: the ``cupykern::linear`` ops.
 
 ``linear(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor`` with autograd
-(dx = dy @ W, dW = dy^T @ x, db = sum(dy), in PyTorch ops for now) and
-``linear_out(..., Tensor(a!) out) -> ()``. ``precision=None`` resolves to
+(dx = dy @ W and dW = dy^T @ x on our GEMM at the forward's precision, reading the
+transposes in place through ``mm(Tensor a, Tensor b, str precision) -> Tensor``;
+db = sum(dy)) and ``linear_out(..., Tensor(a!) out) -> ()``. ``precision=None`` resolves to
 ``torch.get_float32_matmul_precision()`` here, in the torch layer, so that
 torch.compile sees (and guards on) it too (see :func:`resolve_precision`).
 """
@@ -46,7 +47,7 @@ def _fake(x, weight, bias, precision):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _ = inputs
+    x, weight, bias, ctx.precision = inputs
     ctx.save_for_backward(x, weight)
 
 
@@ -54,10 +55,24 @@ def _backward(ctx, g):
     x, weight = ctx.saved_tensors
     n, k = weight.shape
     g2 = g.reshape(-1, n)
-    dx = (g2 @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-    dw = g2.t() @ x.reshape(-1, k) if ctx.needs_input_grad[1] else None
+    # Double backward (create_graph) needs a differentiable graph: PyTorch's matmuls.
+    matmul = torch.matmul if torch.is_grad_enabled() else (
+        lambda a, b: mm_op(a, b, ctx.precision))
+    dx = matmul(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    dw = matmul(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
     db = g2.sum(0) if ctx.needs_input_grad[2] else None
     return dx, dw, db, None
+
+
+def _mm_impl(a, b, precision):
+    if a.is_cuda:
+        return core.mm(a, b, precision)
+    core.check_mm(a, b, precision)
+    return a @ b
+
+
+mm_op = Op("mm(Tensor a, Tensor b, str precision) -> Tensor", _mm_impl,
+           lambda a, b, precision: a.new_empty((a.shape[0], b.shape[1])))
 
 
 def _out_impl(x, weight, bias, precision, out):
