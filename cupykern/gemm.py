@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, check_out, contiguous,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous,
                      copy_into, empty, is_torch, launch_all, operand, require_writable,
                      rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
@@ -214,8 +214,7 @@ def mm(a, b, precision=None):
     if M == 0 or N == 0:
         return empty(ao, (M, N))
     a2 = _in_place(ao)
-    bt = _in_place(Operand(bo.obj, bo.kind, bo.dtype, (N, K), bo.strides[::-1], bo.ptr,
-                           bo.device, "b", bo.torch))
+    bt = _in_place(operand(b.T, "b"))  # the GEMM's (N, K) operand
     c = operand(empty(ao, (M, N)), "out")
     gemm(a2, bt, c, prec)
     return c.obj

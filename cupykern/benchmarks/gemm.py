@@ -70,7 +70,7 @@ def bench_backward(m, n, k, iters):
     x = torch.rand(m, k, device="cuda")
     w = torch.rand(n, k, device="cuda") / k
     dy = torch.randn(m, n, device="cuda")
-    mm = torch.ops.cupykern.mm
+    from cupykern.torch.gemm import mm_op as mm
     print(f"\nlinear backward GEMMs at {m}x{k} @ ({n}x{k})^T, float32 (FLOP model 2*M*N*K each)")
     print(f"{'product':<14} {'precision':<9} {'cupykern ms':>11} {'TFLOP/s':>8} {'cuBLAS ms':>10} "
           f"{'TFLOP/s':>8} {'speedup':>8} {'max|err| ours':>14} {'cuBLAS':>9}")
