@@ -61,9 +61,10 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
             f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
-def _wgmma_expr(mode: int) -> str:
+def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False) -> str:
     c = _WGMMA[mode]
-    return f"gemm_wgmma<{mode}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>"
+    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {c['BM']}, {c['BN']}, "
+            f"{c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -84,7 +85,8 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-_loader.register(_FILE, [_wgmma_expr(m) for m in _WGMMA], min_cc=90, max_cc=90)
+_loader.register(_FILE, [_wgmma_expr(m, ta, tb) for m in _WGMMA for ta, tb in _TRANSPOSES],
+                 min_cc=90, max_cc=90)
 
 
 def check_precision(precision) -> str:
@@ -165,15 +167,15 @@ def gemm_kernel(a, b, precision: str):
         fn = _loader.function(_FILE, _simple_expr(dt, ta, tb), dev)
         return fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts
     mode = _MODE[precision] if dt == "float32" else _HALF
+    # 16-byte K-contiguous rows (a transposed operand is copied 4 bytes at a time)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
-    aligned = aligned and not (ta and tb)
-    hopper = aligned and cc == 90 and not (ta or tb)
+    hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
     if mode in _WGMMA and hopper:
-        cfg, expr = _WGMMA[mode], _wgmma_expr(mode)
+        cfg, expr = _WGMMA[mode], _wgmma_expr(mode, ta, tb)
     else:
-        cfg, expr = _MMA, _mma_expr(dt, mode, aligned, ta, tb)
+        cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
     return fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"]

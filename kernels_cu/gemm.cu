@@ -95,7 +95,31 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// A transposed float32 slice, ROWS x 32 floats: element (r, k) at g[(k0 + k)*ld + r],
+// copied by 4-byte cp.async (asynchronous like the 16-byte path, in any alignment) to
+// dst + off(r, k), its place in the K-major smem layout. Thread t of NT: lanes take
+// 8 consecutive r x 4 consecutive k, so a warp reads four 32-byte segments and writes
+// 32 distinct banks for both layouts used here (rows padded to 144 bytes, or the
+// 128-byte swizzle). Out of bounds: zeros.
+template <int ROWS, int NT, typename Off>
+__device__ __forceinline__ void load_transposed(unsigned dst, const float* __restrict__ g, long long ld,
+                                                int rows_left, int k0, int K, int t, Off off) {
+  static_assert(NT % 32 == 0 && ROWS % 8 == 0 && ROWS % (NT / 32) == 0,
+                "load_transposed: whole warps, each with as many 8 x 4 blocks");
+  constexpr int WARPS = NT / 32, RB = ROWS / 8;  // 8 x 4 blocks: RB along r, 8 along k
+  const int rl = t & 7, kl = (t >> 3) & 3, w = t >> 5;
+#pragma unroll 8
+  for (int i = 0; i < RB * 8 / WARPS; ++i) {
+    const int blk = w + i * WARPS, r = (blk % RB) * 8 + rl, k = (blk / RB) * 4 + kl;
+    const bool ok = r < rows_left && k0 + k < K;
+    cp_async4(dst + off(r, k), ok ? g + (long long)(k0 + k) * ld + r : g, ok ? 4 : 0);
+  }
+}
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
@@ -194,8 +218,9 @@ __device__ __forceinline__ void load_slice(unsigned dst, const T* __restrict__ g
   }
 }
 
-// A transposed (M- or N-contiguous) slice: element (r, k) at g[k*ld + r]. Each thread
-// gathers its 16-byte chunks into registers (a warp's lanes take consecutive r, so every
+// A transposed (M- or N-contiguous) 16-bit slice: element (r, k) at g[k*ld + r] (no
+// 4-byte cp.async can split a pair of halves across rows). Each thread gathers its
+// 16-byte chunks into registers (a warp's lanes take consecutive r, so every
 // load instruction reads consecutive addresses), and later stores them into the same
 // K-major smem layout as load_slice, so the MMA code does not see the layout. Any
 // alignment; out-of-bounds elements are zeros.
@@ -230,8 +255,8 @@ struct TransposedSlice {
 // BM x BN block tile, THREADS threads, STAGES-deep cp.async ring in SMEM bytes of
 // dynamic shared memory: SMEM == STAGES * (BM + BN) * (128 + 16). TA / TB: A / B are
 // transposed (M- / N-contiguous); ALIGNED then refers to the K-contiguous operand only.
-// A transposed operand's next slice is gathered into registers before the current
-// slice's MMAs and stored to smem after them, so its loads overlap the math too.
+// A transposed 16-bit operand's next slice is gathered into registers before the
+// current slice's MMAs and stored to smem after them, so its loads overlap the math.
 template <typename T, int MODE, bool ALIGNED, bool TA, bool TB, int BM, int BN, int THREADS,
           int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -260,21 +285,25 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   constexpr int KS = KB / sizeof(T);  // K elements per stage
   const int ktiles = (K + KS - 1) / KS;
   const unsigned s0 = smem_addr(smem);
-  TransposedSlice<T, BM, THREADS> ta;  // (unused unless TA / TB)
+  // Stage kt: cp.async (or element loads) of the K-contiguous operands; transposed ones
+  // by 4-byte cp.async (float) or register gathers that `store` puts in place (16-bit).
+  constexpr bool GA = TA && sizeof(T) == 2, GB = TB && sizeof(T) == 2;
+  TransposedSlice<T, BM, THREADS> ta;  // (unused unless GA / GB)
   TransposedSlice<T, BN, THREADS> tb;
-  // Stage kt: cp.async (or element loads) of the K-contiguous operands, register
-  // gathers of the transposed ones, which `store` then puts in place.
+  const auto padded = [](int r, int k) { return (unsigned)(r * ROW + k * 4); };
   auto load = [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
-    if constexpr (TA) ta.gather(ga, lda, M - m0, kt * KS, K);
+    if constexpr (GA) ta.gather(ga, lda, M - m0, kt * KS, K);
+    else if constexpr (TA) load_transposed<BM, THREADS>(st, (const float*)ga, lda, M - m0, kt * KS, K, tid, padded);
     else load_slice<T, ALIGNED, BM, THREADS>(st, ga, lda, M - m0, kt * KS, K);
-    if constexpr (TB) tb.gather(gb, ldb, N - n0, kt * KS, K);
+    if constexpr (GB) tb.gather(gb, ldb, N - n0, kt * KS, K);
+    else if constexpr (TB) load_transposed<BN, THREADS>(st + BM * ROW, (const float*)gb, ldb, N - n0, kt * KS, K, tid, padded);
     else load_slice<T, ALIGNED, BN, THREADS>(st + BM * ROW, gb, ldb, N - n0, kt * KS, K);
   };
   auto store = [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
-    if constexpr (TA) ta.store(st);
-    if constexpr (TB) tb.store(st + BM * ROW);
+    if constexpr (GA) ta.store(st);
+    if constexpr (GB) tb.store(st + BM * ROW);
   };
 
   // ldmatrix row addresses (bytes within a stage): A m16 tile i at + i*16*ROW,
@@ -386,7 +415,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
           for (int e = 0; e < 4; ++e) { pro[i][j][e] += acc[i][j][e]; acc[i][j][e] = 0.f; }
     }
     // Stage (kt-1)%STAGES: nobody reads it in this iteration (the barrier above).
-    if ((TA || TB) && next) store(kt + STAGES - 1);
+    if ((GA || GB) && next) store(kt + STAGES - 1);
   }
   float (&res)[4][4][4] = MODE == 0 ? pro : acc;
 
@@ -524,6 +553,8 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 }
 
 // ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32, aligned rows ----
+// (TA / TB: A / B transposed, as in gemm_mma, copied by 4-byte cp.async into the same
+// swizzled K-major layout: TF32 wgmma reads K-major operands only.)
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers, each
 // owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, operands in smem).
 // The producer streams 32-float K slices of A and B with cp.async into a ring of
@@ -785,7 +816,7 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 
 // SMEM == STAGES * STAGE + 3 * STAGES * 8 + 1024 with
 // STAGE == BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0) (wg_cfg::Cfg::SMEM).
-template <int MODE, int BM, int BN, int THREADS, int STAGES, int SMEM>
+template <int MODE, bool TA, bool TB, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
@@ -829,15 +860,18 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   if (warp < 4) {  // ---- producer warpgroup
     set_max_regs<56>();
     if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
-      const float* ga = a + (long long)m0 * lda;
-      const float* gb = b + (long long)n0 * ldb;
+      const float* ga = a + (TA ? m0 : (long long)m0 * lda);
+      const float* gb = b + (TB ? n0 : (long long)n0 * ldb);
       const unsigned landed0 = MODE == 0 ? loaded0 : full0;
+      const auto swizzled = [](int r, int k) { return (unsigned)(swz_off(r * 8 + (k >> 2)) + (k & 3) * 4); };
       for (int kt = 0; kt < ktiles; ++kt) {
         const int s = kt % STAGES;
         if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
         const unsigned st = s0 + s * C::STAGE;
-        load_swizzled<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid);
-        load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
+        if constexpr (TA) load_transposed<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid, swizzled);
+        else load_swizzled<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid);
+        if constexpr (TB) load_transposed<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid, swizzled);
+        else load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
         mbar_arrive_cp_async(landed0 + 8 * s);
       }
       cp_async_commit();  // exit only once this thread's copies (and their arrivals) are done
