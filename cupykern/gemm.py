@@ -215,8 +215,8 @@ def mm(a, b, precision=None):
     (M, K), N = ao.shape, bo.shape[1]
     if M == 0 or N == 0:
         return empty(ao, (M, N))
-    a2 = _in_place(ao)
-    bt = _in_place(operand(b.T, "b"))  # the GEMM's (N, K) operand
+    a2 = matrix(ao, M * N * K)
+    bt = matrix(operand(b.T, "b"), M * N * K)  # the GEMM's (N, K) operand
     c = operand(empty(ao, (M, N)), "out")
     gemm(a2, bt, c, prec)
     return c.obj
@@ -234,15 +234,26 @@ def check_mm(a, b, precision):
     return ao, bo, check_precision(precision)
 
 
-def _in_place(o):
-    """``o`` (2-D) itself if the GEMM reads it in place (:func:`layout`), else a copy."""
-    return o if layout(o) is not None else operand(contiguous(o), o.name)
+# Multiply-adds per element above which a transposed operand is copied to K-contiguous
+# rows first. Its transposed loads (4-byte cp.async, or register gathers for 16-bit) feed
+# the tensor cores at a fraction of the K-major rate (H100, 1024x8192x8192: TF32 85
+# against 400 TFLOP/s, 3xTF32 32 against 114), while a copy costs about as much as 100
+# multiply-adds per element at those rates: small operands of big products (dW's dy and
+# x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
+_COPY_WORK = 128
 
 
-def matrix(o):
-    """``o`` (..., K) as the GEMM's 2-D (rows, K) operand: a 2-D view in place whether its
-    rows or columns are contiguous, more dims as rows (:func:`rows_2d`); else a copy."""
-    return _in_place(o) if o.ndim == 2 else rows_2d(o, o.name)
+def matrix(o, work: int):
+    """``o`` (..., K) as the GEMM's 2-D (rows, K) operand of a product of ``work``
+    multiply-adds: a 2-D view in place if its rows are contiguous, or its columns and
+    copying would not pay (``_COPY_WORK``); more dims as rows (:func:`rows_2d`); else a
+    copy."""
+    if o.ndim != 2:
+        return rows_2d(o, o.name)
+    lay = layout(o)
+    if lay is None or (lay[0] and work >= _COPY_WORK * o.size):
+        return operand(contiguous(o), o.name)
+    return o
 
 
 def reference(x, w, b=None):
@@ -270,9 +281,11 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
     through the custom op ``torch.ops.cupykern.linear``, with autograd).
-    Copies: a 2-D x or weight whose rows or columns are contiguous (any row or column
-    stride: a column slice, a transposed view) is read in place; so is a contiguous x of
-    any rank; anything else is first copied to a contiguous array. NumPy arrays use a NumPy reference path.
+    Copies: a 2-D x or weight whose rows are contiguous (any row stride: a column
+    slice) is read in place, and so is a contiguous x of any rank; one whose columns
+    are contiguous (a transposed view) is read in place where that is faster than a
+    copy (small against the product); anything else is first copied to a contiguous
+    array. NumPy arrays use a NumPy reference path.
     """
     if is_torch(x):
         return torch_layer("gemm").linear(x, weight, bias, precision=precision, out=out)
@@ -312,7 +325,8 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
-    a, b = matrix(xo), matrix(wo)
+    work = int(np.prod(shape)) * xo.shape[-1]
+    a, b = matrix(xo, work), matrix(wo, work)
     direct = o is not None and o.is_c_contiguous()
     c = operand((out if direct else empty(xo, shape)).reshape(a.shape[0], N), "out")
     gemm(a, b, c, prec, bias=bo)
@@ -331,7 +345,8 @@ def _fresh(x, weight, bias, precision):
     xo, wo, bo, _, prec, shape = check(x, weight, bias, precision, None)
     if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
         return None
-    a, b = matrix(xo), matrix(wo)
+    work = int(np.prod(shape)) * xo.shape[-1]
+    a, b = matrix(xo, work), matrix(wo, work)
     if a.obj is not x or b.obj is not weight:  # copied: the general path copies each call
         return None
     call, place = gemm_call(gemm_kernel(a, b, prec), a, b, shape[-1]), Place(xo)
