@@ -20,15 +20,16 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, data_ptr, empty, is_torch, launch_all,
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from .gemm import MIN_TILE_M, PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel
 
 _FILE = "gemm_scale_batchnorm.cu"
-_COEF_THREADS = 256  # bn_train_coef / bn_eval_coef: one thread per column
+_COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
+_GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
 
 
 def _train_coef_expr(t):
@@ -39,10 +40,18 @@ def _apply_expr(dtype, vec):
     return f"bn_apply<{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}>"
 
 
+def _grad_exprs(t):
+    """bn_grad_partials, bn_grad_coef, bn_grad_dz for C type ``t``."""
+    g = f"{_GRAD['THREADS']}, {_GRAD['ROWS']}"
+    return (f"bn_grad_partials<{t}, {g}>", f"bn_grad_coef<{t}, {_COEF_THREADS}>",
+            f"bn_grad_dz<{t}, {g}>")
+
+
 for _dt in CTYPE:
     _t = CTYPE[_dt]
     _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
-                             _apply_expr(_dt, 1), _apply_expr(_dt, 16 // ITEMSIZE[_dt])])
+                             _apply_expr(_dt, 1), _apply_expr(_dt, 16 // ITEMSIZE[_dt]),
+                             *_grad_exprs(_t)])
 
 
 def batch_size_error(size) -> ValueError:
@@ -134,26 +143,30 @@ _plans: dict = {}  # (signatures, training, momentum, eps, precision) -> run(*ar
 
 def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
                               running_var, num_batches_tracked, training, momentum, eps,
-                              precision):
+                              precision, save=False):
     """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
-    layer) torch CUDA tensors."""
+    layer) torch CUDA tensors. With ``save`` (training mode, GPU, N > 0) it returns
+    ``(out, z, coefs)``: also z = x @ W.T and the (4, N) accumulation-type rows (ca, cm,
+    cb, inv) that :func:`backward_train` takes."""
     arrays = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
               num_batches_tracked)
-    options = (training, momentum, eps, precision)
+    options = (training, momentum, eps, precision, save)
     if (type(training) is bool and type(eps) is float and type(momentum) in (float, type(None))
             and type(precision) in (str, type(None))):  # hashable: the common call, cached
         key = tuple(signature(v) for v in arrays) + options
         run = cached(_plans, key, lambda: _fresh(arrays, options))
         if run is not None:
             return run(*arrays)
-    xo, wo, vec, nbt, momentum, eps, prec = check(*arrays, *options)
+    xo, wo, vec, nbt, momentum, eps, prec = check(*arrays, *options[:4])
+    M, N = xo.shape[0], wo.shape[0]
+    if save and (not training or xo.kind == "cpu" or N == 0):
+        raise ValueError("save: needs training mode, GPU arrays and out_features > 0")
     if xo.kind == "cpu":
         return reference(*arrays, training, momentum, eps)
-    M, N = xo.shape[0], wo.shape[0]
     if M == 0 or N == 0:
         return empty(xo, (M, N))
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")  # (copies if rows are not contiguous)
-    run = _plan(a, b, training, momentum, eps, prec)
+    run = _plan(a, b, training, momentum, eps, prec, save)
     return run(a.obj, b.obj, *(None if v is None else v.obj for v in vec.values()),
                num_batches_tracked)
 
@@ -161,19 +174,21 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
 def _fresh(arrays, options):
     """``run(*arrays) -> out`` for calls like this one: validated once, no copies; None
     where the call needs the general path (CPU, empty, or an array to copy first)."""
-    xo, wo, vec, _, momentum, eps, prec = check(*arrays, *options)
+    xo, wo, vec, _, momentum, eps, prec = check(*arrays, *options[:4])
     if (xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]) or row_view_stride(xo) is None
-            or row_view_stride(wo) is None
+            or row_view_stride(wo) is None or (options[4] and not options[0])
             or any(v is not None and v.obj is not arr for v, arr in zip(vec.values(), arrays[2:8]))):
         return None
-    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), options[0], momentum, eps, prec)
+    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), options[0], momentum, eps, prec,
+                 options[4])
 
 
-def _plan(a, b, training, momentum, eps, precision):
+def _plan(a, b, training, momentum, eps, precision, save=False):
     """``run(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-    num_batches_tracked) -> out`` for 2-D Operands ``a`` (x) and ``b`` (weight) with
-    contiguous rows and validated vectors (contiguous): the three launches with their
-    sizes fixed, so that a call only allocates and reads data pointers."""
+    num_batches_tracked) -> out`` (with ``save``: ``(out, z, coefs)``) for 2-D Operands
+    ``a`` (x) and ``b`` (weight) with contiguous rows and validated vectors
+    (contiguous): the three launches with their sizes fixed, so that a call only
+    allocates and reads data pointers."""
     M, N = a.shape[0], b.shape[0]
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
@@ -198,7 +213,8 @@ def _plan(a, b, training, momentum, eps, precision):
 
         return run_eval
 
-    # One scratch buffer: the coefficients (3, N), then the GEMM's partial statistics
+    # One scratch buffer: the coefficients (3, N) (with ``save``: (4, N), ending with
+    # inv, a separate array kept for the backward), then the GEMM's partial statistics
     # (PART_ROWS * mtiles, N), sized for the smallest M tile of any GEMM kernel.
     scratch = (3 + PART_ROWS * cdiv(M, MIN_TILE_M)) * N
     bm = kernel[4]
@@ -210,15 +226,17 @@ def _plan(a, b, training, momentum, eps, precision):
 
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
         out, buf = empty(place, (M, N)), empty(place, (scratch,), acc)  # held to the launch
-        c0 = ptr(buf)
-        part, o, n = c0 + 3 * step, ptr(out), ptr(nbt)
+        z = empty(place, (M, N)) if save else out
+        coefs = empty(place, (4, N), acc) if save else buf
+        c0, b0, zp = ptr(coefs), ptr(buf), ptr(z)
+        part, n = b0 + 3 * step, ptr(nbt)
         launch_all(place, (
-            gemm_(ptr(x), ptr(weight), o, 0, 0, 0, part),
+            gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part),
             (coef, *coef_launch, (part, *sizes, ptr(bias), ptr(scale), ptr(gamma),
                                   ptr(beta), ptr(rmean), ptr(rvar), n, factor, eps_, c0,
-                                  c0 + step, c0 + 2 * step), 0),
-            apply_(o, c0, c0 + step, c0 + 2 * step, n)))
-        return out
+                                  c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0), 0),
+            apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
+        return (out, z, coefs) if save else out
 
     return run_train
 
@@ -233,15 +251,57 @@ def check_real(v, name: str) -> float:
 
 
 def _apply_call(place, M, N):
-    """``call(out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply over a fresh
-    (M, N) output (16-byte aligned); it also counts num_batches_tracked (nbt, 0 for none)."""
+    """``call(z_ptr, out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply from a
+    fresh (M, N) z to a fresh out (16-byte aligned; out may be z); it also counts
+    num_batches_tracked (nbt, 0 for none)."""
     isz = ITEMSIZE[place.dtype]
     vec = 16 // isz if (N * isz) % 16 == 0 else 1
     fn = _loader.function(_FILE, _apply_expr(place.dtype, vec), place.device)
     grid = (cdiv(cdiv(N, vec), _APPLY["THREADS"]), cdiv(M, _APPLY["ROWS"]))
     sizes = (N, scalar(M, "int"), scalar(N, "int"))
-    return lambda o, ca, cm, cb, nbt: (fn, grid, (_APPLY["THREADS"],),
-                                       (o,) + sizes + (ca, cm, cb, nbt), 0)
+    return lambda z, o, ca, cm, cb, nbt: (fn, grid, (_APPLY["THREADS"],),
+                                          (z, o) + sizes + (ca, cm, cb, nbt), 0)
+
+
+def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, input_grad=True):
+    """Gradients of training-mode :func:`gemm_scale_batchnorm` from what the forward saved
+    (``save``: z = x @ W.T and coefs): ``(dx, dweight, dscale, dbn_weight, dbn_bias)``,
+    arrays of x's kind (dx None unless ``input_grad``; the GEMM bias's gradient is 0).
+
+    Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
+    merge into the vector gradients, dz), then dx = dz @ W and dW = dz^T @ x on our GEMM
+    at ``precision``. g (B, N) may have any row stride; other layouts are copied."""
+    from .gemm import mm
+
+    go = operand(g, "g")
+    zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
+    M, N = zo.shape
+    if go.shape != (M, N) or co.shape != (4, N) or not zo.is_c_contiguous():
+        raise ValueError(f"g, z, coefs: expected ({M}, {N}) g and z and (4, {N}) coefs, got "
+                         f"{tuple(go.shape)}, {tuple(zo.shape)}, {tuple(co.shape)}")
+    g2 = rows_2d(go, "g")
+    place, t, dev = Place(zo), CTYPE[zo.dtype], zo.device
+    acc, step = acc_dtype(zo.dtype), N * ITEMSIZE[acc_dtype(zo.dtype)]
+    partials, coef, dz_fn = (_loader.function(_FILE, e, dev) for e in _grad_exprs(t))
+    tiles = cdiv(M, _GRAD["ROWS"])
+    grid, block = (cdiv(N, _GRAD["THREADS"]), tiles), (_GRAD["THREADS"],)
+    so, gmo = (check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight)))
+    dscale, dgamma, dbeta = empty(zo, (N,)), empty(zo, (N,)), empty(zo, (N,))
+    dz, buf = empty(zo, (M, N)), empty(zo, (3 * N + 2 * tiles * N,), acc)
+    if co.strides != (N, 1):
+        raise ValueError("coefs: expected a contiguous (4, N) array")
+    c0, k = co.ptr, data_ptr(buf)
+    m_, n_ = scalar(M, "int"), scalar(N, "int")
+    launch_all(place, (
+        (partials, grid, block, (g2.ptr, g2.strides[0], zo.ptr, m_, n_, c0 + step, k + 3 * step), 0),
+        (coef, (cdiv(N, _COEF_THREADS),), (_COEF_THREADS,),
+         (k + 3 * step, scalar(tiles, "int"), m_, n_, so.ptr, 0 if gmo is None else gmo.ptr,
+          c0 + 3 * step, scalar(eps, "double"), data_ptr(dscale), data_ptr(dgamma),
+          data_ptr(dbeta), k), 0),
+        (dz_fn, grid, block, (g2.ptr, g2.strides[0], zo.ptr, m_, n_, k, c0 + step, data_ptr(dz)), 0)))
+    dx = mm(dz, weight, precision) if input_grad else None
+    dw = mm(dz.T, x, precision)
+    return dx, dw, dscale, dgamma, dbeta
 
 
 def reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):

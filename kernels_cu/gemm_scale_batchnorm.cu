@@ -11,6 +11,7 @@ template <typename T, typename A>
 __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
 
 // Training: merge the GEMM's per-M-tile (mean, M2, min, max) partials of z in tile order
+// (and, where inv is not null, keep 1/sqrt(var_y + eps) for the backward)
 // (Chan), then write the coefficients and update running stats like BatchNorm1d:
 // mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
 // The reference forms y = s*(z + b) in T, rounding twice: where that overflows T in some
@@ -28,7 +29,8 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
               const long long* __restrict__ nbt, double factor, double eps,
               typename acc_of<T>::type* __restrict__ ca,
               typename acc_of<T>::type* __restrict__ cm,
-              typename acc_of<T>::type* __restrict__ cb) {
+              typename acc_of<T>::type* __restrict__ cb,
+              typename acc_of<T>::type* __restrict__ inv) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
   static_assert(ROWS == PART_ROWS, "bn_train_coef: the GEMM's partial statistics are PART_ROWS rows per tile");
   typedef typename acc_of<T>::type A;
@@ -63,8 +65,9 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
     var = quiet_nan<A>();
     mean_y = up && down ? quiet_nan<A>() : (up ? infinity<A>() : -infinity<A>());
   }
-  const A a = opt(gamma, n, (A)1) * s / sqrt(s * s * var + (A)eps);
-  ca[n] = a;
+  const A iv = (A)1 / sqrt(s * s * var + (A)eps);  // 1 / std of y
+  ca[n] = opt(gamma, n, (A)1) * s * iv;
+  if (inv) inv[n] = iv;  // saved for the backward
   cm[n] = mean;
   cb[n] = opt(beta, n, (A)0);
   if (rmean) {
@@ -92,7 +95,8 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
   cc[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
-// z = ca[n]*(z - cm[n]) + cb[n] in place over an (M, N) array with row stride ldz. Each thread
+// out = ca[n]*(z - cm[n]) + cb[n] over (M, N) arrays with row stride ldz (out may be z:
+// in place; it is a separate array where the backward keeps z). Each thread
 // owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows, loading
 // UNROLL rows before storing any (the stores may alias later loads for all the
 // compiler knows, so without this each row would wait for the previous one's load).
@@ -101,7 +105,7 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
 // Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
 template <typename T, int VEC, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
-bn_apply(T* __restrict__ z, long long ldz, int M, int N,
+bn_apply(const T* z, T* out, long long ldz, int M, int N,
          const typename acc_of<T>::type* __restrict__ ca,
          const typename acc_of<T>::type* __restrict__ cm,
          const typename acc_of<T>::type* __restrict__ cb, long long* __restrict__ nbt) {
@@ -129,11 +133,105 @@ bn_apply(T* __restrict__ z, long long ldz, int M, int N,
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (r + u >= r1) break;
-      T* p = z + (long long)(r + u) * ldz + col;
+      T* p = out + (long long)(r + u) * ldz + col;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) v[u].e[e] = from_acc<T>(fa[e] * (to_acc(v[u].e[e]) - fm[e]) + fb[e]);
       if (VEC > 1) *reinterpret_cast<uint4*>(p) = v[u].u;
       else *p = v[u].e[0];
     }
+  }
+}
+
+// ---- backward, training mode ---------------------------------------------------------
+// With u = z - cm (cm: the batch mean of z), inv = 1/sqrt(var_y + eps), w = s*inv (so
+// y-hat = w*u), S1 = sum_m g and S2 = sum_m g*u per column, the gradients are
+//   d bn_bias = S1, d bn_weight = w*S2, d scale = gamma*eps*inv^3*S2 (= sum dy*(z + b):
+//   sum dy is 0 and 1 - w^2 var_z = eps*inv^2), d gemm bias = sum dz = 0, and
+//   dz = w*gamma*(g - S1/M - w^2*S2/M * u), which the two GEMMs take on.
+
+// Per (ROWS-row tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged
+// in tile order by bn_grad_coef: deterministic). g has row stride ldg, z is contiguous.
+// Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
+template <typename T, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
+                 const typename acc_of<T>::type* __restrict__ cm,
+                 typename acc_of<T>::type* __restrict__ part) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_partials: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS % 8 == 0, "bn_grad_partials: ROWS is a multiple of the 8-row unroll");
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * THREADS + threadIdx.x;
+  if (n >= N) return;
+  const A m = cm[n];
+  A s1 = 0, s2 = 0;
+  const int r0 = blockIdx.y * ROWS, r1 = min(M, r0 + ROWS);
+  for (int r = r0; r < r1; r += 8) {
+    A gv[8], zv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // 16 loads in flight, then the sums in row order
+      const bool ok = r + u < r1;
+      gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
+      zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : m;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) { s1 += gv[u]; s2 += gv[u] * (zv[u] - m); }
+  }
+  part[2LL * blockIdx.y * N + n] = s1;
+  part[(2LL * blockIdx.y + 1) * N + n] = s2;
+}
+
+// Merge the partials, write the vector gradients (each pointer may be null: not wanted)
+// and dz's coefficients k = (w*gamma, S1/M, w^2*S2/M) in rows 0..2 (N apart).
+// One thread per column: grid cdiv(N, THREADS), block THREADS.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M, int N,
+             const T* __restrict__ scale, const T* __restrict__ gamma,
+             const typename acc_of<T>::type* __restrict__ inv, double eps,
+             T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
+             typename acc_of<T>::type* __restrict__ k) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_coef: THREADS must be whole warps, at most 1024");
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * THREADS + threadIdx.x;
+  if (n >= N) return;
+  A s1 = 0, s2 = 0;
+  for (int t = 0; t < tiles; ++t) {
+    s1 += part[2LL * t * N + n];
+    s2 += part[(2LL * t + 1) * N + n];
+  }
+  const A iv = inv[n], gm = opt(gamma, n, (A)1), w = to_acc(scale[n]) * iv;
+  if (dbeta) dbeta[n] = from_acc<T>(s1);
+  if (dgamma) dgamma[n] = from_acc<T>(w * s2);
+  if (dscale) dscale[n] = from_acc<T>(gm * (A)eps * iv * iv * iv * s2);
+  k[n] = w * gm;
+  k[N + n] = s1 / (A)M;
+  k[2LL * N + n] = w * w * s2 / (A)M;
+}
+
+// dz = k0*(g - k1 - k2*(z - cm)) into a contiguous (M, N) dz; g has row stride ldg.
+// Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
+template <typename T, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
+           const typename acc_of<T>::type* __restrict__ k,
+           const typename acc_of<T>::type* __restrict__ cm, T* __restrict__ dz) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_dz: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS % 8 == 0, "bn_grad_dz: ROWS is a multiple of the 8-row unroll");
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * THREADS + threadIdx.x;
+  if (n >= N) return;
+  const A k0 = k[n], k1 = k[N + n], k2 = k[2LL * N + n], m = cm[n];
+  const int r0 = blockIdx.y * ROWS, r1 = min(M, r0 + ROWS);
+  for (int r = r0; r < r1; r += 8) {
+    A gv[8], zv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const bool ok = r + u < r1;
+      gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
+      zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : (A)0;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (r + u < r1) dz[(long long)(r + u) * N + n] = from_acc<T>(k0 * (gv[u] - k1 - k2 * (zv[u] - m)));
   }
 }

@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 import cupykern  # noqa: E402
 from cupykern.models import gemm_scale_batchnorm as model3  # noqa: E402
 from cupykern.torch import GemmScaleBatchNorm  # noqa: E402
+from support import matmul_precision  # noqa: E402
 
 
 def _pair(fin, fout, seed=0, **kw):
@@ -199,3 +200,81 @@ def test_training_where_the_scaled_product_overflows(request, dtype, arch):
         ours, theirs = getattr(new.bn, name).float(), getattr(ref.bn, name).float()
         assert not ours[:3].isfinite().any() and not theirs[:3].isfinite().any()
         torch.testing.assert_close(ours[3], theirs[3], atol=5e-2, rtol=5e-2)
+
+
+def _grads_float64(ref, x, g):
+    """Gradients of x and every parameter of the reference model, in float64."""
+    ref64 = model3.Model(ref.gemm.in_features, ref.gemm.out_features, tuple(ref.scale.shape))
+    ref64.load_state_dict(ref.state_dict())
+    ref64 = ref64.double().to(x.device).train()
+    x64 = x.detach().double().requires_grad_()
+    ref64(x64).backward(g.double())
+    return [x64.grad] + [p.grad for p in ref64.parameters()]
+
+
+def test_backward_closed_form_matches_autograd():
+    """The fused backward's algebra (its CPU implementation, in float64) against autograd."""
+    from cupykern.torch.gemm_scale_batchnorm import backward_op
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(9, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    s, gamma, beta = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    eps = 1e-3
+    z = x @ w.T
+    inv = torch.rsqrt(s * s * z.var(0, unbiased=False) + eps)
+    coefs = torch.stack([gamma * s * inv, z.mean(0), beta, inv])
+    g = torch.randn(9, 5, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, s, gamma, beta)]
+    xr, wr, br, sr, gr, ber = leaves
+    torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, None, None, gr, ber, True, 0.1, eps).backward(g)
+    dx, dw, ds, dgamma, dbeta = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", True)
+    for ours, ref in ((dx, xr.grad), (dw, wr.grad), (ds, sr.grad), (dgamma, gr.grad), (dbeta, ber.grad)):
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    assert br.grad.abs().max() < 1e-12  # the bias cancels in training mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
+@pytest.mark.parametrize("shape", [(2, 5, 3), (37, 50, 23), (130, 300, 257), (1024, 512, 384)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fused_backward_matches_float64(shape, precision, bound):
+    """Every gradient of the training-mode model (fused backward: column sums, dz, our
+    GEMMs) against float64 autograd, relative to max |grad| (the training issue's rule)."""
+    batch, fin, fout = shape
+    ref, new = _pair(fin, fout)
+    new = new.cuda().train()
+    x = torch.randn(batch, fin, device="cuda", requires_grad=True)
+    g = torch.randn(batch, fout, device="cuda")
+    want = _grads_float64(ref, x, g)
+    with matmul_precision(precision):
+        new(x).backward(g)
+    ours = [x.grad] + [p.grad for p in new.parameters()]
+    for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+        assert o.dtype == torch.float32 and o.shape == r.shape, name
+        err = (o.double() - r).abs().max().item()
+        assert err <= bound * r.abs().max().item() + 1e-6, (name, err, r.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_fused_backward_gradcheck_float64_on_gpu():
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).cuda().requires_grad_()  # noqa: E731
+    args = (r(6, 5), r(4, 5), r(4), r(4), r(4), r(4))
+    rm, rv = torch.zeros(4, dtype=torch.float64, device="cuda"), torch.ones(4, dtype=torch.float64, device="cuda")
+    assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm.clone(), rv.clone()), args)
+    assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
+    assert torch.autograd.gradgradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_backward_16_bit(dtype):
+    ref, new = _pair(64, 96)
+    new = new.cuda().to(dtype).train()
+    x = torch.randn(200, 64, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(200, 96, device="cuda", dtype=dtype)
+    want = _grads_float64(ref.to(dtype).float(), x, g)
+    new(x).backward(g)
+    for o, r in zip([x.grad] + [p.grad for p in new.parameters()], want):
+        assert o.dtype == dtype
+        assert (o.double() - r).abs().max().item() <= 3e-2 * r.abs().max().item() + 1e-3

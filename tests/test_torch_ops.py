@@ -12,8 +12,8 @@ import torch.nn.utils.prune
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 from cupykern.torch.gemm import linear_op, linear_out_op, mm_op
-from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, batch_stats_op,
-                                                 gemm_scale_batchnorm_op)
+from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, backward_op,
+                                                 batch_stats_op, gemm_scale_batchnorm_op)
 from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
                                                           matmul_sum_op, plan_op)
 from cupykern.torch.normalize import (L1NormReference, L2NormReference, normalize_backward_op,
@@ -51,10 +51,16 @@ def _opcheck_cases(device):
     yield linear_out_op, (x, w, b, "highest", x.new_empty(8, 16))
     yield mm_op, (x, w.t(), "highest")
     yield mm_op, (x.t(), r(8, 5), "high")
-    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest")
-    yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest")
-    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest")
-    yield batch_stats_op, (x, w, b, *v, 1e-5, "highest")
+    save = device == "cuda"  # (the fused backward's saved tensors are a GPU path)
+    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest", save)
+    yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest", False)
+    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest", False)
+    yield batch_stats_op, (x, w, b, *v, 1e-5, "highest", save)
+    z = r(8, 16)
+    coefs = torch.stack([r(16), z.mean(0), r(16), r(16).abs() + 0.5])
+    for input_grad in (True, False):
+        yield backward_op, (r(8, 16), z, coefs, x, w, v[0], v[1], 1e-5, "highest", input_grad)
+    yield backward_op, (r(8, 16), z, coefs, x, w, v[0], None, 1e-5, "high", True)
     yield plan_op, (w, b)
     yield matmul_sum_op, (x, w, b, plan_op(w, b))
     yield matmul_sum_op, (x, w, None, plan_op(w, None))

@@ -9,7 +9,9 @@ Then linear's backward GEMMs (dx = dy @ W, dW = dy^T @ x, transposes read in pla
 the same shape against cuBLAS on the same views. Part 3 times GemmScaleBatchNorm (training mode, as the model is normally called) at
 both benchmark shapes, ours at the default precision ("highest") and at "high",
 against PyTorch eager and torch.compile at float32 (the baseline of both targets)
-and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2.
+and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2. Part 4 times
+its training step (forward + backward) against eager and torch.compile, at float32
+for "highest" and with TF32 for "high" (3 GEMMs: FLOP model 3 * 2*M*N*K).
 """
 from __future__ import annotations
 
@@ -124,11 +126,53 @@ def bench_model(case, iters):
               f" {'pass' if ok else 'FAIL'} {tol:g}")
 
 
+def bench_training(case, iters):
+    """A GemmScaleBatchNorm training step (forward + backward of out.backward(g), every
+    parameter and x requiring grad) against PyTorch eager and torch.compile of the same
+    step: ours "highest" against PyTorch float32, ours "high" against PyTorch TF32."""
+    from cupykern.models import gemm_scale_batchnorm as model3
+
+    torch.manual_seed(0)
+    ref = model3.Model(*case.init_inputs).cuda()
+    torch.manual_seed(0)
+    new = model3.ModelNew(*case.init_inputs).cuda()
+    comp = torch.compile(ref)
+    x = case.make_inputs("cuda")[0].requires_grad_()
+    g = torch.randn(x.shape[0], ref.gemm.out_features, device="cuda")
+    models = (ref, new)
+
+    def step(m):
+        return lambda: m(x).backward(g)
+
+    def clear():
+        x.grad = None
+        for m in models:
+            for p in m.parameters():
+                p.grad = None
+
+    print(f"\nGemmScaleBatchNorm {case.label} training step (forward + backward), "
+          f"{3 * case.flops / 1e9:.0f} GFLOP (three GEMMs)")
+    print(f"{'precision':<9} {'cupykern ms':>11} {'eager ms':>9} {'compile ms':>10} "
+          f"{'vs eager':>8} {'vs compile':>10} {'max|dW diff|/max|dW|':>21}")
+    for prec in ("highest", "high"):
+        with matmul_precision(prec):
+            step(comp)()  # compile outside the timing
+            t_e, t_c, t_n = (time_ms(step(m), iters=iters, setup=clear) for m in (ref, comp, new))
+            clear()
+            step(ref)()
+            step(new)()
+        rel = ((new.gemm.weight.grad - ref.gemm.weight.grad).abs().max()
+               / ref.gemm.weight.grad.abs().max()).item()
+        print(f"{prec:<9} {t_n:>11.3f} {t_e:>9.3f} {t_c:>10.3f} {t_e / t_n:>7.2f}x "
+              f"{t_c / t_n:>9.2f}x {rel:>21.2e}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
-    ap.add_argument("--part", choices=("all", "gemm", "backward", "model"), default="all",
-                    help="the GEMM alone, linear's backward GEMMs, GemmScaleBatchNorm, or all")
+    ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training"),
+                    default="all", help="the GEMM alone, linear's backward GEMMs, "
+                    "GemmScaleBatchNorm's forward, its training step, or all")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -136,12 +180,13 @@ def main(argv=None):
         bench_gemm(1024, 8192, 8192, args.iters)
     if args.part in ("all", "backward"):
         bench_backward(1024, 8192, 8192, args.iters)
-    if args.part in ("all", "model"):
-        from cupykern.models import gemm_scale_batchnorm as model3
+    from cupykern.models import gemm_scale_batchnorm as model3
 
-        for case in model3.CASES:
-            if not case.quick:
-                bench_model(case, args.iters)
+    for part, bench in (("model", bench_model), ("training", bench_training)):
+        if args.part in ("all", part):
+            for case in model3.CASES:
+                if not case.quick:
+                    bench(case, args.iters)
 
 
 if __name__ == "__main__":

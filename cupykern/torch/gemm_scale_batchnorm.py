@@ -3,8 +3,12 @@ model 3, ``bn(gemm(x) * scale)``.
 
 The op updates ``running_mean`` / ``running_var`` / ``num_batches_tracked`` in place in
 training mode (declared mutable in its schema) and has autograd: gradients for x,
-weight, bias, scale, bn weight and bn bias, in PyTorch ops for now (the forward's GEMM
-is recomputed in backward).
+weight, bias, scale, bn weight and bn bias. In training mode on the GPU, when a
+gradient is wanted, the forward also returns z = x @ W.T and per-column coefficients
+(``save``), and the backward is ``cupykern::gemm_scale_batchnorm_backward``: three
+bandwidth passes and two GEMMs on our kernels at the forward's precision. Elsewhere
+(eval mode, CPU, double backward) the backward is written in PyTorch ops and
+recomputes the forward's GEMM.
 """
 from __future__ import annotations
 
@@ -12,27 +16,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (batch_size_error, check, check_inputs, check_real,
-                                    gemm_scale_batchnorm_core)
+from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, check_inputs,
+                                    check_real, gemm_scale_batchnorm_core)
 from ._checks import hooked, members, require_submodule, require_tensor
 from ._op import Op
 from .gemm import resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
            "Tensor? bn_bias")
+# Outputs: out, and with ``save`` z (B, N) and coefs (4, N) for the fused backward
+# (empty otherwise).
+_RETURNS = "(Tensor, Tensor, Tensor)"
 _SCHEMA = (f"gemm_scale_batchnorm({_PARAMS}, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
            "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
-           "str precision) -> Tensor")
+           f"str precision, bool save) -> {_RETURNS}")
 # Training without running statistics mutates nothing: a functional op of its own
 # (Inductor cannot lower the mutating op when every buffer it may mutate is None).
-_BATCH_STATS_SCHEMA = f"gemm_scale_batchnorm_batch_stats({_PARAMS}, float eps, str precision) -> Tensor"
+_BATCH_STATS_SCHEMA = (f"gemm_scale_batchnorm_batch_stats({_PARAMS}, float eps, str precision, "
+                       f"bool save) -> {_RETURNS}")
+_BACKWARD_SCHEMA = ("gemm_scale_batchnorm_backward(Tensor g, Tensor z, Tensor coefs, Tensor x, "
+                    "Tensor weight, Tensor scale, Tensor? bn_weight, float eps, str precision, "
+                    "bool input_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _acc(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
-          precision):
+          precision, save):
     if x.is_cuda:
-        return gemm_scale_batchnorm_core(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt,
-                                          training, momentum, eps, precision)
+        res = gemm_scale_batchnorm_core(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt,
+                                        training, momentum, eps, precision, save)
+        return res if save else (res, x.new_empty(0), x.new_empty(0, dtype=_acc(x)))
+    if save:
+        raise ValueError("save: the fused backward runs on CUDA tensors only")
     check(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
                precision)
     y = F.linear(x, weight, bias) * scale
@@ -41,26 +59,44 @@ def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momen
     f = momentum
     if momentum is None:  # cumulative average; unused in eval, but F.batch_norm wants a float
         f = 1.0 / float(nbt) if training and nbt is not None else 0.0
-    return F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
+    out = F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
+    return out, x.new_empty(0), x.new_empty(0, dtype=_acc(x))
 
 
 def _fake(x, weight, *args):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    m, n, save = x.shape[0], weight.shape[0], args[-1]
+    return (x.new_empty((m, n)), x.new_empty((m, n) if save else (0,)),
+            x.new_empty((4, n) if save else (0,), dtype=_acc(x)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, scale, gamma, beta, rmean, rvar, _, training, _, eps, _ = inputs
-    ctx.training, ctx.eps = training, eps
+    x, weight, bias, scale, gamma, beta, rmean, rvar, _, training, _, eps, precision, save = inputs
+    ctx.training, ctx.eps, ctx.precision, ctx.save = training, eps, precision, save
+    ctx.mark_non_differentiable(*output[1:])
     # Which of x, weight, bias, scale, gamma, beta want a gradient (read from the inputs:
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in (x, weight, bias, scale, gamma, beta))
-    stats = (None, None) if training else (rmean, rvar)
+    stats = output[1:] if save else (None, None) if training else (rmean, rvar)
     ctx.save_for_backward(x, weight, bias, scale, gamma, *stats)
 
 
-def _backward(ctx, g):
-    x, weight, bias, scale, gamma, rmean, rvar = ctx.saved_tensors
+def _backward(ctx, g, *_):
+    x, weight, bias, scale, gamma, *stats = ctx.saved_tensors
+    want = ctx.wants
+    if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
+        dx, dw, ds, dgamma, dbeta = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps,
+                                                ctx.precision, want[0])
+        db = torch.zeros_like(bias) if want[2] else None
+        grads = (dx if want[0] else None, dw if want[1] else None, db,
+                 ds if want[3] else None, dgamma if want[4] else None, dbeta if want[5] else None)
+        return grads + (None,) * 8
+    return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
+
+
+def _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats):
+    """The gradients in PyTorch ops (recomputing the GEMM), differentiable."""
+    rmean, rvar = stats if not ctx.training else (None, None)
     dt = x.dtype
     acc = torch.float64 if dt == torch.float64 else torch.float32
     up = lambda t: None if t is None else t.to(acc)  # noqa: E731
@@ -83,19 +119,51 @@ def _backward(ctx, g):
     grads = (dz @ wa if want[0] else None, dz.t() @ xa if want[1] else None,
              dz.sum(0) if want[2] else None, (dy * z).sum(0) if want[3] else None,
              (ga * yhat).sum(0) if want[4] else None, ga.sum(0) if want[5] else None)
-    return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 7
+    return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 8
 
 
 def _full(args):
     """The batch-statistics op's arguments as the stateful op's (no buffers, training)."""
-    *params, eps, precision = args
-    return (*params, None, None, None, True, None, eps, precision)
+    *params, eps, precision, save = args
+    return (*params, None, None, None, True, None, eps, precision, save)
+
+
+def _backward_impl(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad):
+    if g.is_cuda:
+        dx, *grads = backward_train(g, z, coefs, x, weight, scale, gamma, eps, precision,
+                                    input_grad)
+        return (x.new_empty(0) if dx is None else dx, *grads)
+    return _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad)
+
+
+def _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad):
+    """backward_train's formulas in PyTorch ops (its CPU implementation: what opcheck
+    and the CPU tests check the kernels' algebra against)."""
+    acc = coefs.dtype
+    ga, za = g.to(acc), z.to(acc)
+    _, cm, _, inv = coefs
+    w = scale.to(acc) * inv
+    gm = torch.ones_like(w) if gamma is None else gamma.to(acc)
+    u = za - cm
+    s1, s2 = ga.sum(0), (ga * u).sum(0)
+    m = z.shape[0]
+    dz = ((w * gm) * (ga - s1 / m - (w * w * s2 / m) * u)).to(x.dtype)
+    dx = dz @ weight if input_grad else x.new_empty(0)
+    dt = x.dtype
+    return (dx, dz.t() @ x, (gm * eps * inv ** 3 * s2).to(dt), (w * s2).to(dt), s1.to(dt))
+
+
+def _backward_fake(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad):
+    n = weight.shape[0]
+    return (x.new_empty(x.shape if input_grad else (0,)), weight.new_empty(weight.shape),
+            *(x.new_empty((n,)) for _ in range(3)))
 
 
 gemm_scale_batchnorm_op = Op(_SCHEMA, _impl, _fake, _setup_context, _backward)
 batch_stats_op = Op(_BATCH_STATS_SCHEMA, lambda *a: _impl(*_full(a)), _fake,
                     lambda ctx, inputs, output: _setup_context(ctx, _full(inputs), output),
-                    lambda ctx, g: _backward(ctx, g)[:6] + (None, None))
+                    lambda ctx, g, *_: _backward(ctx, g)[:6] + (None, None, None))
+backward_op = Op(_BACKWARD_SCHEMA, _backward_impl, _backward_fake)
 
 
 def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
@@ -106,12 +174,18 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
     prec = resolve_precision(precision)
+    # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
+    save = (training and isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
+            and any(isinstance(t, torch.Tensor) and t.requires_grad
+                    for t in (x, weight, bias, scale, bn_weight, bn_bias)))
     if training and running_mean is None and running_var is None and num_batches_tracked is None:
         if momentum is not None:  # unused without buffers, but checked as the stateful op does
             check_real(momentum, "momentum")
-        return batch_stats_op(x, weight, bias, scale, bn_weight, bn_bias, eps, prec)
+        return batch_stats_op(x, weight, bias, scale, bn_weight, bn_bias, eps, prec, save)[0]
     return gemm_scale_batchnorm_op(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-                                   running_var, num_batches_tracked, training, momentum, eps, prec)
+                                   running_var, num_batches_tracked, training, momentum, eps,
+                                   prec, save)[0]
 
 
 class GemmScaleBatchNormReference(nn.Module):
