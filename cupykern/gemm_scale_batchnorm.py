@@ -80,7 +80,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         precision: GEMM precision for float32 (see :func:`cupykern.linear`).
 
     Returns out (B, N) of x's kind; torch tensors go through the custom op
-    ``torch.ops.cupykern.gemm_scale_batchnorm`` (autograd: a fused backward in training mode on the GPU, PyTorch ops elsewhere).
+    ``torch.ops.cupykern.gemm_scale_batchnorm`` (autograd: a fused backward in training
+    mode on the GPU, PyTorch ops elsewhere).
     Raises ValueError for a training batch of one row, with PyTorch's message. x is
     copied to a contiguous array if its rows are not contiguous.
     """
