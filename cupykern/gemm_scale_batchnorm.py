@@ -277,6 +277,8 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
     go = operand(g, "g")
     zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
     M, N = zo.shape
+    if go.dtype != zo.dtype:
+        raise TypeError(f"g: dtype {go.dtype} does not match z's dtype {zo.dtype}")
     if go.shape != (M, N) or co.shape != (4, N) or not zo.is_c_contiguous():
         raise ValueError(f"g, z, coefs: expected ({M}, {N}) g and z and (4, {N}) coefs, got "
                          f"{tuple(go.shape)}, {tuple(zo.shape)}, {tuple(co.shape)}")

@@ -47,6 +47,17 @@ struct RowSplit {
   }
 };
 
+// The launch configuration both row kernels check: a portable cluster of C CTAs
+// (clusters need sm_90), whole warps, at least one vector per thread.
+template <int C, int THREADS, int VPT> __device__ __forceinline__ void check_cluster_rows() {
+#ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
+  static_assert(C == 1 || CK_HAS_CLUSTERS, "normalize: C > 1 (thread-block clusters) needs sm_90");
+#endif
+  static_assert(C >= 1 && C <= 8, "normalize: C is the portable cluster size, 1..8");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize: THREADS must be whole warps, at most 1024");
+  static_assert(VPT >= 1, "normalize: VPT >= 1");
+}
+
 // One cluster of C CTAs per row; the row stays in registers between the
 // reduction and the scaling, so x is read from DRAM exactly once. Each cluster
 // walks rows row0, row0 + nclusters, ... With PREFETCH it loads its next row
@@ -61,12 +72,7 @@ __global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long long ncols,
                long long xs, long long ys) {
-#ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
-  static_assert(C == 1 || CK_HAS_CLUSTERS, "normalize_rows: C > 1 (thread-block clusters) needs sm_90");
-#endif
-  static_assert(C >= 1 && C <= 8, "normalize_rows: C is the portable cluster size, 1..8");
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_rows: THREADS must be whole warps, at most 1024");
-  static_assert(VPT >= 1, "normalize_rows: VPT >= 1");
+  check_cluster_rows<C, THREADS, VPT>();
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N;
@@ -201,12 +207,7 @@ CK_CLUSTER_DIMS(C)
 normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
                         long long nrows, long long ncols, long long xs, long long dys,
                         long long dxs) {
-#ifdef __CUDA_ARCH__
-  static_assert(C == 1 || CK_HAS_CLUSTERS, "normalize_backward_rows: C > 1 (thread-block clusters) needs sm_90");
-#endif
-  static_assert(C >= 1 && C <= 8, "normalize_backward_rows: C is the portable cluster size, 1..8");
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_backward_rows: THREADS must be whole warps, at most 1024");
-  static_assert(VPT >= 1, "normalize_backward_rows: VPT >= 1");
+  check_cluster_rows<C, THREADS, VPT>();
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N;
