@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous,
-                     copy_into, empty, is_torch, launch_all, operand, require_writable,
+                     copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
                      rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
@@ -47,6 +47,7 @@ for _m, _bn in ((0, 128), (1, 256)):
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
+_TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
@@ -72,6 +73,10 @@ def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
             f"{_SIMPLE['THREADS']}>")
 
 
+def _transpose_expr(dtype: str) -> str:
+    return f"transpose_copy<{CTYPE[dtype]}, {_TRANSPOSE['TILE']}, {_TRANSPOSE['THREADS']}>"
+
+
 # mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
 # sm_90a only.
 # Operand layouts (A, B transposed): the forward's NT, and the backward's dx = dy @ W (B
@@ -87,6 +92,7 @@ _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16",
                          for ta, tb in _TRANSPOSES], max_cc=79)
 _loader.register(_FILE, [_wgmma_expr(m, ta, tb) for m in _WGMMA for ta, tb in _TRANSPOSES],
                  min_cc=90, max_cc=90)
+_loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 
 
 def check_precision(precision) -> str:
@@ -251,9 +257,24 @@ def matrix(o, work: int):
     if o.ndim != 2:
         return rows_2d(o, o.name)
     lay = layout(o)
-    if lay is None or (lay[0] and work >= _COPY_WORK * o.size):
+    if lay is not None and lay[0] and work >= _COPY_WORK * o.size and o.size:
+        return _transposed_copy(o, lay[1])
+    if lay is None:
         return operand(contiguous(o), o.name)
     return o
+
+
+def _transposed_copy(o, ld: int):
+    """A C-contiguous copy of the 2-D GPU Operand ``o`` whose columns are contiguous
+    (column stride ``ld``), by the tiled transpose kernel (torch's and CuPy's strided
+    copies run at a third of copy bandwidth: H100, 8192 x 8192 float32, 0.56 ms
+    against 0.18 ms for a clone)."""
+    rows, cols = o.shape
+    out = empty(o, (rows, cols))
+    fn = _loader.function(_FILE, _transpose_expr(o.dtype), o.device)
+    tiles = cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(cols, _TRANSPOSE["TILE"])
+    launch_all(o, ((fn, (tiles,), (_TRANSPOSE["THREADS"],), (o.ptr, data_ptr(out), rows, cols, ld), 0),))
+    return operand(out, o.name)
 
 
 def reference(x, w, b=None):

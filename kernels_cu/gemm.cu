@@ -851,7 +851,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : C::LOADERS);
-      mbar_init(empty0 + 8 * s, 8);  // every consumer warp
+      // MODE 0: every consumer thread (each reads A from smem itself); MODE 1: every
+      // consumer warp (only its wgmma read the stage, complete at wgmma.wait_group).
+      mbar_init(empty0 + 8 * s, MODE == 0 ? THREADS - 128 : 8);
       mbar_init(loaded0 + 8 * s, C::LOADERS);
     }
   }
@@ -924,7 +926,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     if (MODE == 0) {
       wg_wait<0>();
       wg_fence_regs(acc);
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      mbar_arrive(empty0 + 8 * s);  // after this thread's own reads of the stage
 #pragma unroll
       for (int i = 0; i < R; ++i) pro[i] += acc[i];  // promotion; the next slice overwrites acc
     } else {
@@ -936,4 +938,30 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   wg_fence_regs(acc);
   if constexpr (MODE == 0) wg_store<BM, BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
   else wg_store<BM, BN>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+}
+
+// ---- transposed operand -> K-contiguous copy -----------------------------------------
+// dst (rows, cols) C-contiguous from src whose columns are contiguous: element (r, c) at
+// src[c*ld + r]. A TILE x TILE block is read along r and written along c through smem
+// (padded by one element: conflict-free columns), so both sides move whole 32-element
+// segments; a strided elementwise copy (torch's / CuPy's) runs at a third of copy speed.
+// One block per tile, tiles r-major over a 1-D grid.
+template <typename T, int TILE, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+transpose_copy(const T* __restrict__ src, T* __restrict__ dst, long long rows, long long cols, long long ld) {
+  static_assert(TILE == 32, "transpose_copy: one warp spans a tile row");
+  static_assert(THREADS % TILE == 0 && TILE % (THREADS / TILE) == 0,
+                "transpose_copy: THREADS / TILE warps take every (THREADS / TILE)-th tile row");
+  constexpr int STEP = THREADS / TILE;
+  __shared__ T tile[TILE][TILE + 1];
+  const long long tiles_r = (rows + TILE - 1) / TILE;
+  const long long r0 = (long long)(blockIdx.x % tiles_r) * TILE, c0 = (long long)(blockIdx.x / tiles_r) * TILE;
+  const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;
+#pragma unroll
+  for (int i = ty; i < TILE; i += STEP)
+    if (r0 + tx < rows && c0 + i < cols) tile[i][tx] = src[(c0 + i) * ld + r0 + tx];
+  __syncthreads();
+#pragma unroll
+  for (int i = ty; i < TILE; i += STEP)
+    if (r0 + i < rows && c0 + tx < cols) dst[(r0 + i) * cols + c0 + tx] = tile[tx][i];
 }

@@ -171,8 +171,9 @@ def check_linear(name, got, x, w, b, rtol):
 
 def run_linear():
     # (M, N, K): partial 128-row and 128/256-column tiles with 16-byte aligned rows (wgmma
-    # on Hopper for float32 "highest"/"high"); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
-    shapes = ((130, 264, 72), (37, 23, 50), (1, 1, 1))
+    # on Hopper for float32 "highest"/"high") and more K slices than pipeline stages (each
+    # stage is refilled); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
+    shapes = ((130, 264, 200), (37, 23, 50), (1, 1, 1))
     for dtype in DTYPES:
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
             t, tag = tol(dtype, prec), f"linear {NAME[dtype]} {prec}"
@@ -195,6 +196,17 @@ def run_linear():
         for m, n, k in shapes[:2]:
             x, w, b = (dev(randn(*s, seed=i), dtype, "cupy") for i, s in enumerate(((m, k), (n, k), (n,))))
             check_linear(f"linear cupy {NAME[dtype]} {m}x{n}x{k}", cupykern.linear(x, w, b), x, w, b, tol(dtype))
+    # mm with transposed operands read in place (M, N < 128 against K > 128: too small to
+    # be worth a copy), every layout pair, several stages' refills.
+    for dtype in DTYPES:
+        for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
+            a, b = dev(randn(100, 300, seed=8), dtype), dev(randn(300, 120, seed=9), dtype)
+            for ta in (False, True):
+                for tb in (False, True):
+                    av = a.t().contiguous().t() if ta else a
+                    bv = b.t().contiguous().t() if tb else b
+                    check_linear(f"mm {NAME[dtype]} {prec} transposed a={ta} b={tb}",
+                                 torch.ops.cupykern.mm(av, bv, prec), a, b.t(), None, tol(dtype, prec))
 
 
 # ---------------------------------------------------------------- gemm_scale_batchnorm
@@ -246,8 +258,9 @@ def check_bn(name, x, params, rtol, training=True, stats=True, momentum=0.1,
 
 
 def run_gemm_scale_batchnorm():
-    # (M, N, K): two 128-row tiles of partial statistics, aligned rows; odd sizes; batch of 2.
-    shapes = ((130, 136, 72), (37, 23, 50), (2, 5, 3))
+    # (M, N, K): two 128-row tiles of partial statistics, aligned rows, refilled pipeline
+    # stages; odd sizes; batch of 2.
+    shapes = ((130, 136, 200), (37, 23, 50), (2, 5, 3))
     for dtype in DTYPES:
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
             t, tag = tol(dtype, prec), f"gemm_bn {NAME[dtype]} {prec}"
@@ -283,6 +296,21 @@ def run_gemm_scale_batchnorm():
                 check(f"{name} running_var", mod.bn.running_var, ref.bn.running_var, 1e-4)
         if mod.bn.num_batches_tracked.item() != 1:
             _failures.append("GemmScaleBatchNorm: num_batches_tracked not incremented")
+    # The fused training backward (column sums, dz, dx and dW GEMMs) against float64 autograd.
+    for m, k, n in ((130, 200, 136), (37, 50, 23)):
+        torch.manual_seed(1)
+        mod = GemmScaleBatchNorm(k, n, (n,)).cuda()
+        ref = copy.deepcopy(mod).cpu().double()
+        x, g = dev(randn(m, k, seed=5), torch.float32), dev(randn(m, n, seed=6), torch.float32)
+        xr = host(x).requires_grad_()
+        x.requires_grad_()
+        mod(x).backward(g)
+        ref(xr).backward(host(g))
+        name = f"GemmScaleBatchNorm backward {m}x{k}->{n}"
+        check(f"{name} x", x.grad, xr.grad, 1e-4)
+        for (pname, p), (_, pr) in zip(mod.named_parameters(), ref.named_parameters()):
+            # (gemm.bias: exactly 0 in training mode; the reference holds rounding noise)
+            check(f"{name} {pname}", p.grad, pr.grad, 1e-4, max(pr.grad.abs().max().item(), 1e-8))
 
 
 # ---------------------------------------------------------------- matmul_sum
