@@ -202,11 +202,11 @@ def test_training_where_the_scaled_product_overflows(request, dtype, arch):
         torch.testing.assert_close(ours[3], theirs[3], atol=5e-2, rtol=5e-2)
 
 
-def _grads_float64(ref, x, g):
+def _grads_float64(ref, x, g, training=True):
     """Gradients of x and every parameter of the reference model, in float64."""
     ref64 = model3.Model(ref.gemm.in_features, ref.gemm.out_features, tuple(ref.scale.shape))
     ref64.load_state_dict(ref.state_dict())
-    ref64 = ref64.double().to(x.device).train()
+    ref64 = ref64.double().to(x.device).train(training)
     x64 = x.detach().double().requires_grad_()
     ref64(x64).backward(g.double())
     return [x64.grad] + [p.grad for p in ref64.parameters()]
@@ -233,19 +233,53 @@ def test_backward_closed_form_matches_autograd():
     assert br.grad.abs().max() < 1e-12  # the bias cancels in training mode
 
 
+def _running_stats(ref, new):
+    """Non-trivial running statistics, the same in both models (for eval mode)."""
+    n = ref.bn.num_features
+    ref.bn.running_mean.copy_(torch.randn(n))
+    ref.bn.running_var.copy_(torch.rand(n) + 0.5)
+    new.load_state_dict(ref.state_dict())
+
+
+def test_eval_backward_matches_autograd():
+    """The eval-mode backward (no saved product: G = g^T x and its row dot with W) in
+    float64 on the CPU, through the op, against autograd of the same formula."""
+    torch.manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, dtype=torch.float64)  # noqa: E731
+    rm, rv = r(5), torch.rand(5, dtype=torch.float64) + 0.5
+    for affine in (True, False):  # with gemm bias and bn weight / bias, and with neither
+        x, w, s, g = r(9, 7), r(5, 7), r(5), r(9, 5)
+        b, gamma, beta = (r(5), r(5), r(5)) if affine else (None, None, None)
+        for fn in (cupykern.gemm_scale_batchnorm, lambda x, w, b, s, gamma, beta, rm, rv, training: (
+                torch.nn.functional.batch_norm(torch.nn.functional.linear(x, w, b) * s, rm, rv,
+                                               gamma, beta, training))):
+            leaves = [t.clone().requires_grad_() if t is not None else None
+                      for t in (x, w, b, s, gamma, beta)]
+            fn(*leaves, rm, rv, training=False).backward(g)
+            grads = [t.grad if t is not None else None for t in leaves]
+            if fn is cupykern.gemm_scale_batchnorm:
+                ours = grads
+        for o, want in zip(ours, grads):
+            if want is not None:
+                torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
 @pytest.mark.parametrize("shape", [(2, 5, 3), (37, 50, 23), (130, 300, 257), (1024, 512, 384)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_fused_backward_matches_float64(shape, precision, bound):
-    """Every gradient of the training-mode model (fused backward: column sums, dz, our
-    GEMMs) against float64 autograd, relative to max |grad| (the training issue's rule)."""
+def test_fused_backward_matches_float64(shape, precision, bound, training):
+    """Every gradient of the model (training mode's fused backward: column sums, dz, our
+    GEMMs; eval mode's: G = g^T x, dx, column sums) against float64 autograd, relative
+    to max |grad| (the training issue's rule)."""
     batch, fin, fout = shape
     ref, new = _pair(fin, fout)
-    new = new.cuda().train()
+    _running_stats(ref, new)
+    new = new.cuda().train(training)
     x = torch.randn(batch, fin, device="cuda", requires_grad=True)
     g = torch.randn(batch, fout, device="cuda")
-    want = _grads_float64(ref, x, g)
+    want = _grads_float64(ref, x, g, training)
     with matmul_precision(precision):
         new(x).backward(g)
     ours = [x.grad] + [p.grad for p in new.parameters()]
@@ -262,6 +296,8 @@ def test_fused_backward_gradcheck_float64_on_gpu():
     args = (r(6, 5), r(4, 5), r(4), r(4), r(4), r(4))
     rm, rv = torch.zeros(4, dtype=torch.float64, device="cuda"), torch.ones(4, dtype=torch.float64, device="cuda")
     assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm.clone(), rv.clone()), args)
+    rm, rv = rm + 0.3, rv + 0.5
+    assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm, rv, training=False), args)
     assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
     assert torch.autograd.gradgradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
 

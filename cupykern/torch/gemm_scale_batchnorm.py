@@ -6,9 +6,10 @@ training mode (declared mutable in its schema) and has autograd: gradients for x
 weight, bias, scale, bn weight and bn bias. In training mode on the GPU, when a
 gradient is wanted, the forward also returns z = x @ W.T and per-column coefficients
 (``save``), and the backward is ``cupykern::gemm_scale_batchnorm_backward``: three
-bandwidth passes and two GEMMs on our kernels at the forward's precision. Elsewhere
-(eval mode, CPU, double backward) the backward is written in PyTorch ops and
-recomputes the forward's GEMM.
+bandwidth passes and two GEMMs on our kernels at the forward's precision. In eval mode
+the backward needs no saved product: two GEMMs (``cupykern::mm``) and two bandwidth
+passes. Elsewhere (CPU training, double backward) the backward is written in PyTorch
+ops and recomputes the forward's GEMM.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, che
                                     check_real, gemm_scale_batchnorm_core)
 from ._checks import hooked, members, require_submodule, require_tensor
 from ._op import Op
-from .gemm import resolve_precision
+from .gemm import mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
            "Tensor? bn_bias")
@@ -91,7 +92,37 @@ def _backward(ctx, g, *_):
         grads = (dx if want[0] else None, dw if want[1] else None, db,
                  ds if want[3] else None, dgamma if want[4] else None, dbeta if want[5] else None)
         return grads + (None,) * 8
+    if not ctx.training and not torch.is_grad_enabled():
+        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, *stats)
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
+
+
+def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
+    """Eval-mode gradients without the forward's GEMM. BatchNorm is then a per-column
+    affine map, out = c (s (z + b) - rm) + beta with c = gamma / sqrt(rv + eps) and
+    z = x @ W.T. With S1 = sum_m g and G = g^T @ x, whose row-wise dot with W is
+    S2 = sum_m g z: dz = c s g, dx = dz @ W, dW = c s G, d bias = c s S1,
+    d scale = c (S2 + b S1), d gamma = (s (S2 + b S1) - rm S1) / sqrt(rv + eps),
+    d beta = S1. dx and G run on our GEMM at the forward's precision; the rest is
+    one pass over g and one over W."""
+    want, dt, acc = ctx.wants, x.dtype, _acc(x)
+    inv = torch.rsqrt(rvar.to(acc) + ctx.eps)
+    c = inv if gamma is None else inv * gamma.to(acc)
+    s = scale.to(acc)
+    cs = c * s
+    ga = g.to(acc)
+    s1 = ga.sum(0)
+    dx = mm_op((ga * cs).to(dt), weight, ctx.precision) if want[0] else None
+    dw = s2b = None
+    if want[1] or want[3] or want[4]:
+        gx = mm_op(g.t(), x, ctx.precision)  # (N, K): G
+        s2b = (weight.to(acc) * gx.to(acc)).sum(1)  # S2, then + b S1
+        if bias is not None:
+            s2b = s2b + bias.to(acc) * s1
+        dw = (cs[:, None] * gx.to(acc)).to(dt) if want[1] else None
+    grads = (dx, dw, cs * s1 if want[2] else None, c * s2b if want[3] else None,
+             inv * (s * s2b - rmean.to(acc) * s1) if want[4] else None, s1 if want[5] else None)
+    return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 8
 
 
 def _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats):
