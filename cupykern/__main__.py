@@ -5,7 +5,9 @@
 For each model and benchmark shape it checks ModelNew against the PyTorch
 reference (same seed, several random inputs, allclose at the case's tolerance)
 and times it against PyTorch eager and torch.compile in the same run, with the
-same-run device-copy bandwidth as the ceiling for memory-bound shapes.
+same-run device-copy bandwidth as the ceiling for memory-bound shapes. Then the
+same for a training step (forward + backward, x and the parameters requiring
+grad): gradients against the reference's, and the step's time.
 Without a GPU it says so, checks the NumPy reference path and exits 0.
 """
 from __future__ import annotations
@@ -136,8 +138,49 @@ def _run_case(module, case, iters):
         row["pct_copy_bw"] = 100 * gbps(case.nbytes, row["ms"]) / copy_bw
     if case.flops:
         row["tflops"] = tflops(case.flops, row["ms"])
-    del inputs, ref, new
+    row.update(_train_case(ref, new, compiled, inputs, case.atol, iters))
+    del inputs, ref, new, compiled
     torch.cuda.empty_cache()
+    return row
+
+
+def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
+    """A training step, ``model(x).backward(g)`` with x and every parameter requiring grad:
+    our gradients against the reference's (max |difference| relative to max |grad|
+    within ``atol``), and its time against eager and torch.compile."""
+    import torch
+
+    from cupykern.benchmark import time_ms
+
+    x = inputs[0].detach().requires_grad_()
+    rest = inputs[1:]
+    with torch.no_grad():
+        g = torch.randn_like(ref(x, *rest))
+    leaves = {m: [x] + list(m.parameters()) for m in (ref, new)}
+
+    def clear():
+        for t in leaves[ref] + leaves[new]:
+            t.grad = None
+
+    grads = {}
+    for m in (ref, new):
+        clear()
+        m(x, *rest).backward(g)
+        grads[m] = [t.grad.float() for t in leaves[m]]
+    # x's gradient relative to its own largest, the parameters' to the largest of any
+    # parameter's (one that cancels to ~0, like gemm.bias's under training-mode
+    # BatchNorm, holds rounding noise of that size), as the training tests judge them.
+    big = [b.abs().max().item() for b in grads[ref]]
+    scale = big[:1] + [max(big[1:], default=0.0)] * (len(big) - 1)
+    rel = max((a - b).abs().max().item() / max(m, 1e-30)
+              for a, b, m in zip(grads[new], grads[ref], scale))
+    del grads
+    row = {"grad_rel_err": rel, "grad_correct": rel <= atol}
+    for key, m in (("train_ms", new), ("train_eager_ms", ref), ("train_compile_ms", compiled)):
+        row[key] = time_ms(lambda: m(x, *rest).backward(g), iters=iters, setup=clear)
+    clear()
+    row["train_speedup_eager"] = row["train_eager_ms"] / row["train_ms"]
+    row["train_speedup_compile"] = row["train_compile_ms"] / row["train_ms"]
     return row
 
 
@@ -152,6 +195,16 @@ def _print_table(rows):
         print(f"{r['model']:<30} {r['case']:<28} {r['verdict']:<4} "
               f"{r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['compile_ms']:>8.3f} "
               f"{r['speedup_eager']:>8.2f} {r['speedup_compile']:>7.2f} {pct:>8} {tf:>8}")
+    head = (f"{'training step (forward + backward)':<59} {'grads':<6} {'ms':>8} {'eager':>8} "
+            f"{'compile':>8} {'x eager':>8} {'x comp':>7} {'max|dgrad|/max|grad|':>21}")
+    print()
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['model']:<30} {r['case']:<28} {'ok' if r['grad_correct'] else 'NO':<6} "
+              f"{r['train_ms']:>8.3f} {r['train_eager_ms']:>8.3f} {r['train_compile_ms']:>8.3f} "
+              f"{r['train_speedup_eager']:>8.2f} {r['train_speedup_compile']:>7.2f} "
+              f"{r['grad_rel_err']:>21.2e}")
 
 
 def main(argv=None) -> int:
@@ -191,7 +244,9 @@ def main(argv=None) -> int:
             row = _run_case(module, case, args.iters)
             print(f"    {'ok' if row['correct'] else 'MISMATCH'} ({row['verdict']}, max |err| vs PyTorch"
                   f" {row['max_abs_err']:.2e}),"
-                  f" first call {row['first_call_ms']:.0f} ms, {row['ms']:.3f} ms", flush=True)
+                  f" first call {row['first_call_ms']:.0f} ms, {row['ms']:.3f} ms; training step"
+                  f" {row['train_ms']:.3f} ms, gradients {'ok' if row['grad_correct'] else 'MISMATCH'}",
+                  flush=True)
             rows.append(row)
     print()
     _print_table(rows)
@@ -200,7 +255,7 @@ def main(argv=None) -> int:
               " the reference and closer to it than PyTorch.")
     if args.json:
         _write_json(args.json, {"gpu": gpu, "rows": rows})
-    return 0 if all(r["correct"] for r in rows) else 1
+    return 0 if all(r["correct"] and r["grad_correct"] for r in rows) else 1
 
 
 def _write_json(path, data) -> None:

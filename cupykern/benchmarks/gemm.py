@@ -5,13 +5,16 @@ FLOP model: 2*M*N*K; ceiling: the same-run cuBLAS TF32 rate (a third of it for
 ``cupykern.linear`` at 1024x8192 @ (8192x8192)^T in each precision against cuBLAS
 through torch in the same run (TF32 off = SGEMM, TF32 on, bf16 inputs for "medium")
 and prints the max |error| against a float64 GEMM.
-Then linear's backward GEMMs (dx = dy @ W, dW = dy^T @ x, transposes read in place) at
-the same shape against cuBLAS on the same views. Part 3 times GemmScaleBatchNorm (training mode, as the model is normally called) at
+Then linear's backward GEMMs (dx = dy @ W, dW = dy^T @ x; a transpose is read in place
+or, where the product is big against it, copied first) at the same shape against
+cuBLAS on the same views. Part 3 times GemmScaleBatchNorm (training mode, as the
+model is normally called) at
 both benchmark shapes, ours at the default precision ("highest") and at "high",
 against PyTorch eager and torch.compile at float32 (the baseline of both targets)
 and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2. Part 4 times
 its training step (forward + backward) against eager and torch.compile, at float32
-for "highest" and with TF32 for "high" (3 GEMMs: FLOP model 3 * 2*M*N*K).
+for "highest" and with TF32 for "high" (3 GEMMs: FLOP model 3 * 2*M*N*K), in training
+mode and in eval mode.
 """
 from __future__ import annotations
 
@@ -129,7 +132,8 @@ def bench_model(case, iters):
 def bench_training(case, iters):
     """A GemmScaleBatchNorm training step (forward + backward of out.backward(g), every
     parameter and x requiring grad) against PyTorch eager and torch.compile of the same
-    step: ours "highest" against PyTorch float32, ours "high" against PyTorch TF32."""
+    step: ours "highest" against PyTorch float32, ours "high" against PyTorch TF32; with
+    the model in training mode (batch statistics), then in eval mode (running ones)."""
     from cupykern.models import gemm_scale_batchnorm as model3
 
     torch.manual_seed(0)
@@ -152,9 +156,11 @@ def bench_training(case, iters):
 
     print(f"\nGemmScaleBatchNorm {case.label} training step (forward + backward), "
           f"{3 * case.flops / 1e9:.0f} GFLOP (three GEMMs)")
-    print(f"{'precision':<9} {'cupykern ms':>11} {'eager ms':>9} {'compile ms':>10} "
+    print(f"{'mode':<5} {'precision':<9} {'cupykern ms':>11} {'eager ms':>9} {'compile ms':>10} "
           f"{'vs eager':>8} {'vs compile':>10} {'max|dW diff|/max|dW|':>21}")
-    for prec in ("highest", "high"):
+    for mode, prec in (("train", "highest"), ("train", "high"), ("eval", "highest"), ("eval", "high")):
+        for m in models:
+            m.train(mode == "train")
         with matmul_precision(prec):
             step(comp)()  # compile outside the timing
             t_e, t_c, t_n = (time_ms(step(m), iters=iters, setup=clear) for m in (ref, comp, new))
@@ -163,7 +169,7 @@ def bench_training(case, iters):
             step(new)()
         rel = ((new.gemm.weight.grad - ref.gemm.weight.grad).abs().max()
                / ref.gemm.weight.grad.abs().max()).item()
-        print(f"{prec:<9} {t_n:>11.3f} {t_e:>9.3f} {t_c:>10.3f} {t_e / t_n:>7.2f}x "
+        print(f"{mode:<5} {prec:<9} {t_n:>11.3f} {t_e:>9.3f} {t_c:>10.3f} {t_e / t_n:>7.2f}x "
               f"{t_c / t_n:>9.2f}x {rel:>21.2e}")
 
 
