@@ -159,6 +159,7 @@ def bench_training(case, iters):
     print(f"{'mode':<5} {'precision':<9} {'cupykern ms':>11} {'eager ms':>9} {'compile ms':>10} "
           f"{'vs eager':>8} {'vs compile':>10} {'max|dW diff|/max|dW|':>21}")
     for mode, prec in (("train", "highest"), ("train", "high"), ("eval", "highest"), ("eval", "high")):
+        new.load_state_dict(ref.state_dict())  # the same running statistics (eval mode)
         for m in models:
             m.train(mode == "train")
         with matmul_precision(prec):
