@@ -146,9 +146,10 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
                               running_var, num_batches_tracked, training, momentum, eps,
                               precision, save=False):
     """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
-    layer) torch CUDA tensors. With ``save`` (training mode, GPU, N > 0) it returns
-    ``(out, z, coefs)``: also z = x @ W.T and the (4, N) accumulation-type rows (ca, cm,
-    cb, inv) that :func:`backward_train` takes."""
+    layer) torch CUDA tensors. With ``save`` (GPU, N > 0) it returns ``(out, z, coefs)``:
+    also z = x @ W.T and (4, N) accumulation-type rows: in training mode (ca, cm, cb, inv),
+    which :func:`backward_train` takes; in eval mode (ca, 0, cb, inv), out being
+    ca * z + cb and inv 1 / sqrt(running_var + eps)."""
     arrays = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
               num_batches_tracked)
     options = (training, momentum, eps, precision, save)
@@ -160,8 +161,8 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
             return run(*arrays)
     xo, wo, vec, nbt, momentum, eps, prec = check(*arrays, *options[:4])
     M, N = xo.shape[0], wo.shape[0]
-    if save and (not training or xo.kind == "cpu" or N == 0):
-        raise ValueError("save: needs training mode, GPU arrays and out_features > 0")
+    if save and (xo.kind == "cpu" or N == 0):
+        raise ValueError("save: needs GPU arrays and out_features > 0")
     if xo.kind == "cpu":
         return reference(*arrays, training, momentum, eps)
     if M == 0 or N == 0:
@@ -177,7 +178,7 @@ def _fresh(arrays, options):
     where the call needs the general path (CPU, empty, or an array to copy first)."""
     xo, wo, vec, _, momentum, eps, prec = check(*arrays, *options[:4])
     if (xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]) or row_view_stride(xo) is None
-            or row_view_stride(wo) is None or (options[4] and not options[0])
+            or row_view_stride(wo) is None
             or any(v is not None and v.obj is not arr for v, arr in zip(vec.values(), arrays[2:8]))):
         return None
     return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), options[0], momentum, eps, prec,
@@ -199,18 +200,28 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
     ptr = place.ptr
 
-    if not training:
+    if not training:  # the affine map in the GEMM's epilogue; with ``save``, a pass of its own
         coef = _loader.function(_FILE, f"bn_eval_coef<{t}, {_COEF_THREADS}>", dev)
         n_, eps_ = scalar(N, "int"), scalar(eps, "double")
+        apply_ = _apply_call(place, M, N)
 
         def run_eval(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
-            out, coefs = empty(place, (M, N)), empty(place, (2 * N,), acc)  # held to the launch
+            out = empty(place, (M, N))
+            coefs = empty(place, (4 if save else 2, N), acc)  # (ca, cm, cb, inv) or (ca, cb)
             c0 = ptr(coefs)
+            coef_args = (n_, ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), eps_)
+            if not save:
+                launch_all(place, (
+                    (coef, *coef_launch, coef_args + (c0, 0, c0 + step, 0), 0),
+                    gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0)))
+                return out
+            z = empty(place, (M, N))
+            zp, cb = ptr(z), c0 + 2 * step
             launch_all(place, (
-                (coef, *coef_launch, (n_, ptr(bias), ptr(scale), ptr(gamma), ptr(beta),
-                                      ptr(rmean), ptr(rvar), eps_, c0, c0 + step), 0),
-                gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0)))
-            return out
+                (coef, *coef_launch, coef_args + (c0, c0 + step, cb, cb + step), 0),
+                gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, 0),
+                apply_(zp, ptr(out), c0, c0 + step, cb, 0)))
+            return out, z, coefs
 
         return run_eval
 

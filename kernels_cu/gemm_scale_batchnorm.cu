@@ -78,21 +78,26 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
   }
 }
 
-// Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cc.
+// Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cb, for the GEMM's
+// epilogue, or for bn_apply with cm = 0 (cm and inv = 1/sqrt(rv + eps) not null: where
+// the backward keeps z and the coefficients).
 // One thread per column n: grid cdiv(N, THREADS), block THREADS.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
              const T* __restrict__ gamma, const T* __restrict__ beta,
              const T* __restrict__ rmean, const T* __restrict__ rvar, double eps,
-             typename acc_of<T>::type* __restrict__ ca, typename acc_of<T>::type* __restrict__ cc) {
+             typename acc_of<T>::type* __restrict__ ca, typename acc_of<T>::type* __restrict__ cm,
+             typename acc_of<T>::type* __restrict__ cb, typename acc_of<T>::type* __restrict__ inv) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_eval_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
-  const A gi = opt(gamma, n, (A)1) / sqrt(to_acc(rvar[n]) + (A)eps), s = to_acc(scale[n]);
+  const A iv = (A)1 / sqrt(to_acc(rvar[n]) + (A)eps), gi = opt(gamma, n, (A)1) * iv, s = to_acc(scale[n]);
   ca[n] = gi * s;
-  cc[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
+  if (cm) cm[n] = 0;
+  if (inv) inv[n] = iv;
+  cb[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
 // out = ca[n]*(z - cm[n]) + cb[n] over (M, N) arrays with row stride ldz (out may be z:

@@ -242,8 +242,8 @@ def _running_stats(ref, new):
 
 
 def test_eval_backward_matches_autograd():
-    """The eval-mode backward (no saved product: G = g^T x and its row dot with W) in
-    float64 on the CPU, through the op, against autograd of the same formula."""
+    """The eval-mode backward's algebra (column sums of g and g z, dz = c s g) in float64
+    on the CPU, through the op, against autograd of the same formula."""
     torch.manual_seed(0)
     r = lambda *shape: torch.randn(*shape, dtype=torch.float64)  # noqa: E731
     rm, rv = r(5), torch.rand(5, dtype=torch.float64) + 0.5
@@ -271,7 +271,7 @@ def test_eval_backward_matches_autograd():
                          ids=lambda s: "x".join(map(str, s)))
 def test_fused_backward_matches_float64(shape, precision, bound, training):
     """Every gradient of the model (training mode's fused backward: column sums, dz, our
-    GEMMs; eval mode's: G = g^T x, dx, column sums) against float64 autograd, relative
+    GEMMs; eval mode's: column sums of g and g z, our GEMMs) against float64 autograd, relative
     to max |grad| (the training issue's rule)."""
     batch, fin, fout = shape
     ref, new = _pair(fin, fout)

@@ -54,7 +54,7 @@ def _opcheck_cases(device):
     save = device == "cuda"  # (the fused backward's saved tensors are a GPU path)
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest", save)
     yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest", False)
-    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest", False)
+    yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, None, False, 0.1, 1e-5, "highest", save)
     yield batch_stats_op, (x, w, b, *v, 1e-5, "highest", save)
     z = r(8, 16)
     coefs = torch.stack([r(16), z.mean(0), r(16), r(16).abs() + 0.5])

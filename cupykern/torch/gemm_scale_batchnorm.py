@@ -7,9 +7,9 @@ weight, bias, scale, bn weight and bn bias. In training mode on the GPU, when a
 gradient is wanted, the forward also returns z = x @ W.T and per-column coefficients
 (``save``), and the backward is ``cupykern::gemm_scale_batchnorm_backward``: three
 bandwidth passes and two GEMMs on our kernels at the forward's precision. In eval mode
-the backward needs no saved product: two GEMMs (``cupykern::mm``) and two bandwidth
-passes. Elsewhere (CPU training, double backward) the backward is written in PyTorch
-ops and recomputes the forward's GEMM.
+(BatchNorm then being a per-column affine map) the backward is two column sums and the
+same two GEMMs (``cupykern::mm``), from the kept z on CUDA. Elsewhere (CPU training,
+double backward) the backward is written in PyTorch ops and recomputes the GEMM.
 """
 from __future__ import annotations
 
@@ -78,13 +78,18 @@ def _setup_context(ctx, inputs, output):
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in (x, weight, bias, scale, gamma, beta))
-    stats = output[1:] if save else (None, None) if training else (rmean, rvar)
+    if training:
+        stats = output[1:] if save else (None, None)
+    else:
+        stats = (output[1] if save else None, rmean, rvar)
     ctx.save_for_backward(x, weight, bias, scale, gamma, *stats)
 
 
 def _backward(ctx, g, *_):
     x, weight, bias, scale, gamma, *stats = ctx.saved_tensors
     want = ctx.wants
+    if not ctx.training and not torch.is_grad_enabled():
+        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, *stats)
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
         dx, dw, ds, dgamma, dbeta = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps,
                                                 ctx.precision, want[0])
@@ -92,42 +97,38 @@ def _backward(ctx, g, *_):
         grads = (dx if want[0] else None, dw if want[1] else None, db,
                  ds if want[3] else None, dgamma if want[4] else None, dbeta if want[5] else None)
         return grads + (None,) * 8
-    if not ctx.training and not torch.is_grad_enabled():
-        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, *stats)
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
 
 
-def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
-    """Eval-mode gradients without the forward's GEMM. BatchNorm is then a per-column
-    affine map, out = c (s (z + b) - rm) + beta with c = gamma / sqrt(rv + eps) and
-    z = x @ W.T. With S1 = sum_m g and G = g^T @ x, whose row-wise dot with W is
-    S2 = sum_m g z: dz = c s g, dx = dz @ W, dW = c s G, d bias = c s S1,
-    d scale = c (S2 + b S1), d gamma = (s (S2 + b S1) - rm S1) / sqrt(rv + eps),
-    d beta = S1. dx and G run on our GEMM at the forward's precision; the rest is
-    one pass over g and one over W."""
+def _grad_eval(ctx, g, x, weight, bias, scale, gamma, z, rmean, rvar):
+    """Eval-mode gradients from z = x @ W.T (kept by the forward on CUDA, recomputed on
+    the CPU). BatchNorm is then a per-column affine map, out = c (s (z + b) - rm) + beta
+    with c = gamma / sqrt(rv + eps), so with S1 = sum_m g and S2 = sum_m g z:
+    dz = c s g, dx = dz @ W, dW = dz^T @ x (our GEMM at the forward's precision),
+    d bias = c s S1, d scale = c (S2 + b S1), d gamma = (s (S2 + b S1) - rm S1) /
+    sqrt(rv + eps), d beta = S1."""
     want, dt, acc = ctx.wants, x.dtype, _acc(x)
+    if z is None:
+        z = F.linear(x, weight)
     inv = torch.rsqrt(rvar.to(acc) + ctx.eps)
     c = inv if gamma is None else inv * gamma.to(acc)
     s = scale.to(acc)
-    cs = c * s
     ga = g.to(acc)
     s1 = ga.sum(0)
-    dx = mm_op((ga * cs).to(dt), weight, ctx.precision) if want[0] else None
-    dw = s2b = None
-    if want[1] or want[3] or want[4]:
-        gx = mm_op(g.t(), x, ctx.precision)  # (N, K): G
-        s2b = (weight.to(acc) * gx.to(acc)).sum(1)  # S2, then + b S1
-        if bias is not None:
-            s2b = s2b + bias.to(acc) * s1
-        dw = (cs[:, None] * gx.to(acc)).to(dt) if want[1] else None
-    grads = (dx, dw, cs * s1 if want[2] else None, c * s2b if want[3] else None,
+    s2b = (ga * z.to(acc)).sum(0)
+    if bias is not None:
+        s2b = s2b + bias.to(acc) * s1
+    dz = (ga * (c * s)).to(dt)
+    grads = (mm_op(dz, weight, ctx.precision) if want[0] else None,
+             mm_op(dz.t(), x, ctx.precision) if want[1] else None,
+             c * s * s1 if want[2] else None, c * s2b if want[3] else None,
              inv * (s * s2b - rmean.to(acc) * s1) if want[4] else None, s1 if want[5] else None)
     return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 8
 
 
 def _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats):
     """The gradients in PyTorch ops (recomputing the GEMM), differentiable."""
-    rmean, rvar = stats if not ctx.training else (None, None)
+    rmean, rvar = stats[-2:] if not ctx.training else (None, None)
     dt = x.dtype
     acc = torch.float64 if dt == torch.float64 else torch.float32
     up = lambda t: None if t is None else t.to(acc)  # noqa: E731
@@ -206,7 +207,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
     prec = resolve_precision(precision)
     # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
-    save = (training and isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()
+    save = (isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
             and any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in (x, weight, bias, scale, bn_weight, bn_bias)))
