@@ -172,8 +172,8 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
     # BatchNorm, holds rounding noise of that size), as the training tests judge them.
     big = [b.abs().max().item() for b in grads[ref]]
     scale = big[:1] + [max(big[1:], default=0.0)] * (len(big) - 1)
-    rel = max((a - b).abs().max().item() / max(m, 1e-30)
-              for a, b, m in zip(grads[new], grads[ref], scale))
+    rel = torch.tensor([(a - b).abs().max().item() / max(m, 1e-30)  # (max() would drop a nan)
+                        for a, b, m in zip(grads[new], grads[ref], scale)]).max().item()
     del grads
     row = {"grad_rel_err": rel, "grad_correct": rel <= atol}
     for key, m in (("train_ms", new), ("train_eager_ms", ref), ("train_compile_ms", compiled)):

@@ -146,7 +146,7 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
                               running_var, num_batches_tracked, training, momentum, eps,
                               precision, save=False):
     """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
-    layer) torch CUDA tensors. With ``save`` (GPU, N > 0) it returns ``(out, z, coefs)``:
+    layer) torch CUDA tensors. With ``save`` (GPU, B > 0, N > 0) it returns ``(out, z, coefs)``:
     also z = x @ W.T and (4, N) accumulation-type rows: in training mode (ca, cm, cb, inv),
     which :func:`backward_train` takes; in eval mode (ca, 0, cb, inv), out being
     ca * z + cb and inv 1 / sqrt(running_var + eps)."""
@@ -161,8 +161,8 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
             return run(*arrays)
     xo, wo, vec, nbt, momentum, eps, prec = check(*arrays, *options[:4])
     M, N = xo.shape[0], wo.shape[0]
-    if save and (xo.kind == "cpu" or N == 0):
-        raise ValueError("save: needs GPU arrays and out_features > 0")
+    if save and (xo.kind == "cpu" or M == 0 or N == 0):
+        raise ValueError("save: needs GPU arrays, a non-empty batch and out_features > 0")
     if xo.kind == "cpu":
         return reference(*arrays, training, momentum, eps)
     if M == 0 or N == 0:

@@ -197,15 +197,16 @@ def run_linear():
             x, w, b = (dev(randn(*s, seed=i), dtype, "cupy") for i, s in enumerate(((m, k), (n, k), (n,))))
             check_linear(f"linear cupy {NAME[dtype]} {m}x{n}x{k}", cupykern.linear(x, w, b), x, w, b, tol(dtype))
     # mm with transposed operands read in place (M, N < 128 against K > 128: too small to
-    # be worth a copy), every layout pair, several stages' refills.
-    for dtype in DTYPES:
+    # be worth a copy) and copied (M, N = 200, 150), every layout pair, several stages'
+    # refills.
+    for dtype, (m, n) in ((d, s) for d in DTYPES for s in ((100, 120), (200, 150))):
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
-            a, b = dev(randn(100, 300, seed=8), dtype), dev(randn(300, 120, seed=9), dtype)
+            a, b = dev(randn(m, 300, seed=8), dtype), dev(randn(300, n, seed=9), dtype)
             for ta in (False, True):
                 for tb in (False, True):
                     av = a.t().contiguous().t() if ta else a
                     bv = b.t().contiguous().t() if tb else b
-                    check_linear(f"mm {NAME[dtype]} {prec} transposed a={ta} b={tb}",
+                    check_linear(f"mm {NAME[dtype]} {prec} {m}x{n} transposed a={ta} b={tb}",
                                  torch.ops.cupykern.mm(av, bv, prec), a, b.t(), None, tol(dtype, prec))
 
 
@@ -296,17 +297,19 @@ def run_gemm_scale_batchnorm():
                 check(f"{name} running_var", mod.bn.running_var, ref.bn.running_var, 1e-4)
         if mod.bn.num_batches_tracked.item() != 1:
             _failures.append("GemmScaleBatchNorm: num_batches_tracked not incremented")
-    # The fused training backward (column sums, dz, dx and dW GEMMs) against float64 autograd.
-    for m, k, n in ((130, 200, 136), (37, 50, 23)):
+    # The fused backward in both modes (column sums, dz, dx and dW GEMMs) against float64
+    # autograd.
+    for (m, k, n), training in zip(((130, 200, 136), (37, 50, 23)) * 2, (True, True, False, False)):
         torch.manual_seed(1)
-        mod = GemmScaleBatchNorm(k, n, (n,)).cuda()
+        mod = GemmScaleBatchNorm(k, n, (n,)).cuda().train(training)
+        mod.bn.running_var.uniform_(0.5, 1.5)
         ref = copy.deepcopy(mod).cpu().double()
         x, g = dev(randn(m, k, seed=5), torch.float32), dev(randn(m, n, seed=6), torch.float32)
         xr = host(x).requires_grad_()
         x.requires_grad_()
         mod(x).backward(g)
         ref(xr).backward(host(g))
-        name = f"GemmScaleBatchNorm backward {m}x{k}->{n}"
+        name = f"GemmScaleBatchNorm backward {m}x{k}->{n} training={training}"
         check(f"{name} x", x.grad, xr.grad, 1e-4)
         for (pname, p), (_, pr) in zip(mod.named_parameters(), ref.named_parameters()):
             # (gemm.bias: exactly 0 in training mode; the reference holds rounding noise)

@@ -206,6 +206,7 @@ def test_mm_strided_views_and_copies():
     big = torch.randn(200, 200, device="cuda")
     _check_mm(big[3:73, 5:95], bt.t(), "highest", 1e-6)        # row stride 200, offset
     _check_mm(big.t()[7:77, 2:92], bt.t(), "highest", 1e-6)    # column stride 200
+    _check_mm(big.t()[7:77, 2:92], big[:90, 10:160], "highest", 1e-6)  # the same, copied (N 150)
     _check_mm(a, big[1:91, 9:59], "highest", 1e-6)
     _check_mm(big[::2, ::2][:70, :90], bt.t(), "highest", 1e-6)  # neither: copied
     _check_mm(a, big[::2, ::3][:90, :50], "highest", 1e-6)

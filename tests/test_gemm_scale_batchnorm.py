@@ -262,6 +262,10 @@ def test_eval_backward_matches_autograd():
         for o, want in zip(ours, grads):
             if want is not None:
                 torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+        if affine:  # double backward: the differentiable PyTorch-ops form
+            assert torch.autograd.gradgradcheck(
+                lambda *a: cupykern.gemm_scale_batchnorm(*a, rm, rv, training=False),
+                [t.clone().requires_grad_() for t in (x, w, b, s, gamma, beta)])
 
 
 @pytest.mark.gpu
@@ -290,6 +294,19 @@ def test_fused_backward_matches_float64(shape, precision, bound, training):
 
 
 @pytest.mark.gpu
+def test_eval_empty_batch_with_grad():
+    """An empty batch in eval mode with gradients on: nothing kept, empty and zero grads."""
+    _, new = _pair(16, 8)
+    new = new.cuda().eval()
+    x = torch.randn(0, 16, device="cuda", requires_grad=True)
+    out = new(x)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert x.grad.shape == (0, 16)
+    assert new.gemm.weight.grad.shape == (8, 16) and not new.gemm.weight.grad.any()
+
+
+@pytest.mark.gpu
 def test_fused_backward_gradcheck_float64_on_gpu():
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).cuda().requires_grad_()  # noqa: E731
@@ -298,6 +315,7 @@ def test_fused_backward_gradcheck_float64_on_gpu():
     assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm.clone(), rv.clone()), args)
     rm, rv = rm + 0.3, rv + 0.5
     assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm, rv, training=False), args)
+    assert torch.autograd.gradgradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a, rm, rv, training=False), args)
     assert torch.autograd.gradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
     assert torch.autograd.gradgradcheck(lambda *a: cupykern.gemm_scale_batchnorm(*a), args)
 

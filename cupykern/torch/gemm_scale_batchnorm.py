@@ -207,7 +207,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
     prec = resolve_precision(precision)
     # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
-    save = (isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()
+    save = (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] > 0
+            and torch.is_grad_enabled()
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
             and any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in (x, weight, bias, scale, bn_weight, bn_bias)))
