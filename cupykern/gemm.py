@@ -257,7 +257,7 @@ def matrix(o, work: int):
     if o.ndim != 2:
         return rows_2d(o, o.name)
     lay = layout(o)
-    if lay is not None and lay[0] and work >= _COPY_WORK * o.size and o.size:
+    if lay is not None and lay[0] and work >= _COPY_WORK * o.size:
         return _transposed_copy(o, lay[1])
     if lay is None:
         return operand(contiguous(o), o.name)
