@@ -4,7 +4,7 @@ Precision of float32 inputs follows PyTorch's names:
 
 * ``"highest"``: fp32-accurate 3xTF32 (each operand split into a TF32 part and a
   remainder; three tensor-core products) with the tensor-core sum promoted into an
-  fp32 register accumulator every 32 of K, which is as accurate as SGEMM.
+  fp32 register accumulator every 32 of K: about as accurate as SGEMM (README: Limitations).
 * ``"high"``: TF32 tensor cores.
 * ``"medium"``: operands rounded to bf16, fp32 accumulation; on Hopper with aligned
   rows, TF32 instead, which is faster there and more accurate (PyTorch's "medium"
