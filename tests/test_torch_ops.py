@@ -324,19 +324,24 @@ def test_linear_follows_autocast(device, dtype):
     assert x.grad is not None and w.grad is not None and w.grad.dtype == torch.float32
 
 
-@gpu
-@pytest.mark.xfail(strict=True, reason="known defect (torch 2.11, H100): once a compiled "
-                   "cupykern.linear has run in one CUDA autocast dtype, compiled calls in "
-                   "another return the first dtype, even after torch._dynamo.reset(); "
-                   "compiled F.linear does not")
-def test_compiled_linear_recompiles_for_another_autocast_dtype():
-    torch._dynamo.reset()
-    x, w = torch.randn(8, 16, device="cuda"), torch.randn(4, 16, device="cuda")
-    fn = torch.compile(lambda a, b: cupykern.linear(a, b), fullgraph=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert fn(x, w).dtype == torch.bfloat16
-    with torch.autocast("cuda", dtype=torch.float16):
-        assert fn(x, w).dtype == torch.float16
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_linear_follows_each_autocast_dtype(device):
+    """Compiled calls in one autocast dtype after another, compiled afresh or not, return
+    each region's dtype. (Inductor's compiled-graph cache keys on the traced graph only:
+    the casts must be in it, or a fresh compile in float16 reused the bfloat16 graph.)"""
+    cupykern.linear(torch.randn(2, 3, device=device), torch.randn(2, 3, device=device))
+    x, w = torch.randn(8, 16, device=device), torch.randn(4, 16, device=device)
+    for fresh in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b: cupykern.linear(a, b), fullgraph=True)
+        for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+            if fresh:
+                torch._dynamo.reset()
+            with torch.autocast(device, dtype=dtype):
+                got = fn(x, w)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, w),
+                                           atol=5e-2, rtol=5e-2)
 
 
 @gpu

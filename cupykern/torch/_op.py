@@ -81,18 +81,25 @@ def _autocast_key(device_type: str) -> str:
     return "Autocast" + torch._C._dispatch_key_for_device(device_type)
 
 
-def _autocast_kernel(op, device_type, policy):
+def _autocast_args(args, device_type, policy):
     """The op's autocast rule: in an autocast region of ``device_type``, floating tensors
     on that device other than float64 are cast to ``policy(device_type, *args)`` (None:
-    left as they are), then the op runs with autocast off, as PyTorch's own ops do."""
+    left as they are)."""
+    dtype = policy(device_type, *args)
+    if dtype is None:
+        return args
+    return [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and a.dtype != torch.float64 and a.device.type == device_type else a
+            for a in args]
+
+
+def _autocast_kernel(op, device_type, policy):
+    """The op's Autocast kernel: :func:`_autocast_args`, then the op with autocast off, as
+    PyTorch's own ops do."""
     key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _autocast_key(device_type)))
 
     def kernel(keyset, *args):
-        dtype = policy(device_type, *args)
-        if dtype is not None:
-            args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    and a.dtype != torch.float64 and a.device.type == device_type else a
-                    for a in args]
+        args = _autocast_args(args, device_type, policy)
         with torch._C._ExcludeDispatchKeyGuard(key):
             return op(*args)
 
@@ -124,7 +131,7 @@ class Op:
         _LIB.impl(self.name, impl, "CPU")
         _LIB.impl(self.name, impl, "CUDA")
         torch.library.register_fake(qualname, fake, lib=_LIB)
-        self.impl = impl
+        self.impl, self.autocast = impl, autocast
         self.op = getattr(getattr(torch.ops, NAMESPACE), self.name).default
         if autocast is not None:
             for device_type in ("cpu", "cuda"):
@@ -153,5 +160,11 @@ class Op:
             raise ValueError(f"cupykern.{self.name}: has no backward, and an input requires "
                              "grad; call it under torch.no_grad() or on detached tensors")
         if not direct:
+            if self.autocast is not None and torch.compiler.is_compiling():
+                # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
+                # graph, not on the autocast dtype (the Autocast kernel then casts nothing).
+                for device_type in ("cpu", "cuda"):
+                    if torch.is_autocast_enabled(device_type):
+                        args = _autocast_args(args, device_type, self.autocast)
             return self.op(*args)
         return self.function.apply_eager(*args) if grad else self.impl(*args)
