@@ -2,9 +2,10 @@
 
 Precision of float32 inputs follows PyTorch's names:
 
-* ``"highest"``: fp32-accurate 3xTF32 (each operand split into a TF32 part and a
+* ``"highest"``: 3xTF32 (each operand split into a TF32 part and a
   remainder; three tensor-core products) with the tensor-core sum promoted into an
-  fp32 register accumulator every 32 of K: about as accurate as SGEMM (README: Limitations).
+  fp32 register accumulator every 32 of K: about as accurate as SGEMM (README: Known
+  limitations).
 * ``"high"``: TF32 tensor cores.
 * ``"medium"``: operands rounded to bf16, fp32 accumulation; on Hopper with aligned
   rows, TF32 instead, which is faster there and more accurate (PyTorch's "medium"
@@ -294,7 +295,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
             bfloat16, float32 or float64.
         weight: (N, K), same kind, device and dtype as x.
         bias: optional (N,), same dtype.
-        precision: for float32, "highest" (fp32-accurate 3xTF32), "high" (TF32) or
+        precision: for float32, "highest" (3xTF32, about SGEMM's accuracy), "high" (TF32) or
             "medium" (bf16). ``None``: torch inputs follow
             ``torch.get_float32_matmul_precision()``, CuPy/NumPy use "highest".
             Ignored for other dtypes.

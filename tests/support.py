@@ -33,7 +33,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # normalize, sum_k |x_k w_k| + |b| for matmuls): a few roundings of the dtype. float32
 # allows for sums of ~16k terms (NumPy adds strided reductions one by one: ~1e-5 at 1k).
 TOL = {torch.float64: 1e-12, torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-# float32 matmuls by precision: "highest" is 3xTF32 (as accurate as SGEMM); "high" is TF32
+# float32 matmuls by precision: "highest" is 3xTF32 (about SGEMM's accuracy); "high" is TF32
 # (10 mantissa bits, truncated: up to 2**-10 per operand); "medium" bf16 operands (or TF32).
 MATMUL_TOL = {"highest": 1e-5, "high": 4e-3, "medium": 1.6e-2}
 # Absolute floor. float32 and bfloat16 (computed in float32) may be flushed to zero below

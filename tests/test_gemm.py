@@ -73,9 +73,10 @@ def test_highest_matches_sgemm(shape):
 @pytest.mark.parametrize("aligned", [True, False], ids=["wgmma-rows", "unaligned-rows"])
 def test_highest_same_sign_drift(k, aligned):
     """Same-sign data (x, w, b uniform in [0, 1)): the tensor core truncates its running
-    sum toward zero, so 3xTF32 drifts one way there. Measured on H100 (4 seeds): max
-    |error| 1.7x SGEMM's on aligned rows (wgmma) and 1.4x on unaligned ones (mma.sync);
-    2.4x and 1.9x before the fixes (kernels_cu/gemm.cu), so these bounds guard them."""
+    sum toward zero, so 3xTF32 drifts one way there. Measured on H100 and H200 (4 seeds):
+    aligned rows (wgmma) max |error| 1.4-1.7x SGEMM's, mean error (bias) 1.6e-7 of the
+    result; unaligned rows (mma.sync) 1.1-1.4x, bias 1e-8. Before the fixes
+    (kernels_cu/gemm.cu): 2.2-2.4x / 4.9e-7 and 1.6-1.9x / 2e-7, which these bounds fail."""
     worst, bias = 0.0, 0.0
     for seed in range(4):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -89,8 +90,8 @@ def test_highest_same_sign_drift(k, aligned):
         sgemm = torch.nn.functional.linear(x, w, b).double()  # TF32 off by default
         worst = max(worst, (out - ref).abs().max().item() / (sgemm - ref).abs().max().item())
         bias = max(bias, abs((out - ref).mean().item()) / ref.abs().max().item())
-    assert worst <= 2.0, worst
-    assert bias <= 2.5e-7, bias  # interleaved products (before): 4.9e-7
+    assert worst <= (2.0 if aligned else 1.5), worst
+    assert bias <= (2.5e-7 if aligned else 5e-8), bias
 
 
 @pytest.mark.gpu

@@ -304,8 +304,8 @@ CUDA_AUTOCAST = [torch.bfloat16, torch.float16]
     pytest.param("cuda", d, marks=gpu) for d in CUDA_AUTOCAST])
 def test_linear_follows_autocast(device, dtype):
     """In an autocast region ``linear`` computes in the region's dtype, as F.linear does
-    (float64 untouched), and keeps autograd; compiled too on the CPU (CUDA: see the known
-    defect below)."""
+    (float64 untouched), and keeps autograd; compiled too on the CPU (compiled on CUDA:
+    the test below)."""
     x = torch.randn(33, 40, device=device, requires_grad=True)
     w = torch.randn(24, 40, device=device, requires_grad=True)
     b = torch.randn(24, device=device)
@@ -331,17 +331,19 @@ def test_compiled_linear_follows_each_autocast_dtype(device):
     the casts must be in it, or a fresh compile in float16 reused the bfloat16 graph.)"""
     cupykern.linear(torch.randn(2, 3, device=device), torch.randn(2, 3, device=device))
     x, w = torch.randn(8, 16, device=device), torch.randn(4, 16, device=device)
-    for fresh in (False, True):
-        torch._dynamo.reset()
-        fn = torch.compile(lambda a, b: cupykern.linear(a, b), fullgraph=True)
-        for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
-            if fresh:
-                torch._dynamo.reset()
-            with torch.autocast(device, dtype=dtype):
-                got = fn(x, w)
-                assert got.dtype == dtype
-                torch.testing.assert_close(got, torch.nn.functional.linear(x, w),
-                                           atol=5e-2, rtol=5e-2)
+    with (torch._inductor.config.patch(fx_graph_cache=True),  # where the defect was
+          torch._functorch.config.patch(enable_autograd_cache=True)):
+        for fresh in (False, True):
+            torch._dynamo.reset()
+            fn = torch.compile(lambda a, b: cupykern.linear(a, b), fullgraph=True)
+            for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+                if fresh:
+                    torch._dynamo.reset()
+                with torch.autocast(device, dtype=dtype):
+                    got = fn(x, w)
+                    assert got.dtype == dtype
+                    torch.testing.assert_close(got, torch.nn.functional.linear(x, w),
+                                               atol=5e-2, rtol=5e-2)
 
 
 @gpu
