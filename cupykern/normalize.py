@@ -219,12 +219,26 @@ def _rows(a, ax):
     return row_stride(a.shape, a.strides) if ax == a.ndim - 1 else None
 
 
+def _row_vectors(ncols: int, dtype: str) -> int:
+    """16-byte vectors a row of ``ncols`` holds (the rest are head/tail scalars)."""
+    return ncols // (16 // ITEMSIZE[dtype])
+
+
 def _pick_config(ncols: int, dtype: str, cc: int):
-    nvec = ncols // (16 // ITEMSIZE[dtype])
+    nvec = _row_vectors(ncols, dtype)
     for cfg in CONFIGS[ITEMSIZE[dtype]]:
         if (cfg[0] == 1 or cc >= 90) and cfg[0] * cfg[1] * cfg[2] >= nvec:
             return cfg
     return None
+
+
+def _check_capacity(cfg, ncols: int, dtype: str) -> None:
+    """ValueError unless a cluster of ``cfg`` holds a whole row (only a given config can
+    be short: :func:`_pick_config` picks one that holds it)."""
+    held = cfg[0] * cfg[1] * cfg[2]
+    if held < _row_vectors(ncols, dtype):
+        raise ValueError(f"config: {cfg} holds {held} 16-byte vectors per row, fewer than "
+                         f"a row of {ncols} {dtype} needs")
 
 
 def _plan(src, xs, ys, p, config=None):
@@ -234,10 +248,8 @@ def _plan(src, xs, ys, p, config=None):
     dt, dev = src.dtype, src.device
     cfg = config or _pick_config(ncols, dt, _loader.device_cc(dev))
     if cfg is not None:
-        c, t, v = cfg[:3]
-        if c * t * v < ncols // (16 // ITEMSIZE[dt]):
-            raise ValueError(f"config: {cfg} holds {c * t * v} 16-byte vectors per row, "
-                             f"fewer than a row of {ncols} {dt} needs")
+        _check_capacity(cfg, ncols, dt)
+        c, t = cfg[:2]
         fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev)
         per = cfg[4] if len(cfg) > 4 else _ROWS_PER_CLUSTER  # small row counts: one per cluster
         nclusters = min(nrows, max(cdiv(nrows, per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
@@ -293,9 +305,7 @@ def _backward_fresh(x, dy, p, axis, config):
     cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
     if cfg is None:
         return None
-    if cfg[0] * cfg[1] * cfg[2] < ncols // (16 // isz):  # (only a given config can be short)
-        raise ValueError(f"config: {cfg} holds {cfg[0] * cfg[1] * cfg[2]} 16-byte vectors per "
-                         f"row, fewer than a row of {ncols} {a.dtype} needs")
+    _check_capacity(cfg, ncols, a.dtype)
     c, t = cfg[:2]
     fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)
     nrows = a.size // ncols

@@ -329,3 +329,17 @@ def test_backward_layouts_outside_the_kernel_match(kind):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     xr = x.detach().requires_grad_()
     assert torch.autograd.gradgradcheck(FUNCS[kind], (x[:3, :20].clone().requires_grad_(),))
+
+
+@pytest.mark.gpu
+def test_given_config_too_small_for_the_row():
+    """A forced configuration whose cluster holds fewer 16-byte vectors than a row is a
+    ValueError naming it, in the forward and in the fused backward alike."""
+    core = __import__("sys").modules["cupykern.normalize"]
+    x = torch.randn(4, 4096, device="cuda")  # 1024 vectors; (1, 128, 4) holds 512
+    small = (1, 128, 4)
+    assert small in core.CONFIGS[4]
+    with pytest.raises(ValueError, match=r"config: \(1, 128, 4\) holds 512 16-byte vectors"):
+        cupykern.l2_normalize(x, config=small)
+    with pytest.raises(ValueError, match=r"config: \(1, 128, 4\) holds 512 16-byte vectors"):
+        core.normalize_backward(x, torch.randn_like(x), 2, 1, config=small)
