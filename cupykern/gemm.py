@@ -21,6 +21,8 @@ every precision, but without tensor cores.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import _loader
@@ -49,7 +51,14 @@ for _m, _bn in ((0, 128), (1, 256)):
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
-MIN_TILE_M = min(_MMA["BM"], _SIMPLE["TILE"])  # the partial-statistics row tiles (GSBN)
+# Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
+# K chunks of at least MIN_K elements, a multiple of ALIGN (every kernel's K slice), when
+# it would fill at most a quarter of the SMs; splitk_reduce adds the slabs in blocks of
+# 32 columns by THREADS / 32 groups of ROWS rows (its M tile for the partial statistics:
+# BM rows). Measured on H100 (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with
+# 8 rows per thread, 14.2 with 4; 16-row tiles of statistics made GSBN's merge longer.
+_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 64, "THREADS": 256, "ROWS": 4}
+_SPLIT["BM"] = _SPLIT["THREADS"] // 32 * _SPLIT["ROWS"]
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
@@ -78,6 +87,10 @@ def _transpose_expr(dtype: str) -> str:
     return f"transpose_copy<{CTYPE[dtype]}, {_TRANSPOSE['TILE']}, {_TRANSPOSE['THREADS']}>"
 
 
+def _reduce_expr(dtype: str) -> str:
+    return f"splitk_reduce<{CTYPE[dtype]}, {_SPLIT['THREADS']}, {_SPLIT['ROWS']}>"
+
+
 # mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
 # sm_90a only.
 # Operand layouts (A, B transposed): the forward's NT, and the backward's dx = dy @ W (B
@@ -94,6 +107,7 @@ _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16",
 _loader.register(_FILE, [_wgmma_expr(m, ta, tb) for m in _WGMMA for ta, tb in _TRANSPOSES],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
+_loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
 
 
 def check_precision(precision) -> str:
@@ -159,11 +173,26 @@ def layout(o):
     return None
 
 
-def gemm_kernel(a, b, precision: str):
-    """``(fn, grid, block, shared_mem, bm)`` of the GEMM for ``a @ b.T`` (2-D Operands
-    that :func:`layout` reads in place): it depends on the dtype, the sizes, the layouts,
-    the K-contiguous rows' 16-byte alignment and the device. ``bm`` is the M-tile height
-    of the partial statistics (GSBN)."""
+class Gemm(NamedTuple):
+    """How :func:`gemm_kernel` computes ``a @ b.T``: the GEMM kernel and its launch
+    geometry; ``splits`` K chunks of ``kchunk`` (1 and K: no split), whose slabs
+    ``reduce`` adds from a ``workspace`` of that many elements (of the dtype); ``bm`` the
+    M-tile height of the partial statistics (GSBN)."""
+    fn: object
+    grid: tuple
+    block: tuple
+    smem: int
+    bm: int
+    splits: int
+    kchunk: int
+    reduce: object
+    workspace: int
+
+
+def gemm_kernel(a, b, precision: str) -> Gemm:
+    """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
+    place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
+    16-byte alignment and the device."""
     M, K = a.shape
     N = b.shape[0]
     dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
@@ -172,7 +201,7 @@ def gemm_kernel(a, b, precision: str):
     if dt == "float64" or cc < 80:
         ts = _SIMPLE["TILE"]
         fn = _loader.function(_FILE, _simple_expr(dt, ta, tb), dev)
-        return fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts
+        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts, a, b)
     mode = _MODE[precision] if dt == "float32" else _HALF
     # 16-byte K-contiguous rows (a transposed operand is copied 4 bytes at a time)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
@@ -185,18 +214,47 @@ def gemm_kernel(a, b, precision: str):
         cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
-    return fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"]
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b)
 
 
-def gemm_call(kernel, a, b, ldc: int):
-    """``call(a_ptr, b_ptr, c_ptr, bias_ptr, alpha, beta, part)``: the launch tuple of
-    :func:`gemm_kernel`'s ``kernel`` for these sizes (pointers 0 for none)."""
-    fn, grid, block, smem, _ = kernel
+def _split(fn, grid, block, smem, bm, a, b) -> Gemm:
+    """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K where the grid fills
+    at most a quarter of the SMs and the dtype is float32 / float64 (_SPLIT)."""
+    (M, K), N, dt = a.shape, b.shape[0], a.dtype
+    tiles, sms = int(np.prod(grid)), _loader.sm_count(a.device)
+    splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
+    if dt not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
+        return Gemm(fn, grid, block, smem, bm, 1, K, None, 0)
+    kchunk = cdiv(cdiv(K, splits), _SPLIT["ALIGN"]) * _SPLIT["ALIGN"]
+    splits = cdiv(K, kchunk)
+    reduce = _loader.function(_FILE, _reduce_expr(dt), a.device)
+    grid = (*grid, 1)[:2] + (splits,)  # block z takes K chunk z
+    return Gemm(fn, grid, block, smem, _SPLIT["BM"], splits, kchunk, reduce, splits * M * N)
+
+
+def gemm_call(kernel: Gemm, a, b, ldc: int):
+    """``call(a_ptr, b_ptr, c_ptr, bias, alpha, beta, part, ws) -> launches``: the launch
+    tuples of ``kernel`` (:func:`gemm_kernel`) for these sizes (pointers 0 for none;
+    ``ws`` a workspace of ``kernel.workspace`` elements, 0 without a split)."""
     M, K = a.shape
-    sizes = (scalar(M, "int"), scalar(b.shape[0], "int"), scalar(K, "int"),
-             layout(a)[1], layout(b)[1], ldc)
-    return lambda ap, bp, cp, bias, alpha, beta, part: (
-        fn, grid, block, (ap, bp, cp) + sizes + (bias, alpha, beta, part), smem)
+    N = b.shape[0]
+    m_, n_ = scalar(M, "int"), scalar(N, "int")
+    sizes = (m_, n_, scalar(K, "int"), scalar(kernel.kchunk, "int"), layout(a)[1], layout(b)[1])
+    gemm_ = (kernel.fn, kernel.grid, kernel.block)
+    if kernel.splits == 1:
+        return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
+            (*gemm_, (ap, bp, cp) + sizes + (ldc, bias, alpha, beta, part), kernel.smem),)
+    reduce_ = (kernel.reduce, (cdiv(N, 32), cdiv(M, _SPLIT["BM"])), (_SPLIT["THREADS"],))
+    s_ = scalar(kernel.splits, "int")
+    return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
+        (*gemm_, (ap, bp, ws) + sizes + (N, 0, 0, 0, 0), kernel.smem),
+        (*reduce_, (ws, s_, m_, n_, cp, ldc, bias, alpha, beta, part), 0))
+
+
+def workspace(place, kernel: Gemm):
+    """A fresh workspace for ``kernel``'s split K (None without a split): held by the
+    caller until the launch is queued."""
+    return empty(place, (kernel.workspace,)) if kernel.workspace else None
 
 
 def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
@@ -206,8 +264,10 @@ def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part
     Returns the M-tile height of ``part``'s partial statistics."""
     kernel = gemm_kernel(a, b, precision)
     call = gemm_call(kernel, a, b, c.strides[0])
-    launch_all(a, (call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, alpha, beta, part),))
-    return kernel[4]
+    ws = workspace(a, kernel)
+    launch_all(a, call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, alpha, beta, part,
+                       data_ptr(ws) if ws is not None else 0))
+    return kernel.bm
 
 
 def mm(a, b, precision=None):
@@ -371,12 +431,12 @@ def _fresh(x, weight, bias, precision):
     a, b = matrix(xo, work), matrix(wo, work)
     if a.obj is not x or b.obj is not weight:  # copied: the general path copies each call
         return None
-    call, place = gemm_call(gemm_kernel(a, b, prec), a, b, shape[-1]), Place(xo)
-    ptr = place.ptr
+    kernel, place = gemm_kernel(a, b, prec), Place(xo)
+    call, ptr = gemm_call(kernel, a, b, shape[-1]), place.ptr
 
     def run(x, weight, bias):
-        out = empty(place, shape)
-        launch_all(place, (call(ptr(x), ptr(weight), ptr(out), ptr(bias), 0, 0, 0),))
+        out, ws = empty(place, shape), workspace(place, kernel)
+        launch_all(place, call(ptr(x), ptr(weight), ptr(out), ptr(bias), 0, 0, 0, ptr(ws)))
         return out
 
     return run

@@ -24,7 +24,8 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached, data_ptr, empty, is_torch, 
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
-from .gemm import MIN_TILE_M, PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel
+from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
+                   workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -206,30 +207,32 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         apply_ = _apply_call(place, M, N)
 
         def run_eval(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
-            out = empty(place, (M, N))
+            out, ws = empty(place, (M, N)), workspace(place, kernel)  # held to the launch
             coefs = empty(place, (4 if save else 2, N), acc)  # (ca, cm, cb, inv) or (ca, cb)
-            c0 = ptr(coefs)
+            c0, wp = ptr(coefs), ptr(ws)
             coef_args = (n_, ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), eps_)
             if not save:
                 launch_all(place, (
                     (coef, *coef_launch, coef_args + (c0, 0, c0 + step, 0), 0),
-                    gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0)))
+                    *gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0, wp)))
                 return out
             z = empty(place, (M, N))
             zp, cb = ptr(z), c0 + 2 * step
             launch_all(place, (
                 (coef, *coef_launch, coef_args + (c0, c0 + step, cb, cb + step), 0),
-                gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, 0),
+                *gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, 0, wp),
                 apply_(zp, ptr(out), c0, c0 + step, cb, 0)))
             return out, z, coefs
 
         return run_eval
 
     # One scratch buffer: the coefficients (3, N) (with ``save``: (4, N), ending with
-    # inv, a separate array kept for the backward), then the GEMM's partial statistics
-    # (PART_ROWS * mtiles, N), sized for the smallest M tile of any GEMM kernel.
-    scratch = (3 + PART_ROWS * cdiv(M, MIN_TILE_M)) * N
-    bm = kernel[4]
+    # inv, a separate array kept for the backward), the GEMM's partial statistics
+    # (PART_ROWS * mtiles, N), then its split-K workspace (if any).
+    bm = kernel.bm
+    part_end = (3 + PART_ROWS * cdiv(M, bm)) * N
+    scratch = part_end + kernel.workspace
+    ws_off = part_end * ITEMSIZE[acc] if kernel.workspace else 0  # (split K: acc is the dtype)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
     sizes = tuple(scalar(v, "int") for v in (cdiv(M, bm), bm, M, N))
     factor = scalar(momentum if momentum is not None else -1.0, "double")  # -1: cumulative
@@ -243,7 +246,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         c0, b0, zp = ptr(coefs), ptr(buf), ptr(z)
         part, n = b0 + 3 * step, ptr(nbt)
         launch_all(place, (
-            gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part),
+            *gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, b0 + ws_off if ws_off else 0),
             (coef, *coef_launch, (part, *sizes, ptr(bias), ptr(scale), ptr(gamma),
                                   ptr(beta), ptr(rmean), ptr(rvar), n, factor, eps_, c0,
                                   c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0), 0),

@@ -16,7 +16,14 @@
 //   MODE 3  native float16 / bfloat16 inputs.
 // gemm_simple: CUDA-core kernel for float64, and for every dtype below sm_80 (no mma.sync).
 //
-// Epilogue (both kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
+// Split K (every kernel): block z of a grid with gridDim.z > 1 multiplies the K chunk
+// [z*kchunk, (z+1)*kchunk) and stores its raw sum to slab z of c, an M x ldc workspace
+// of T per slab; splitk_reduce then adds the slabs in slab order (deterministic) and
+// applies the epilogue and the statistics. Small grids thus fill the GPU (128x1024 @
+// 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of every kernel's K slice, which
+// keeps the slices' alignment. Without a split, gridDim.z == 1 and kchunk >= K.
+//
+// Epilogue (all kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
 // M tile mt and every column n, the (mean, M2, min, max) over the tile's valid rows of the
 // values as stored in C (rounded to T, so that they agree with what BatchNorm then
@@ -85,6 +92,69 @@ __device__ __forceinline__ A epilogue(A v, int n, const T* bias, const A* alpha,
   if (alpha) return alpha[n] * v + beta[n];
   if (bias) return v + to_acc(bias[n]);
   return v;
+}
+
+// This block's K chunk (see Split K above): operands, K and the output slab. (P and Q
+// are the kernel's parameter types, __restrict__ included.)
+template <bool TA, bool TB, typename P, typename Q>
+__device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long long lda, long long ldb,
+                                        long long ldc, int kchunk) {
+  const long long k0 = (long long)blockIdx.z * kchunk;
+  a += TA ? k0 * lda : k0;
+  b += TB ? k0 * ldb : k0;
+  c += (long long)blockIdx.z * M * ldc;
+  K = min((long long)kchunk, K - k0);
+}
+
+// Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each), in slab
+// order). A block is a warp of 32 columns by THREADS / 32 row groups of ROWS rows each
+// (a tile of BM = THREADS / 32 * ROWS rows: many threads with few rows each keep enough
+// loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows,
+// merged in group order as the GEMM epilogues do.
+template <typename T, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
+              const T* __restrict__ bias, const T* __restrict__ alpha, const T* __restrict__ beta,
+              T* __restrict__ part) {
+  static_assert(sizeof(T) >= 4, "splitk_reduce: float32 / float64 slabs (the accumulation type)");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
+  constexpr int GROUPS = THREADS / 32;
+  __shared__ T s_mean[GROUPS * 32], s_m2[GROUPS * 32], s_cnt[GROUPS];
+  const int col = threadIdx.x & 31, grp = threadIdx.x >> 5;
+  const int n = blockIdx.x * 32 + col, m0 = blockIdx.y * GROUPS * ROWS + grp * ROWS;
+  const long long slab = (long long)M * N;
+  T v[ROWS];
+  bool valid[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    valid[i] = n < N && m0 + i < M;
+    v[i] = 0;
+  }
+  const T* p = ws + (long long)m0 * N + n;
+#pragma unroll 4
+  for (int z = 0; z < S; ++z, p += slab)  // 4 * ROWS independent loads in flight
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+      if (valid[i]) v[i] += p[(long long)i * N];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i)
+    if (valid[i]) {
+      v[i] = epilogue(v[i], n, bias, alpha, beta);
+      c[(long long)(m0 + i) * ldc + n] = v[i];
+    }
+  if (!part) return;
+  for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
+    T cnt, a, b;
+    if (range) local_range(v, valid, a, b);
+    else local_stats(v, valid, cnt, a, b);
+    s_mean[grp * 32 + col] = a;
+    s_m2[grp * 32 + col] = b;
+    if (!range && col == 0) s_cnt[grp] = max(0, min(ROWS, M - m0));
+    __syncthreads();
+    if (range) merge_range<T, GROUPS, 32>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * 32, N);
+    else merge_slots<T, GROUPS, 32>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * 32, N);
+    __syncthreads();
+  }
 }
 
 // ---- PTX wrappers (sm_80+) ---------------------------------------------------------
@@ -284,7 +354,7 @@ template <typename T, int MODE, bool ALIGNED, bool TA, bool TB, int BM, int BN, 
           int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
-         long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
+         int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
          const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
   using namespace mma_cfg;
   constexpr int TILE = mma_cfg::TILE<BM, BN>;
@@ -299,6 +369,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm*64.., cols wn*32..
+  split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
 
   int m0, n0;
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
@@ -503,7 +574,7 @@ template <bool TR> __device__ __forceinline__ long long at(int r, int k, long lo
 template <typename T, bool TA, bool TB, int TILE, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N, int K,
-            long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
+            int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
             const typename acc_of<T>::type* __restrict__ alpha,
             const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
   static_assert(THREADS == 256, "gemm_simple: the thread mapping is 16 x 16 threads");
@@ -514,6 +585,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   __shared__ A sm[2 * KT * (TS + 1)];  // [k][m] tiles of A and B; later the stats slots
   A* sa = sm;
   A* sb = sm + KT * (TS + 1);
+  split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   const int mt = blockIdx.x, m0 = mt * TS, n0 = blockIdx.y * TS;
   A acc[4][4] = {};
@@ -837,7 +909,7 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 template <int MODE, bool TA, bool TB, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
-           int K, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
+           int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
   // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
@@ -863,6 +935,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
+  split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   int m0, n0;
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const int ktiles = (K + 31) / 32;

@@ -10,10 +10,13 @@ torch = pytest.importorskip("torch")
 # (M, N, K): tile edges, K = 1, M = 1, K not a multiple of the 16-byte chunk, big K.
 # Rows of 16-byte multiples take the Hopper wgmma kernel, the others mma.sync; the
 # aligned ones include M = 1, N = 1, K = 4 (one partial 32-wide K slice) and edges of
-# its 128x128 and 128x256 tiles.
+# its 128x128 and 128x256 tiles. On a GPU of 132 SMs, K is split (float32, float64)
+# where a grid of at most 33 tiles meets K >= 256: 256x384x1024, 200x136x4100,
+# 513x129x8192 and 67x45x1001 (unaligned rows, a partial last chunk); 1100x1030x260 is
+# not split (72 / 45 tiles).
 SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 257, 33),
           (256, 384, 1024), (200, 136, 4100), (513, 129, 8192), (1, 300, 64), (5, 1, 4),
-          (129, 520, 36)]
+          (129, 520, 36), (67, 45, 1001), (1100, 1030, 260)]
 # Max |error| / (|x| @ |w|.T) allowed per precision (bf16 / tf32 rounding of both operands).
 REL_BOUND = {"high": 4e-3, "medium": 1.6e-2}
 

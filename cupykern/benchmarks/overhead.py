@@ -3,7 +3,8 @@
 Small shapes, where the work is a few microseconds and the host decides the time.
 Each figure is microseconds per call of ``n`` back-to-back calls between two CUDA
 events on torch's current stream (so host time is included, as a training loop sees
-it), next to the PyTorch expression it replaces in the same run. Only public API is
+it), next to the PyTorch expression it replaces in the same run: the median of five
+measurements taken alternately with the baseline's. Only public API is
 called, so the script measures any version of the package.
 
 Targets: MatmulSumMaxMeanLogSumExp at 1024x8192->8192 with parameters that
@@ -14,6 +15,7 @@ GemmScaleBatchNorm training at 128x1024->512 >= 1.0x eager.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from cupykern.benchmark import require_gpu
@@ -32,6 +34,17 @@ def per_call_us(fn, n: int = 500) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / n
+
+
+def paired_us(ours, base, n: int, reps: int = 5) -> tuple[float, float]:
+    """Median microseconds per call of ``ours`` and ``base``, measured alternately ``reps``
+    times: the host's speed drifts between and within runs, so only interleaved figures
+    compare."""
+    o, b = [], []
+    for _ in range(reps):
+        o.append(per_call_us(ours, n))
+        b.append(per_call_us(base, n))
+    return statistics.median(o), statistics.median(b)
 
 
 def rows():
@@ -79,7 +92,7 @@ def main(argv=None) -> int:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'call':<50} {'ours us':>8} {'baseline':>16} {'us':>8} {'ratio':>6}")
     for label, ours, base_name, base in rows():
-        t_o, t_b = per_call_us(ours, args.calls), per_call_us(base, args.calls)
+        t_o, t_b = paired_us(ours, base, args.calls)
         print(f"{label:<50} {t_o:>8.1f} {base_name:>16} {t_b:>8.1f} {t_b / t_o:>5.2f}x", flush=True)
     return 0
 
