@@ -60,6 +60,33 @@ def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=N
     return statistics.fmean(times)
 
 
+def graph_us(fn, *, calls: int = 50, reps: int = 5) -> float:
+    """GPU microseconds per call of ``fn()``: ``calls`` calls captured in one CUDA graph,
+    replayed ``reps`` times, the median (no host time: what a captured or compiled
+    training loop sees of a small call)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (plans, compiles) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def copy_ms(x, iters: int = 20) -> float:
     """Same-run ceiling for a memory-bound op on ``x``: ``y.copy_(x)`` (read + write)."""
     import torch

@@ -14,7 +14,9 @@ against PyTorch eager and torch.compile at float32 (the baseline of both targets
 and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2. Part 4 times
 its training step (forward + backward) against eager and torch.compile, at float32
 for "highest" and with TF32 for "high" (3 GEMMs: FLOP model 3 * 2*M*N*K), in training
-mode and in eval mode.
+mode and in eval mode. Part 5 (``--part small``) times small grids, where K is split
+over the SMs, by their GPU time in a CUDA graph (no host time), against cuBLAS and,
+for GemmScaleBatchNorm's small shape, PyTorch eager.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import argparse
 import contextlib
 
 import cupykern
-from cupykern.benchmark import require_gpu, tflops, time_ms, torch
+from cupykern.benchmark import graph_us, require_gpu, tflops, time_ms, torch
 
 
 @contextlib.contextmanager
@@ -174,12 +176,42 @@ def bench_training(case, iters):
               f"{t_c / t_n:>9.2f}x {rel:>21.2e}")
 
 
+def bench_small():
+    """Small grids (a few output tiles, K split over the SMs): GPU time per call."""
+    print("\nSmall grids, GPU us per call (CUDA graph, no host time), against cuBLAS:")
+    print(f"{'x @ W^T':<22} {'precision':<9} {'ours us':>8} {'TFLOP/s':>8} {'cuBLAS us':>10} "
+          f"{'speedup':>8}")
+    for m, n, k in ((128, 512, 1024), (128, 1024, 4096), (512, 512, 8192), (1024, 512, 384)):
+        torch.manual_seed(0)
+        x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda") / k ** 0.5
+        for prec in ("highest", "high"):
+            with matmul_precision(prec):
+                ours = graph_us(lambda: cupykern.linear(x, w, precision=prec))
+                theirs = graph_us(lambda: x @ w.T)
+            print(f"{f'{m}x{k} @ ({n}x{k})^T':<22} {prec:<9} {ours:>8.1f} "
+                  f"{2 * m * n * k / ours / 1e6:>8.1f} {theirs:>10.1f} {theirs / ours:>7.2f}x")
+    from cupykern.models import gemm_scale_batchnorm as model3
+
+    torch.manual_seed(0)
+    ours_m = model3.ModelNew(1024, 512, (512,)).cuda()
+    torch.manual_seed(0)
+    ref_m = model3.Model(1024, 512, (512,)).cuda()
+    x = torch.randn(128, 1024, device="cuda")
+    with torch.no_grad():
+        for mode in ("train", "eval"):
+            ours_m.train(mode == "train")
+            ref_m.train(mode == "train")
+            ours, eager = graph_us(lambda: ours_m(x)), graph_us(lambda: ref_m(x))
+            print(f"GemmScaleBatchNorm 128x1024->512 {mode}: {ours:.1f} us, eager {eager:.1f} us, "
+                  f"{eager / ours:.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
-    ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training"),
+    ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training", "small"),
                     default="all", help="the GEMM alone, linear's backward GEMMs, "
-                    "GemmScaleBatchNorm's forward, its training step, or all")
+                    "GemmScaleBatchNorm's forward, its training step, small grids, or all")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -187,6 +219,8 @@ def main(argv=None):
         bench_gemm(1024, 8192, 8192, args.iters)
     if args.part in ("all", "backward"):
         bench_backward(1024, 8192, 8192, args.iters)
+    if args.part in ("all", "small"):
+        bench_small()
     from cupykern.models import gemm_scale_batchnorm as model3
 
     for part, bench in (("model", bench_model), ("training", bench_training)):
