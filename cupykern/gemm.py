@@ -52,12 +52,12 @@ for _m, _bn in ((0, 128), (1, 256)):
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
-# K chunks of at least MIN_K elements, a multiple of ALIGN (every kernel's K slice), when
-# it would fill at most a quarter of the SMs; splitk_reduce adds the slabs in blocks of
+# K chunks (of a length of at least MIN_K, a multiple of ALIGN: the float32 kernels' K
+# slice; the last chunk may be shorter) when it would fill at most a quarter of the SMs; splitk_reduce adds the slabs in blocks of
 # 32 columns by THREADS / 32 groups of ROWS rows (its M tile for the partial statistics:
 # BM rows). Measured on H100 (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with
 # 8 rows per thread, 14.2 with 4; 16-row tiles of statistics made GSBN's merge longer.
-_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 64, "THREADS": 256, "ROWS": 4}
+_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4}
 _SPLIT["BM"] = _SPLIT["THREADS"] // 32 * _SPLIT["ROWS"]
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 

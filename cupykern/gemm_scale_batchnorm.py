@@ -1,9 +1,11 @@
 """``gemm_scale_batchnorm``: ``batch_norm((x @ W.T + b) * s)`` (documented model 3).
 
-Training (batch statistics), three launches:
-  1. the GEMM writes z = x @ W.T and, from its registers, per-(128-row tile, column)
-     (mean, M2, min, max) partials of z (the bias cancels out of the output; min and
-     max tell where y = s*(z + b), as the reference forms it, overflows the dtype);
+Training (batch statistics), three launches (four where the GEMM splits K, see
+``cupykern.gemm``):
+  1. the GEMM writes z = x @ W.T and, from its registers (with split K: the pass that
+     adds the chunks), per-(M tile, column) (mean, M2, min, max) partials of z (the
+     bias cancels out of the output; min and max tell where y = s*(z + b), as the
+     reference forms it, overflows the dtype);
   2. one thread per column merges the partials in tile order (Chan's formula:
      stable and deterministic), folds s, gamma, beta into out = a*(z - mean) + beta and
      updates running_mean (bias included) / running_var (unbiased) like
@@ -190,8 +192,8 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     """``run(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
     num_batches_tracked) -> out`` (with ``save``: ``(out, z, coefs)``) for 2-D Operands
     ``a`` (x) and ``b`` (weight) with contiguous rows and validated vectors
-    (contiguous): the three launches with their sizes fixed, so that a call only
-    allocates and reads data pointers."""
+    (contiguous): the launches with their sizes fixed, so that a call only allocates
+    and reads data pointers."""
     M, N = a.shape[0], b.shape[0]
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)

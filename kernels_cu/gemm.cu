@@ -20,8 +20,9 @@
 // [z*kchunk, (z+1)*kchunk) and stores its raw sum to slab z of c, an M x ldc workspace
 // of T per slab; splitk_reduce then adds the slabs in slab order (deterministic) and
 // applies the epilogue and the statistics. Small grids thus fill the GPU (128x1024 @
-// 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of every kernel's K slice, which
-// keeps the slices' alignment. Without a split, gridDim.z == 1 and kchunk >= K.
+// 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of the float32 kernels' 32-float
+// K slice, which keeps the slices' alignment (16-bit types never split). Without a
+// split, gridDim.z == 1 and kchunk >= K.
 //
 // Epilogue (all kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
@@ -109,8 +110,8 @@ __device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long lo
 // Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each), in slab
 // order). A block is a warp of 32 columns by THREADS / 32 row groups of ROWS rows each
 // (a tile of BM = THREADS / 32 * ROWS rows: many threads with few rows each keep enough
-// loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows,
-// merged in group order as the GEMM epilogues do.
+// loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
+// the sum before the epilogue, as the GEMM kernels compute them, merged in group order.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
@@ -138,10 +139,7 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
       if (valid[i]) v[i] += p[(long long)i * N];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i)
-    if (valid[i]) {
-      v[i] = epilogue(v[i], n, bias, alpha, beta);
-      c[(long long)(m0 + i) * ldc + n] = v[i];
-    }
+    if (valid[i]) c[(long long)(m0 + i) * ldc + n] = epilogue(v[i], n, bias, alpha, beta);
   if (!part) return;
   for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
     T cnt, a, b;

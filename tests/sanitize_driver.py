@@ -171,9 +171,9 @@ def check_linear(name, got, x, w, b, rtol):
 
 def run_linear():
     # (M, N, K): partial 128-row and 128/256-column tiles with 16-byte aligned rows (wgmma
-    # on Hopper for float32 "highest"/"high"), K split in two chunks of more K slices than
-    # pipeline stages (each stage is refilled; float32 / float64 then add the chunks in
-    # splitk_reduce); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
+    # on Hopper for float32 "highest"/"high"), K split in two chunks (float32 / float64,
+    # added by splitk_reduce), the first of more K slices than pipeline stages (each
+    # stage is refilled); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
     shapes = ((130, 264, 300), (37, 23, 50), (1, 1, 1))
     for dtype in DTYPES:
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
@@ -260,10 +260,11 @@ def check_bn(name, x, params, rtol, training=True, stats=True, momentum=0.1,
 
 
 def run_gemm_scale_batchnorm():
-    # (M, N, K): aligned rows, refilled pipeline stages, K split in two chunks (float32 /
-    # float64: the partial statistics then come from splitk_reduce's 32-row tiles); odd
-    # sizes (two 128-row tiles of the GEMM's own statistics); batch of 2.
-    shapes = ((130, 136, 300), (137, 23, 50), (2, 5, 3))
+    # (M, N, K): aligned rows and refilled pipeline stages, with K split in two chunks
+    # (float32 / float64: the partial statistics then come from splitk_reduce's 32-row
+    # tiles) and unsplit (two 128-row tiles of the GEMM epilogue's statistics, both
+    # wgmma modes); odd sizes; batch of 2.
+    shapes = ((130, 136, 300), (130, 136, 200), (37, 23, 50), (2, 5, 3))
     for dtype in DTYPES:
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
             t, tag = tol(dtype, prec), f"gemm_bn {NAME[dtype]} {prec}"
