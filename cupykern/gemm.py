@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous,
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
                      rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
@@ -53,12 +53,13 @@ _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 o
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
 # K chunks (of a length of at least MIN_K, a multiple of ALIGN: the float32 kernels' K
-# slice; the last chunk may be shorter) when it would fill at most a quarter of the SMs; splitk_reduce adds the slabs in blocks of
-# 32 columns by THREADS / 32 groups of ROWS rows (its M tile for the partial statistics:
-# BM rows). Measured on H100 (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with
-# 8 rows per thread, 14.2 with 4; 16-row tiles of statistics made GSBN's merge longer.
-_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4}
-_SPLIT["BM"] = _SPLIT["THREADS"] // 32 * _SPLIT["ROWS"]
+# slice; the last chunk may be shorter) when it would fill at most a quarter of the SMs;
+# splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
+# of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
+# (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
+# with 4; 16-row tiles of statistics made GSBN's merge longer.
+_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4, "COLS": 32}
+_SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
@@ -88,7 +89,8 @@ def _transpose_expr(dtype: str) -> str:
 
 
 def _reduce_expr(dtype: str) -> str:
-    return f"splitk_reduce<{CTYPE[dtype]}, {_SPLIT['THREADS']}, {_SPLIT['ROWS']}>"
+    return (f"splitk_reduce<{CTYPE[dtype]}, {_SPLIT['THREADS']}, {_SPLIT['ROWS']}, "
+            f"{_SPLIT['COLS']}>")
 
 
 # mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
@@ -177,7 +179,8 @@ class Gemm(NamedTuple):
     """How :func:`gemm_kernel` computes ``a @ b.T``: the GEMM kernel and its launch
     geometry; ``splits`` K chunks of ``kchunk`` (1 and K: no split), whose slabs
     ``reduce`` adds from a ``workspace`` of that many elements (of the dtype); ``bm`` the
-    M-tile height of the partial statistics (GSBN)."""
+    M-tile height of the partial statistics (GSBN); ``lda`` / ``ldb`` the operands' strides
+    as :func:`layout` reads them."""
     fn: object
     grid: tuple
     block: tuple
@@ -187,6 +190,8 @@ class Gemm(NamedTuple):
     kchunk: int
     reduce: object
     workspace: int
+    lda: int
+    ldb: int
 
 
 def gemm_kernel(a, b, precision: str) -> Gemm:
@@ -201,7 +206,8 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
     if dt == "float64" or cc < 80:
         ts = _SIMPLE["TILE"]
         fn = _loader.function(_FILE, _simple_expr(dt, ta, tb), dev)
-        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts, a, b)
+        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts, a, b,
+                      lda, ldb)
     mode = _MODE[precision] if dt == "float32" else _HALF
     # 16-byte K-contiguous rows (a transposed operand is copied 4 bytes at a time)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
@@ -214,22 +220,23 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
         cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
-    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b)
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb)
 
 
-def _split(fn, grid, block, smem, bm, a, b) -> Gemm:
+def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
     """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K where the grid fills
     at most a quarter of the SMs and the dtype is float32 / float64 (_SPLIT)."""
     (M, K), N, dt = a.shape, b.shape[0], a.dtype
     tiles, sms = int(np.prod(grid)), _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
     if dt not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
-        return Gemm(fn, grid, block, smem, bm, 1, K, None, 0)
+        return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
     kchunk = cdiv(cdiv(K, splits), _SPLIT["ALIGN"]) * _SPLIT["ALIGN"]
     splits = cdiv(K, kchunk)
     reduce = _loader.function(_FILE, _reduce_expr(dt), a.device)
     grid = (*grid, 1)[:2] + (splits,)  # block z takes K chunk z
-    return Gemm(fn, grid, block, smem, _SPLIT["BM"], splits, kchunk, reduce, splits * M * N)
+    return Gemm(fn, grid, block, smem, _SPLIT["BM"], splits, kchunk, reduce, splits * M * N,
+                lda, ldb)
 
 
 def gemm_call(kernel: Gemm, a, b, ldc: int):
@@ -239,12 +246,12 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
     M, K = a.shape
     N = b.shape[0]
     m_, n_ = scalar(M, "int"), scalar(N, "int")
-    sizes = (m_, n_, scalar(K, "int"), scalar(kernel.kchunk, "int"), layout(a)[1], layout(b)[1])
+    sizes = (m_, n_, scalar(K, "int"), scalar(kernel.kchunk, "int"), kernel.lda, kernel.ldb)
     gemm_ = (kernel.fn, kernel.grid, kernel.block)
     if kernel.splits == 1:
         return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
             (*gemm_, (ap, bp, cp) + sizes + (ldc, bias, alpha, beta, part), kernel.smem),)
-    reduce_ = (kernel.reduce, (cdiv(N, 32), cdiv(M, _SPLIT["BM"])), (_SPLIT["THREADS"],))
+    reduce_ = (kernel.reduce, (cdiv(N, _SPLIT["COLS"]), cdiv(M, _SPLIT["BM"])), (_SPLIT["THREADS"],))
     s_ = scalar(kernel.splits, "int")
     return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
         (*gemm_, (ap, bp, ws) + sizes + (N, 0, 0, 0, 0), kernel.smem),
@@ -270,12 +277,20 @@ def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part
     return kernel.bm
 
 
+_mm_plans: dict = {}  # (signatures, precision) -> run(a, b), or None
+
+
 def mm(a, b, precision=None):
     """``a @ b`` for 2-D a (M, K) and b (K, N) of one kind, device and dtype: the backward
     passes' GEMMs (dx = dy @ W, dW = dy^T @ x). Each operand is read in place whether
-    its rows or its columns are contiguous (a transposed view is never copied); any
-    other layout is copied first. ``precision`` as in :func:`linear`. Returns a new
-    (M, N) array of a's kind (NumPy: the reference)."""
+    its rows or its columns are contiguous (a transposed view is never copied where that
+    would be slower, see :func:`matrix`); any other layout is copied first. ``precision``
+    as in :func:`linear`. Returns a new (M, N) array of a's kind (NumPy: the reference)."""
+    if precision is None or type(precision) is str:  # the common call, cached
+        key = (signature(a), signature(b), precision)
+        run = cached(_mm_plans, key, lambda: _mm_fresh(a, b, precision))
+        if run is not None:
+            return run(a, b)
     ao, bo, prec = check_mm(a, b, precision)
     if ao.kind == "cpu":
         return reference(a, b.T)
@@ -287,6 +302,35 @@ def mm(a, b, precision=None):
     c = operand(empty(ao, (M, N)), "out")
     gemm(a2, bt, c, prec)
     return c.obj
+
+
+def _mm_fresh(a, b, precision):
+    """``run(a, b) -> a @ b`` for calls like this one: validated and planned once (a
+    transposed copy :func:`matrix` would make is a launch of the plan); None where the
+    call needs the general path (CPU, empty, or an operand copied otherwise)."""
+    ao, bo, prec = check_mm(a, b, precision)
+    (M, K), N = ao.shape, bo.shape[1]
+    if ao.kind == "cpu" or M == 0 or N == 0:
+        return None
+    reads = [_planned_read(o, M * N * K) for o in (ao, operand(b.T, "b"))]
+    if None in reads:
+        return None
+    (a2, copy_a), (b2, copy_b) = reads
+    kernel, place = gemm_kernel(a2, b2, prec), Place(ao)
+    call, ptr = gemm_call(kernel, a2, b2, N), place.ptr
+
+    def run(a, b):
+        launches, held = [], []
+        ap, bp = ptr(a), ptr(b)  # (b.T starts where b does)
+        if copy_a:
+            ap = copy_a(ap, launches, held)
+        if copy_b:
+            bp = copy_b(bp, launches, held)
+        out, ws = empty(place, (M, N)), workspace(place, kernel)  # held to the launch
+        launch_all(place, (*launches, *call(ap, bp, ptr(out), 0, 0, 0, 0, ptr(ws))))
+        return out
+
+    return run
 
 
 def check_mm(a, b, precision):
@@ -310,32 +354,68 @@ def check_mm(a, b, precision):
 _COPY_WORK = 128
 
 
+def _read_mode(o, work: int):
+    """How the GEMM reads the 2-D Operand ``o`` in a product of ``work`` multiply-adds:
+    ``("view", None)`` in place, ``("transpose", column stride)`` by the tiled transpose
+    copy (its columns are contiguous and copying pays, ``_COPY_WORK``), or ``("copy",
+    None)`` (neither rows nor columns contiguous)."""
+    lay = layout(o)
+    if lay is None:
+        return "copy", None
+    if lay[0] and work >= _COPY_WORK * o.size:
+        return "transpose", lay[1]
+    return "view", None
+
+
 def matrix(o, work: int):
     """``o`` (..., K) as the GEMM's 2-D (rows, K) operand of a product of ``work``
-    multiply-adds: a 2-D view in place if its rows are contiguous, or its columns and
-    copying would not pay (``_COPY_WORK``); more dims as rows (:func:`rows_2d`); else a
-    copy."""
+    multiply-adds (:func:`_read_mode`): in place, transposed or copied; more dims as rows
+    (:func:`rows_2d`)."""
     if o.ndim != 2:
         return rows_2d(o, o.name)
-    lay = layout(o)
-    if lay is not None and lay[0] and work >= _COPY_WORK * o.size:
-        return _transposed_copy(o, lay[1])
-    if lay is None:
+    mode, ld = _read_mode(o, work)
+    if mode == "transpose":
+        planned, copy = _transpose_plan(o, ld)
+        launches, held = [], []
+        copy(o.ptr, launches, held)
+        launch_all(o, launches)
+        return operand(held[0], o.name)
+    if mode == "copy":
         return operand(contiguous(o), o.name)
     return o
 
 
-def _transposed_copy(o, ld: int):
-    """A C-contiguous copy of the 2-D GPU Operand ``o`` whose columns are contiguous
+def _planned_read(o, work: int):
+    """(Operand to plan the GEMM with, copy or None) for the 2-D Operand ``o``
+    (:func:`_read_mode`); None if it needs a general copy. ``copy`` as
+    :func:`_transpose_plan`'s."""
+    mode, ld = _read_mode(o, work)
+    if mode == "transpose":
+        return _transpose_plan(o, ld)
+    return None if mode == "copy" else (o, None)
+
+
+def _transpose_plan(o, ld: int):
+    """The C-contiguous copy of the 2-D GPU Operand ``o`` whose columns are contiguous
     (column stride ``ld``), by the tiled transpose kernel (torch's and CuPy's strided
-    copies run at a third of copy bandwidth: H100, 8192 x 8192 float32, 0.56 ms
-    against 0.18 ms for a clone)."""
+    copies run at a third of copy bandwidth: H100, 8192 x 8192 float32, 0.56 ms against
+    0.18 ms for a clone): ``(planned, copy)``, ``planned`` an Operand that describes the
+    copy for planning (a fresh allocation: 16-byte aligned), ``copy(src_ptr, launches,
+    held) -> dst_ptr`` allocating it (appended to ``held``) and appending its launch."""
     rows, cols = o.shape
-    out = empty(o, (rows, cols))
     fn = _loader.function(_FILE, _transpose_expr(o.dtype), o.device)
-    tiles = cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(cols, _TRANSPOSE["TILE"])
-    launch_all(o, ((fn, (tiles,), (_TRANSPOSE["THREADS"],), (o.ptr, data_ptr(out), rows, cols, ld), 0),))
-    return operand(out, o.name)
+    grid = (cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(cols, _TRANSPOSE["TILE"]),)
+    place = Place(o)
+    planned = Operand(o.obj, o.kind, o.dtype, (rows, cols), (cols, 1), 0, o.device, o.name, o.torch)
+
+    def copy(src, launches, held):
+        out = empty(place, (rows, cols))
+        held.append(out)
+        dst = place.ptr(out)
+        launches.append((fn, grid, (_TRANSPOSE["THREADS"],), (src, dst, rows, cols, ld), 0))
+        return dst
+
+    return planned, copy
 
 
 def reference(x, w, b=None):

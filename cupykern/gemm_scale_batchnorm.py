@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, data_ptr, empty, is_torch, launch_all,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all,
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
@@ -280,16 +280,35 @@ def _apply_call(place, M, N):
                                           (z, o) + sizes + (ca, cm, cb, nbt), 0)
 
 
-def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, input_grad=True):
+_backward_plans: dict = {}  # (signatures, eps, precision, input_grad, weight_grad) -> run, or None
+
+
+def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, input_grad=True,
+                   weight_grad=True):
     """Gradients of training-mode :func:`gemm_scale_batchnorm` from what the forward saved
-    (``save``: z = x @ W.T and coefs): ``(dx, dweight, dscale, dbn_weight, dbn_bias)``,
-    arrays of x's kind (dx None unless ``input_grad``; the GEMM bias's gradient is 0).
+    (``save``: z = x @ W.T and coefs): ``(dx, dweight, dvec)``, arrays of x's kind (dx
+    None unless ``input_grad``, dweight None unless ``weight_grad``), dvec (4, N) holding
+    the gradients of the GEMM bias (0: it cancels), scale, bn_weight and bn_bias.
 
     Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
     merge into the vector gradients, dz), then dx = dz @ W and dW = dz^T @ x on our GEMM
     at ``precision``. g (B, N) may have any row stride; other layouts are copied."""
-    from .gemm import mm
+    arrays = (g, z, coefs, x, weight, scale, bn_weight)
+    options = (eps, precision, input_grad, weight_grad)
+    if type(eps) is float and type(precision) is str:  # the common call, cached
+        key = tuple(signature(v) for v in arrays) + options
+        run = cached(_backward_plans, key, lambda: _backward_fresh(arrays, options))
+        if run is not None:
+            return run(*arrays)
+    checked = _check_backward(*arrays)
+    run = _backward_plan(*checked, *options)
+    return run(*(None if o is None else o.obj for o in checked[:3]), x, weight,
+               *(None if o is None else o.obj for o in checked[3:]))
 
+
+def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
+    """Validate :func:`backward_train`'s arrays: Operands of g (2-D, rows contiguous: copied
+    if not), z, coefs, scale and bn_weight (contiguous: copied if not)."""
     go = operand(g, "g")
     zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
     M, N = zo.shape
@@ -298,29 +317,57 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
     if go.shape != (M, N) or co.shape != (4, N) or not zo.is_c_contiguous():
         raise ValueError(f"g, z, coefs: expected ({M}, {N}) g and z and (4, {N}) coefs, got "
                          f"{tuple(go.shape)}, {tuple(zo.shape)}, {tuple(co.shape)}")
-    g2 = rows_2d(go, "g")
-    place, t, dev = Place(zo), CTYPE[zo.dtype], zo.device
-    acc, step = acc_dtype(zo.dtype), N * ITEMSIZE[acc_dtype(zo.dtype)]
-    partials, coef, dz_fn = (_loader.function(_FILE, e, dev) for e in _grad_exprs(t))
-    tiles = cdiv(M, _GRAD["ROWS"])
-    grid, block = (cdiv(N, _GRAD["THREADS"]), tiles), (_GRAD["THREADS"],)
-    so, gmo = (check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight)))
-    dscale, dgamma, dbeta = empty(zo, (N,)), empty(zo, (N,)), empty(zo, (N,))
-    dz, buf = empty(zo, (M, N)), empty(zo, (3 * N + 2 * tiles * N,), acc)
     if co.strides != (N, 1):
         raise ValueError("coefs: expected a contiguous (4, N) array")
-    c0, k = co.ptr, data_ptr(buf)
-    m_, n_ = scalar(M, "int"), scalar(N, "int")
-    launch_all(place, (
-        (partials, grid, block, (g2.ptr, g2.strides[0], zo.ptr, m_, n_, c0 + step, k + 3 * step), 0),
-        (coef, (cdiv(N, _COEF_THREADS),), (_COEF_THREADS,),
-         (k + 3 * step, scalar(tiles, "int"), m_, n_, so.ptr, 0 if gmo is None else gmo.ptr,
-          c0 + 3 * step, scalar(eps, "double"), data_ptr(dscale), data_ptr(dgamma),
-          data_ptr(dbeta), k), 0),
-        (dz_fn, grid, block, (g2.ptr, g2.strides[0], zo.ptr, m_, n_, k, c0 + step, data_ptr(dz)), 0)))
-    dx = mm(dz, weight, precision) if input_grad else None
-    dw = mm(dz.T, x, precision)
-    return dx, dw, dscale, dgamma, dbeta
+    same_place(zo, go)
+    same_place(zo, co)
+    if zo.kind == "cpu":
+        raise TypeError("z: backward_train takes GPU arrays (CuPy or torch CUDA)")
+    return (rows_2d(go, "g"), zo, co,
+            *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
+
+
+def _backward_fresh(arrays, options):
+    """``run(*arrays)`` for backward calls like this one; None where an array must be
+    copied first (the general path copies each call)."""
+    checked = _check_backward(*arrays)
+    if any(o is not None and o.obj is not a for o, a in zip(checked, arrays[:3] + arrays[5:])):
+        return None
+    return _backward_plan(*checked, *options)
+
+
+def _backward_plan(go, zo, co, so, gmo, eps, precision, input_grad, weight_grad):
+    """``run(g, z, coefs, x, weight, scale, bn_weight)`` for validated Operands (g with
+    contiguous rows, vectors contiguous): the three passes' launches with their sizes
+    fixed, then the two GEMMs (:func:`cupykern.gemm.mm`, whose plans are cached too)."""
+    from .gemm import check_precision, mm
+
+    prec = check_precision(precision)
+    M, N = zo.shape
+    place, t = Place(zo), CTYPE[zo.dtype]
+    acc = acc_dtype(zo.dtype)
+    step = N * ITEMSIZE[acc]
+    partials, coef, dz_fn = (_loader.function(_FILE, e, zo.device) for e in _grad_exprs(t))
+    tiles = cdiv(M, _GRAD["ROWS"])
+    grid, block = (cdiv(N, _GRAD["THREADS"]), tiles), (_GRAD["THREADS"],)
+    coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
+    m_, n_, tiles_, eps_ = scalar(M, "int"), scalar(N, "int"), scalar(tiles, "int"), scalar(eps, "double")
+    ld, scratch, ptr = go.strides[0], 3 * N + 2 * tiles * N, place.ptr
+    row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
+
+    def run(g, z, coefs, x, weight, scale, bn_weight):
+        dvec, dz, buf = empty(place, (4, N)), empty(place, (M, N)), empty(place, (scratch,), acc)
+        gp, zp, c0, k, d0 = ptr(g), ptr(z), ptr(coefs), ptr(buf), ptr(dvec)
+        launch_all(place, (
+            (partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, k + 3 * step), 0),
+            (coef, *coef_launch, (k + 3 * step, tiles_, m_, n_, ptr(scale), ptr(bn_weight),
+                                  c0 + 3 * step, eps_, d0 + row, d0 + 2 * row, d0 + 3 * row, d0, k), 0),
+            (dz_fn, grid, block, (gp, ld, zp, m_, n_, k, c0 + step, ptr(dz)), 0)))
+        dx = mm(dz, weight, prec) if input_grad else None
+        dw = mm(dz.T, x, prec) if weight_grad else None
+        return dx, dw, dvec
+
+    return run
 
 
 def reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):

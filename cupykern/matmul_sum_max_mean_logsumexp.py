@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, contiguous, data_ptr, empty, is_torch, launch,
+from ._array import (CTYPE, ITEMSIZE, Place, cached, contiguous, data_ptr, empty, is_torch,
                      launch_all, operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
@@ -31,6 +31,7 @@ ROWS_PER_BLOCK = (1, 2, 4)  # rows of x per block of matmul_sum_rows (MatmulSumP
 _THREADS = 256  # matmul_sum_rows and matmul_sum_colsum_final
 _COLSUM = {"BX": 32, "BY": 8, "U": 8}  # colsum_partial: block (BX, BY), U rows per step
 _ROW_STEP = _COLSUM["BY"] * _COLSUM["U"]  # rows of W one colsum_partial step adds
+_FINAL_COLS = 32  # colsum_final: columns per block (a warp), _THREADS / 32 chunk lanes
 PLAN_TAIL = 3  # plan = [wsum (K), bias.sum(), max|W|, max|bias|] in float64
 # Largest finite value of each dtype and of the type torch accumulates it in.
 _FMAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
@@ -53,7 +54,7 @@ def _partial_expr(dtype, v):
 
 
 def _final_expr(dtype):
-    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}>"
+    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}, {_FINAL_COLS}>"
 
 
 for _dt in CTYPE:
@@ -158,7 +159,7 @@ def _plan_builder(w, b):
         scratch = empty(place, (nsum + nmax,), "float64")  # held to the launch
         psum = ptr(scratch)
         pmax = psum + 8 * nsum
-        calls = [(final, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
+        calls = [(final, (cdiv(k, _FINAL_COLS) + 1,), (_THREADS,), (
             psum, pmax, nchunks, nchunks * gx, k, ptr(bias), n, ptr(data)), 0)]
         if partial is not None:
             calls.insert(0, (partial, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),

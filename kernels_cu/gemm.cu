@@ -108,21 +108,22 @@ __device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long lo
 }
 
 // Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each), in slab
-// order). A block is a warp of 32 columns by THREADS / 32 row groups of ROWS rows each
-// (a tile of BM = THREADS / 32 * ROWS rows: many threads with few rows each keep enough
-// loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
+// order). A block is COLS columns (a warp) by THREADS / COLS row groups of ROWS rows
+// each (a tile of BM = THREADS / COLS * ROWS rows: many threads with few rows each keep
+// enough loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
 // the sum before the epilogue, as the GEMM kernels compute them, merged in group order.
-template <typename T, int THREADS, int ROWS>
+template <typename T, int THREADS, int ROWS, int COLS>
 __global__ void __launch_bounds__(THREADS)
 splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
               const T* __restrict__ bias, const T* __restrict__ alpha, const T* __restrict__ beta,
               T* __restrict__ part) {
   static_assert(sizeof(T) >= 4, "splitk_reduce: float32 / float64 slabs (the accumulation type)");
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
-  constexpr int GROUPS = THREADS / 32;
-  __shared__ T s_mean[GROUPS * 32], s_m2[GROUPS * 32], s_cnt[GROUPS];
-  const int col = threadIdx.x & 31, grp = threadIdx.x >> 5;
-  const int n = blockIdx.x * 32 + col, m0 = blockIdx.y * GROUPS * ROWS + grp * ROWS;
+  static_assert(COLS == 32, "splitk_reduce: a warp spans the block's columns (coalesced slab rows)");
+  static_assert(THREADS % COLS == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
+  constexpr int GROUPS = THREADS / COLS;
+  __shared__ T s_mean[GROUPS * COLS], s_m2[GROUPS * COLS], s_cnt[GROUPS];
+  const int col = threadIdx.x % COLS, grp = threadIdx.x / COLS;
+  const int n = blockIdx.x * COLS + col, m0 = blockIdx.y * GROUPS * ROWS + grp * ROWS;
   const long long slab = (long long)M * N;
   T v[ROWS];
   bool valid[ROWS];
@@ -145,12 +146,12 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
     T cnt, a, b;
     if (range) local_range(v, valid, a, b);
     else local_stats(v, valid, cnt, a, b);
-    s_mean[grp * 32 + col] = a;
-    s_m2[grp * 32 + col] = b;
+    s_mean[grp * COLS + col] = a;
+    s_m2[grp * COLS + col] = b;
     if (!range && col == 0) s_cnt[grp] = max(0, min(ROWS, M - m0));
     __syncthreads();
-    if (range) merge_range<T, GROUPS, 32>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * 32, N);
-    else merge_slots<T, GROUPS, 32>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * 32, N);
+    if (range) merge_range<T, GROUPS, COLS>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
+    else merge_slots<T, GROUPS, COLS>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
     __syncthreads();
   }
 }

@@ -185,8 +185,8 @@ bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z
   part[(2LL * blockIdx.y + 1) * N + n] = s2;
 }
 
-// Merge the partials, write the vector gradients (each pointer may be null: not wanted)
-// and dz's coefficients k = (w*gamma, S1/M, w^2*S2/M) in rows 0..2 (N apart).
+// Merge the partials, write the vector gradients (each pointer may be null: not wanted;
+// d gemm bias is exactly 0) and dz's coefficients k = (w*gamma, S1/M, w^2*S2/M) in rows 0..2 (N apart).
 // One thread per column: grid cdiv(N, THREADS), block THREADS.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
@@ -194,7 +194,7 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
              const T* __restrict__ scale, const T* __restrict__ gamma,
              const typename acc_of<T>::type* __restrict__ inv, double eps,
              T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
-             typename acc_of<T>::type* __restrict__ k) {
+             T* __restrict__ dbias, typename acc_of<T>::type* __restrict__ k) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * THREADS + threadIdx.x;
@@ -208,6 +208,7 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
   if (dbeta) dbeta[n] = from_acc<T>(s1);
   if (dgamma) dgamma[n] = from_acc<T>(w * s2);
   if (dscale) dscale[n] = from_acc<T>(gm * (A)eps * iv * iv * iv * s2);
+  if (dbias) dbias[n] = from_acc<T>((A)0);
   k[n] = w * gm;
   k[N + n] = s1 / (A)M;
   k[2LL * N + n] = w * w * s2 / (A)M;

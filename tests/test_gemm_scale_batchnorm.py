@@ -227,10 +227,13 @@ def test_backward_closed_form_matches_autograd():
     leaves = [t.clone().requires_grad_() for t in (x, w, b, s, gamma, beta)]
     xr, wr, br, sr, gr, ber = leaves
     torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, None, None, gr, ber, True, 0.1, eps).backward(g)
-    dx, dw, ds, dgamma, dbeta = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", True)
-    for ours, ref in ((dx, xr.grad), (dw, wr.grad), (ds, sr.grad), (dgamma, gr.grad), (dbeta, ber.grad)):
+    dx, dw, dvec = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", True, True)
+    grads = (dx, dw, *dvec)
+    for ours, ref in zip(grads, (xr.grad, wr.grad, br.grad, sr.grad, gr.grad, ber.grad)):
         torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
-    assert br.grad.abs().max() < 1e-12  # the bias cancels in training mode
+    assert not grads[2].any()  # the bias cancels in training mode: exactly 0
+    dx, dw = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", False, False)[:2]
+    assert dx.numel() == dw.numel() == 0  # not wanted: not computed
 
 
 def _running_stats(ref, new):

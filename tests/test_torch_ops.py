@@ -58,9 +58,10 @@ def _opcheck_cases(device):
     yield batch_stats_op, (x, w, b, *v, 1e-5, "highest", save)
     z = r(8, 16)
     coefs = torch.stack([r(16), z.mean(0), r(16), r(16).abs() + 0.5])
-    for input_grad in (True, False):
-        yield backward_op, (r(8, 16), z, coefs, x, w, v[0], v[1], 1e-5, "highest", input_grad)
-    yield backward_op, (r(8, 16), z, coefs, x, w, v[0], None, 1e-5, "high", True)
+    for input_grad, weight_grad in ((True, True), (False, True), (True, False)):
+        yield backward_op, (r(8, 16), z, coefs, x, w, v[0], v[1], 1e-5, "highest", input_grad,
+                            weight_grad)
+    yield backward_op, (r(8, 16), z, coefs, x, w, v[0], None, 1e-5, "high", True, True)
     yield plan_op, (w, b)
     yield matmul_sum_op, (x, w, b, plan_op(w, b))
     yield matmul_sum_op, (x, w, None, plan_op(w, None))

@@ -35,9 +35,11 @@ _SCHEMA = (f"gemm_scale_batchnorm({_PARAMS}, Tensor(a!)? running_mean, Tensor(b!
 # (Inductor cannot lower the mutating op when every buffer it may mutate is None).
 _BATCH_STATS_SCHEMA = (f"gemm_scale_batchnorm_batch_stats({_PARAMS}, float eps, str precision, "
                        f"bool save) -> {_RETURNS}")
+# Gradients: x's and weight's (empty unless input_grad / weight_grad), and one (4, N)
+# tensor of bias's, scale's, bn_weight's and bn_bias's (outputs of an op must not alias).
 _BACKWARD_SCHEMA = ("gemm_scale_batchnorm_backward(Tensor g, Tensor z, Tensor coefs, Tensor x, "
                     "Tensor weight, Tensor scale, Tensor? bn_weight, float eps, str precision, "
-                    "bool input_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                    "bool input_grad, bool weight_grad) -> (Tensor, Tensor, Tensor)")
 
 
 def _acc(t):
@@ -91,12 +93,10 @@ def _backward(ctx, g, *_):
     if not ctx.training and not torch.is_grad_enabled():
         return _grad_eval(ctx, g, x, weight, bias, scale, gamma, *stats)
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
-        dx, dw, ds, dgamma, dbeta = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps,
-                                                ctx.precision, want[0])
-        db = torch.zeros_like(bias) if want[2] else None
-        grads = (dx if want[0] else None, dw if want[1] else None, db,
-                 ds if want[3] else None, dgamma if want[4] else None, dbeta if want[5] else None)
-        return grads + (None,) * 8
+        dx, dw, dvec = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps, ctx.precision,
+                                   want[0], want[1])
+        grads = (dx, dw, *dvec.unbind(0))
+        return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
 
 
@@ -160,15 +160,17 @@ def _full(args):
     return (*params, None, None, None, True, None, eps, precision, save)
 
 
-def _backward_impl(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad):
+def _backward_impl(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad,
+                   weight_grad):
     if g.is_cuda:
-        dx, *grads = backward_train(g, z, coefs, x, weight, scale, gamma, eps, precision,
-                                    input_grad)
-        return (x.new_empty(0) if dx is None else dx, *grads)
-    return _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad)
+        dx, dw, dvec = backward_train(g, z, coefs, x, weight, scale, gamma, eps, precision,
+                                      input_grad, weight_grad)
+        return x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw, dvec
+    return _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad,
+                             weight_grad)
 
 
-def _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad):
+def _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad, weight_grad):
     """backward_train's formulas in PyTorch ops (its CPU implementation: what opcheck
     and the CPU tests check the kernels' algebra against)."""
     acc = coefs.dtype
@@ -181,14 +183,18 @@ def _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad):
     m = z.shape[0]
     dz = ((w * gm) * (ga - s1 / m - (w * w * s2 / m) * u)).to(x.dtype)
     dx = dz @ weight if input_grad else x.new_empty(0)
+    dw = dz.t() @ x if weight_grad else x.new_empty(0)
     dt = x.dtype
-    return (dx, dz.t() @ x, (gm * eps * inv ** 3 * s2).to(dt), (w * s2).to(dt), s1.to(dt))
+    dvec = torch.stack([torch.zeros_like(s1), gm * eps * inv ** 3 * s2, w * s2, s1])
+    return dx, dw, dvec.to(dt)
 
 
-def _backward_fake(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad):
+def _backward_fake(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad,
+                   weight_grad):
     n = weight.shape[0]
-    return (x.new_empty(x.shape if input_grad else (0,)), weight.new_empty(weight.shape),
-            *(x.new_empty((n,)) for _ in range(3)))
+    return (x.new_empty(x.shape if input_grad else (0,)),
+            weight.new_empty(weight.shape if weight_grad else (0,)),
+            x.new_empty((4, n)))
 
 
 gemm_scale_batchnorm_op = Op(_SCHEMA, _impl, _fake, _setup_context, _backward)
