@@ -28,7 +28,7 @@ import numpy as np
 from . import _loader
 from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
-                     rows_2d, same_place, scalar, signature, torch_layer)
+                     row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
@@ -315,19 +315,28 @@ def _mm_fresh(a, b, precision):
     reads = [_planned_read(o, M * N * K) for o in (ao, operand(b.T, "b"))]
     if None in reads:
         return None
-    (a2, copy_a), (b2, copy_b) = reads
-    kernel, place = gemm_kernel(a2, b2, prec), Place(ao)
-    call, ptr = gemm_call(kernel, a2, b2, N), place.ptr
+    place = Place(ao)
+    run, ptr = _planned_gemm(reads, prec, place, (M, N)), place.ptr
+    return lambda a, b: run(ptr(a), ptr(b), 0)  # (b.T starts where b does)
 
-    def run(a, b):
-        launches, held = [], []
-        ap, bp = ptr(a), ptr(b)  # (b.T starts where b does)
+
+def _planned_gemm(reads, precision: str, place, shape):
+    """``run(a_ptr, b_ptr, bias_ptr) -> out``: a new array of ``shape`` (rows of N) holding
+    ``a @ b.T (+ bias)`` for operands read as ``reads`` plans them (two
+    :func:`_planned_read` results): their copies, the GEMM and its split K, as launches
+    with their sizes fixed."""
+    (a, copy_a), (b, copy_b) = reads
+    kernel = gemm_kernel(a, b, precision)
+    call, ptr = gemm_call(kernel, a, b, b.shape[0]), place.ptr
+
+    def run(ap, bp, bias):
+        launches, held = [], []  # the copies, held to the launch
         if copy_a:
             ap = copy_a(ap, launches, held)
         if copy_b:
             bp = copy_b(bp, launches, held)
-        out, ws = empty(place, (M, N)), workspace(place, kernel)  # held to the launch
-        launch_all(place, (*launches, *call(ap, bp, ptr(out), 0, 0, 0, 0, ptr(ws))))
+        out, ws = empty(place, shape), workspace(place, kernel)
+        launch_all(place, (*launches, *call(ap, bp, ptr(out), bias, 0, 0, 0, ptr(ws))))
         return out
 
     return run
@@ -501,22 +510,20 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
 
 
 def _fresh(x, weight, bias, precision):
-    """``run(x, weight, bias) -> out`` for calls like this one without ``out``: one
-    allocation and the GEMM; None where the call needs the general path (CPU, empty,
-    or an operand that must be copied first)."""
+    """``run(x, weight, bias) -> out`` for calls like this one without ``out``: validated
+    and planned once (a transposed copy is a launch of the plan); None where the call
+    needs the general path (CPU, empty, or an operand copied otherwise)."""
     xo, wo, bo, _, prec, shape = check(x, weight, bias, precision, None)
     if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
         return None
+    if xo.ndim != 2:  # more dims as rows, where that is a view
+        if row_view_stride(xo) is None:
+            return None
+        xo = rows_2d(xo, "x")
     work = int(np.prod(shape)) * xo.shape[-1]
-    a, b = matrix(xo, work), matrix(wo, work)
-    if a.obj is not x or b.obj is not weight:  # copied: the general path copies each call
+    reads = [_planned_read(o, work) for o in (xo, wo)]
+    if None in reads:
         return None
-    kernel, place = gemm_kernel(a, b, prec), Place(xo)
-    call, ptr = gemm_call(kernel, a, b, shape[-1]), place.ptr
-
-    def run(x, weight, bias):
-        out, ws = empty(place, shape), workspace(place, kernel)
-        launch_all(place, call(ptr(x), ptr(weight), ptr(out), ptr(bias), 0, 0, 0, ptr(ws)))
-        return out
-
-    return run
+    place = Place(xo)
+    run, ptr = _planned_gemm(reads, prec, place, shape), place.ptr
+    return lambda x, weight, bias: run(ptr(x), ptr(weight), ptr(bias))

@@ -62,22 +62,36 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     for m in MODULES:
-        monkeypatch.setattr(m, "_plans", {}, raising=False)
+        for name in _plan_caches(m):
+            monkeypatch.setattr(m, name, {})
     return log, fresh
 
 
+def _plan_caches(m):
+    """Names of module ``m``'s launch-plan caches (dicts named ``*_plans``)."""
+    return [n for n, v in vars(m).items() if n.endswith("_plans") and isinstance(v, dict)]
+
+
+def _cached_plans() -> int:
+    return sum(len(getattr(m, n)) for m in MODULES for n in _plan_caches(m))
+
+
 def _named(launches, arrays):
-    """The log with each array's data pointer replaced by its position in ``arrays`` and
-    a pointer into a fresh allocation (output, scratch) by ("new", offset)."""
+    """The log with each array's data pointer replaced by its position in ``arrays`` (a
+    pointer inside one by (position, offset)) and a pointer into a fresh allocation
+    (output, scratch) by ("new", offset)."""
     log, fresh = launches
     names = {a.data_ptr(): i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor)}
+    spans = [(i, a.data_ptr(), a.data_ptr() + a.nbytes) for i, a in enumerate(arrays)
+             if isinstance(a, torch.Tensor)]
 
     def name(v):
         if type(v) is not int:
             return v
         if v in names:
             return names[v]
-        return next((("new", v - lo) for lo, hi in fresh if lo <= v < hi), v)
+        inside = next(((i, v - lo) for i, lo, hi in spans if lo < v < hi), None)
+        return inside or next((("new", v - lo) for lo, hi in fresh if lo <= v < hi), v)
 
     out = [(fn, g, b, tuple(map(name, args)), s) for fn, g, b, args, s in log]
     log.clear()
@@ -86,38 +100,48 @@ def _named(launches, arrays):
 
 
 def _calls():
-    """(label, fn(arrays), make_arrays()) for each op; arrays of one geometry."""
+    """(label, fn(arrays), make_arrays(), plans it caches) for each op; arrays of one
+    geometry."""
     gs = sys.modules["cupykern.gemm_scale_batchnorm"]
     m4 = sys.modules["cupykern.matmul_sum_max_mean_logsumexp"]
     r = torch.randn
-    yield "normalize", lambda a: cupykern.normalize.normalize(a[0], 2, 1), lambda: [r(6, 100)[:, 2:98]]
-    yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)]
+    yield "normalize", lambda a: cupykern.normalize.normalize(a[0], 2, 1), lambda: [r(6, 100)[:, 2:98]], 1
+    yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)], 1
+    # x read transposed (copied by a launch of the plan: 130 outputs a row), weight in place
+    yield ("linear transposed x", lambda a: cupykern.gemm.linear_core(*a, "highest"),
+           lambda: [r(24, 5).t(), r(130, 24), None], 1)
+    yield ("mm transposed a", lambda a: cupykern.gemm.mm(*a, "highest"),
+           lambda: [r(24, 5).t(), r(24, 130)], 1)
     for training in (True, False):
         yield (f"gemm_scale_batchnorm training={training}",
                lambda a, t=training: gs.gemm_scale_batchnorm_core(*a, t, 0.1, 1e-5, "highest"),
                lambda: [r(9, 24), r(8, 24), r(8), r(8), r(8), r(8), r(8), r(8).abs(),
-                        torch.zeros((), dtype=torch.int64)])
+                        torch.zeros((), dtype=torch.int64)], 1)
+    # the fused backward, its dx and dW GEMMs (each an mm plan of its own)
+    yield ("gemm_scale_batchnorm backward",
+           lambda a: gs.backward_train(*a, 1e-5, "highest"),
+           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)], 3)
 
     def m4_call(a):
         from cupykern.torch.matmul_sum_max_mean_logsumexp import _check
         return m4.apply_cached(*a, _check)
 
     yield ("matmul_sum_plan", lambda a: m4.build_plan_cached(*a, m4.check_weights),
-           lambda: [r(8, 24), r(8)])
+           lambda: [r(8, 24), r(8)], 1)
     yield ("matmul_sum_max_mean_logsumexp", m4_call,
-           lambda: [r(5, 24), r(8, 24), r(8), torch.empty(24 + m4.PLAN_TAIL, dtype=torch.float64)])
+           lambda: [r(5, 24), r(8, 24), r(8), torch.empty(24 + m4.PLAN_TAIL, dtype=torch.float64)], 1)
 
 
 CALLS = list(_calls())
 
 
-@pytest.mark.parametrize("label, call, make", CALLS, ids=[c[0] for c in CALLS])
-def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make):
+@pytest.mark.parametrize("label, call, make, plans", CALLS, ids=[c[0] for c in CALLS])
+def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make, plans):
     first, second = make(), make()
     call(first)
     planned = _named(launches, first)
     assert planned, "nothing was launched"
-    assert sum(len(getattr(m, "_plans", ())) for m in MODULES) == 1  # planned once, cached
+    assert _cached_plans() == plans  # planned once, cached
     call(second)  # a cache hit: same signatures
     assert _named(launches, second) == planned
 
