@@ -31,7 +31,6 @@ ROWS_PER_BLOCK = (1, 2, 4)  # rows of x per block of matmul_sum_rows (MatmulSumP
 _THREADS = 256  # matmul_sum_rows and matmul_sum_colsum_final
 _COLSUM = {"BX": 32, "BY": 8, "U": 8}  # colsum_partial: block (BX, BY), U rows per step
 _ROW_STEP = _COLSUM["BY"] * _COLSUM["U"]  # rows of W one colsum_partial step adds
-_FINAL_COLS = 32  # colsum_final: columns per block (a warp), _THREADS / 32 chunk lanes
 PLAN_TAIL = 3  # plan = [wsum (K), bias.sum(), max|W|, max|bias|] in float64
 # Largest finite value of each dtype and of the type torch accumulates it in.
 _FMAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
@@ -54,7 +53,7 @@ def _partial_expr(dtype, v):
 
 
 def _final_expr(dtype):
-    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}, {_FINAL_COLS}>"
+    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}>"
 
 
 for _dt in CTYPE:
@@ -159,7 +158,7 @@ def _plan_builder(w, b):
         scratch = empty(place, (nsum + nmax,), "float64")  # held to the launch
         psum = ptr(scratch)
         pmax = psum + 8 * nsum
-        calls = [(final, (cdiv(k, _FINAL_COLS) + 1,), (_THREADS,), (
+        calls = [(final, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
             psum, pmax, nchunks, nchunks * gx, k, ptr(bias), n, ptr(data)), 0)]
         if partial is not None:
             calls.insert(0, (partial, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),

@@ -140,46 +140,31 @@ template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch
   return m;
 }
 
-// Pass 2: plan[k] = sum of psum[c][k] over chunks c (blocks 0..gridDim.x-2, COLS columns
-// each): the block's THREADS / COLS lanes j add chunks j, j + LANES, ... in order, then
-// lane sums are added in lane order (deterministic); the last block writes
-// plan[K..K+2] = bias.sum(), max|W|, max|bias| (float64). Loads go in batches of B so
-// that a thread waits for one round trip per batch, not per value (33 chunks, the usual
-// count, are one batch of 8 lanes x 8). Grid cdiv(K, COLS) + 1, block THREADS.
-template <typename T, int THREADS, int COLS>
+// Pass 2: plan[k] = sum of psum[c][k] over chunks c in order (blocks 0..gridDim.x-2);
+// the last block writes plan[K..K+2] = bias.sum(), max|W|, max|bias| (float64).
+// Loads go in batches of 8 so a thread waits for one round trip per batch, not per value.
+// Grid cdiv(K, THREADS) + 1, block THREADS.
+template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 matmul_sum_colsum_final(const double* __restrict__ psum, const double* __restrict__ pmax,
                   long long nchunks, long long npmax, long long K, const T* __restrict__ bias,
                   long long N, double* __restrict__ plan) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024,
                 "matmul_sum_colsum_final: THREADS must be whole warps, at most 1024 (scratch[32])");
-  static_assert(COLS == 32, "matmul_sum_colsum_final: a warp spans the block's columns (coalesced)");
-  constexpr int LANES = THREADS / COLS, B = 8, BT = 32;  // BT: the last block's batch
+  constexpr int B8 = 8;
   if (blockIdx.x + 1 < gridDim.x) {
-    __shared__ double red[LANES][COLS];
-    const int col = threadIdx.x % COLS, lane = threadIdx.x / COLS;
-    const long long k = (long long)blockIdx.x * COLS + col;
-    double s = 0;
+    const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k < K) {
-      for (long long c0 = lane; c0 < nchunks; c0 += (long long)B * LANES) {
-        double v[B];
+      double s = 0;
+      for (long long c = 0; c < nchunks; c += B8) {
+        double v[B8];
 #pragma unroll
-        for (int u = 0; u < B; ++u) {
-          const long long c = c0 + (long long)u * LANES;
-          v[u] = c < nchunks ? psum[c * K + k] : 0.0;
-        }
+        for (int u = 0; u < B8; ++u) v[u] = c + u < nchunks ? psum[(c + u) * K + k] : 0.0;
 #pragma unroll
-        for (int u = 0; u < B; ++u)
-          if (c0 + (long long)u * LANES < nchunks) s += v[u];
+        for (int u = 0; u < B8; ++u)
+          if (c + u < nchunks) s += v[u];
       }
-    }
-    red[lane][col] = s;
-    __syncthreads();
-    if (lane == 0 && k < K) {
-      double t = 0;
-#pragma unroll
-      for (int j = 0; j < LANES; ++j) t += red[j][col];
-      plan[k] = t;
+      plan[k] = s;
     }
     return;
   }
@@ -188,20 +173,20 @@ matmul_sum_colsum_final(const double* __restrict__ psum, const double* __restric
   const long long step = blockDim.x;
   u64 kw = 0, kb = 0;
   double bs = 0;
-  for (long long i = threadIdx.x; i < npmax; i += BT * step) {
-    double v[BT];
+  for (long long i = threadIdx.x; i < npmax; i += B8 * step) {
+    double v[B8];
 #pragma unroll
-    for (int u = 0; u < BT; ++u) v[u] = i + u * step < npmax ? pmax[i + u * step] : 0.0;
+    for (int u = 0; u < B8; ++u) v[u] = i + u * step < npmax ? pmax[i + u * step] : 0.0;
 #pragma unroll
-    for (int u = 0; u < BT; ++u) kw = max(kw, abs_key(v[u]));
+    for (int u = 0; u < B8; ++u) kw = max(kw, abs_key(v[u]));
   }
   if (bias != nullptr) {
-    for (long long i = threadIdx.x; i < N; i += BT * step) {
-      double v[BT];
+    for (long long i = threadIdx.x; i < N; i += B8 * step) {
+      double v[B8];
 #pragma unroll
-      for (int u = 0; u < BT; ++u) v[u] = i + u * step < N ? (double)to_acc(bias[i + u * step]) : 0.0;
+      for (int u = 0; u < B8; ++u) v[u] = i + u * step < N ? (double)to_acc(bias[i + u * step]) : 0.0;
 #pragma unroll
-      for (int u = 0; u < BT; ++u) {
+      for (int u = 0; u < B8; ++u) {
         if (i + u * step < N) {
           bs += v[u];
           kb = max(kb, abs_key(v[u]));
