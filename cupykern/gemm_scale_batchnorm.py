@@ -323,6 +323,8 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
     same_place(zo, co)
     if zo.kind == "cpu":
         raise TypeError("z: backward_train takes GPU arrays (CuPy or torch CUDA)")
+    if scale is None:
+        raise ValueError("scale: required, got None")
     return (rows_2d(go, "g"), zo, co,
             *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
 

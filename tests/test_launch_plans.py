@@ -121,6 +121,9 @@ def _calls():
     yield ("gemm_scale_batchnorm backward",
            lambda a: gs.backward_train(*a, 1e-5, "highest"),
            lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)], 3)
+    yield ("gemm_scale_batchnorm backward, no bn_weight, dW only",
+           lambda a: gs.backward_train(*a, None, 1e-5, "high", False, True),
+           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8)], 2)
 
     def m4_call(a):
         from cupykern.torch.matmul_sum_max_mean_logsumexp import _check

@@ -95,7 +95,7 @@ def _backward(ctx, g, *_):
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
         dx, dw, dvec = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps, ctx.precision,
                                    want[0], want[1])
-        grads = (dx, dw, *dvec.unbind(0))
+        grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
 
