@@ -312,21 +312,24 @@ def _mm_fresh(a, b, precision):
     (M, K), N = ao.shape, bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
-    reads = [_planned_read(o, M * N * K) for o in (ao, operand(b.T, "b"))]
-    if None in reads:
+    run = _planned_gemm(ao, operand(b.T, "b"), M * N * K, prec, (M, N))
+    if run is None:
         return None
-    place = Place(ao)
-    run, ptr = _planned_gemm(reads, prec, place, (M, N)), place.ptr
+    ptr = run.place.ptr
     return lambda a, b: run(ptr(a), ptr(b), 0)  # (b.T starts where b does)
 
 
-def _planned_gemm(reads, precision: str, place, shape):
+def _planned_gemm(a, b, work: int, precision: str, shape):
     """``run(a_ptr, b_ptr, bias_ptr) -> out``: a new array of ``shape`` (rows of N) holding
-    ``a @ b.T (+ bias)`` for operands read as ``reads`` plans them (two
-    :func:`_planned_read` results): their copies, the GEMM and its split K, as launches
-    with their sizes fixed."""
+    ``a @ b.T (+ bias)`` for 2-D Operands like ``a`` and ``b`` in a product of ``work``
+    multiply-adds: their copies (:func:`_planned_read`), the GEMM and its split K, as
+    launches with their sizes fixed (``run.place``: where it allocates). None where an
+    operand needs a general copy."""
+    reads = [_planned_read(o, work) for o in (a, b)]
+    if None in reads:
+        return None
     (a, copy_a), (b, copy_b) = reads
-    kernel = gemm_kernel(a, b, precision)
+    kernel, place = gemm_kernel(a, b, precision), Place(a)
     call, ptr = gemm_call(kernel, a, b, b.shape[0]), place.ptr
 
     def run(ap, bp, bias):
@@ -339,6 +342,7 @@ def _planned_gemm(reads, precision: str, place, shape):
         launch_all(place, (*launches, *call(ap, bp, ptr(out), bias, 0, 0, 0, ptr(ws))))
         return out
 
+    run.place = place
     return run
 
 
@@ -521,9 +525,8 @@ def _fresh(x, weight, bias, precision):
             return None
         xo = rows_2d(xo, "x")
     work = int(np.prod(shape)) * xo.shape[-1]
-    reads = [_planned_read(o, work) for o in (xo, wo)]
-    if None in reads:
+    run = _planned_gemm(xo, wo, work, prec, shape)
+    if run is None:
         return None
-    place = Place(xo)
-    run, ptr = _planned_gemm(reads, prec, place, shape), place.ptr
+    ptr = run.place.ptr
     return lambda x, weight, bias: run(ptr(x), ptr(weight), ptr(bias))
