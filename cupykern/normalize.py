@@ -20,17 +20,27 @@ P = {"l1": 1, "l2": 2}
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
 # [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
 # (16 // itemsize) vectors. Per item size, measured at 32768x65535 on H200: float32
-# clusters 256 x 8 with prefetch (1.18x copy time; 512 x 4: 1.21x); 2-byte types
-# 512 x 4 without prefetch, three CTAs per SM (float16 1.21x; with prefetch 1.34x).
+# clusters 256 x 8 with prefetch, 16 rows per cluster (1.20-1.21x copy time; 4 rows
+# 1.23x); 2-byte types 512 x 4 without prefetch, three CTAs per SM (float16 1.08x; with
+# prefetch 1.34x).
 _SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
 CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
-           4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8)),
+           4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8, True, 16), (8, 512, 8)),
            8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 # Alternatives the benchmark sweeps (benchmarks/normalize.py); a 4th entry False
 # drops the next-row prefetch (one register buffer, more CTAs per SM).
 TUNING_CONFIGS = {2: ((4, 512, 4), (4, 256, 8, False)),
                   4: ((8, 512, 4), (4, 1024, 4), (4, 512, 8), (8, 256, 8, False), (8, 512, 4, False)),
                   8: ()}
+# The fused backward holds x and dy: its own configurations, in the same form, picked
+# the same way. Prefetch (four buffers) costs it CTAs per SM and loses: at 32768x65535
+# float32 on H200, 512 x 4 without prefetch (two CTAs per SM) takes 1.21x its ceiling;
+# 256 x 8 1.38x, either with prefetch 1.41-1.51x.
+_NO_PREFETCH = tuple(c + (False,) for c in _SINGLE)
+BACKWARD_CONFIGS = {
+    2: _NO_PREFETCH + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
+    4: _NO_PREFETCH + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False), (8, 512, 8, False)),
+    8: _NO_PREFETCH + ((2, 256, 8, False), (4, 256, 8, False), (8, 256, 8, False), (8, 512, 8, False))}
 _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
 _TWO_PASS = {"THREADS": 256, "CHUNK": 65536, "MAX_CHUNKS": 1024}
 
@@ -52,15 +62,18 @@ def _two_pass_exprs(p, dtype):
 
 
 def _backward_expr(p, dtype, cfg):
-    c, t, v = cfg[:3]
-    return f"normalize_backward_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}>"
+    c, t, v, prefetch = _kernel_of(cfg)
+    return (f"normalize_backward_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, "
+            f"{'true' if prefetch else 'false'}>")
 
 
 for _p in P.values():
     for _dt in CTYPE:
         _loader.register(_FILE, _two_pass_exprs(_p, _dt))
-        for _cfg in CONFIGS[ITEMSIZE[_dt]] + TUNING_CONFIGS[ITEMSIZE[_dt]]:
+        _isz = ITEMSIZE[_dt]
+        for _cfg in CONFIGS[_isz] + TUNING_CONFIGS[_isz]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
+        for _cfg in BACKWARD_CONFIGS[_isz] + CONFIGS[_isz] + TUNING_CONFIGS[_isz]:
             _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
 
 
@@ -135,16 +148,18 @@ def check(x, p: int, axis, out=None, config=None):
         config = tuple(config)
         if len(config) == 5 and config[4] < 1:
             raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
-        _require_config(config, a.dtype, _kernel_of, " (optionally with a rows-per-cluster 5th entry)")
+        _require_config(config, a.dtype)
     return a, ax, p, o, config
 
 
-def _require_config(config, dtype, key, hint=""):
-    """ValueError unless ``key(config)`` is ``key`` of a known configuration of ``dtype``."""
-    known = CONFIGS[ITEMSIZE[dtype]] + TUNING_CONFIGS[ITEMSIZE[dtype]]
-    if key(config) not in {key(c) for c in known}:
+def _require_config(config, dtype, backward=False):
+    """ValueError unless ``config`` names a known kernel configuration of ``dtype`` (a 5th
+    entry, rows per cluster, changes only the launch)."""
+    isz = ITEMSIZE[dtype]
+    known = (BACKWARD_CONFIGS[isz] if backward else ()) + CONFIGS[isz] + TUNING_CONFIGS[isz]
+    if _kernel_of(config) not in {_kernel_of(c) for c in known}:
         raise ValueError(f"config: {config} is not one of the {dtype} configurations "
-                         f"{known}{hint}")
+                         f"{known} (optionally with a rows-per-cluster 5th entry)")
 
 
 _plans: dict = {}  # (signature(x), p, axis) -> run(x) for a fresh output, or None
@@ -224,12 +239,20 @@ def _row_vectors(ncols: int, dtype: str) -> int:
     return ncols // (16 // ITEMSIZE[dtype])
 
 
-def _pick_config(ncols: int, dtype: str, cc: int):
+def _pick_config(ncols: int, dtype: str, cc: int, table=CONFIGS):
     nvec = _row_vectors(ncols, dtype)
-    for cfg in CONFIGS[ITEMSIZE[dtype]]:
+    for cfg in table[ITEMSIZE[dtype]]:
         if (cfg[0] == 1 or cc >= 90) and cfg[0] * cfg[1] * cfg[2] >= nvec:
             return cfg
     return None
+
+
+def _clusters(cfg, nrows: int, device: int) -> int:
+    """Clusters to launch for ``nrows`` rows: each walks about ``cfg``'s 5th entry (default
+    _ROWS_PER_CLUSTER) rows, so that its next row loads while it scales one; at least 4
+    per SM while there are rows (small row counts: one row per cluster)."""
+    per = cfg[4] if len(cfg) > 4 else _ROWS_PER_CLUSTER
+    return min(nrows, max(cdiv(nrows, per), 4 * _loader.sm_count(device)), (2**31 - 1) // cfg[0])
 
 
 def _check_capacity(cfg, ncols: int, dtype: str) -> None:
@@ -251,8 +274,7 @@ def _plan(src, xs, ys, p, config=None):
         _check_capacity(cfg, ncols, dt)
         c, t = cfg[:2]
         fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev)
-        per = cfg[4] if len(cfg) > 4 else _ROWS_PER_CLUSTER  # small row counts: one per cluster
-        nclusters = min(nrows, max(cdiv(nrows, per), 4 * _loader.sm_count(dev)), (2**31 - 1) // c)
+        nclusters = _clusters(cfg, nrows, dev)
         tail = (nrows, ncols, xs, ys)
         return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail)
 
@@ -277,8 +299,9 @@ def normalize_backward(x, dy, p: int, axis, config=None):
     recomputed from x, so a forward need keep only x). Returns None where the kernel does
     not apply (CPU or empty arrays, ``axis`` not the last, x or dy not row views whose
     rows start alike modulo 16 bytes, rows longer than a cluster holds); the caller then
-    computes dx another way. ``config``: for tuning, (cluster CTAs, threads, vectors) of
-    a :data:`CONFIGS` or :data:`TUNING_CONFIGS` entry; one cluster per row."""
+    computes dx another way. ``config``: for tuning, a configuration as the forward's
+    (cluster CTAs, threads, vectors[, prefetch[, rows per cluster]]) from
+    :data:`BACKWARD_CONFIGS`, :data:`CONFIGS` or :data:`TUNING_CONFIGS`."""
     run = cached(_plans, ("backward", signature(x), signature(dy), p, axis, config),
                  lambda: _backward_fresh(x, dy, p, axis, config))
     return None if run is None else run(x, dy)
@@ -287,9 +310,9 @@ def normalize_backward(x, dy, p: int, axis, config=None):
 def _backward_fresh(x, dy, p, axis, config):
     """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
     a, ax, p, _, _ = check(x, p, axis)
-    if config is not None:  # (cluster CTAs, threads, vectors): no prefetch in this kernel
+    if config is not None:
         config = tuple(config)
-        _require_config(config, a.dtype, lambda c: tuple(c[:3]), " (their first three entries)")
+        _require_config(config, a.dtype, backward=True)
     g = operand(dy, "dy")
     same_place(a, g)
     if (g.dtype, tuple(g.shape)) != (a.dtype, tuple(a.shape)):
@@ -302,14 +325,14 @@ def _backward_fresh(x, dy, p, axis, config):
     if (xs is None or gs is None or not co_aligned(a.ptr, xs, g.ptr, gs, isz)
             or not co_aligned(a.ptr, xs, 0, ncols, isz)):  # (dx: fresh, aligned)
         return None
-    cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device))
+    cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device), BACKWARD_CONFIGS)
     if cfg is None:
         return None
     _check_capacity(cfg, ncols, a.dtype)
     c, t = cfg[:2]
     fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)
     nrows = a.size // ncols
-    grid, block, tail = (min(nrows, (2**31 - 1) // c) * c,), (t,), (nrows, ncols, xs, gs, ncols)
+    grid, block, tail = (_clusters(cfg, nrows, a.device) * c,), (t,), (nrows, ncols, xs, gs, ncols)
     place, shape = Place(a), a.shape
 
     def run(x, dy):

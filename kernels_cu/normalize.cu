@@ -60,9 +60,11 @@ template <int C, int THREADS, int VPT> __device__ __forceinline__ void check_clu
 
 // One cluster of C CTAs per row; the row stays in registers between the
 // reduction and the scaling, so x is read from DRAM exactly once. Each cluster
-// walks rows row0, row0 + nclusters, ... With PREFETCH it loads its next row
-// while it waits at the cluster barrier and scales the current one (two
-// register buffers); without, it keeps one buffer and more CTAs fit per SM.
+// walks rows row0, row0 + nclusters, ... With PREFETCH two register buffers take
+// turns: a row's step first issues the loads of the cluster's next row into the
+// other buffer, so they stay in flight through this row's reduction, cluster
+// barrier and stores (the loop is unrolled by two, so the buffers never move).
+// Without, one buffer is loaded at the top of each step and more CTAs fit per SM.
 // Capacity: C * THREADS * VPT 16-byte vectors per row (the caller checks it).
 // Register cap: two (PREFETCH) or three 512 x 4 / 256 x 8 CTAs per SM, the
 // most that each variant's buffers fit without spilling.
@@ -83,9 +85,9 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
   const long long nclusters = gridDim.x / C;
   const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
 
-  V buf[VPT], nxt[VPT];
-  A sc = 0, nsc = 0;  // this thread's head/tail scalar (rank 0 only)
-  auto load = [&](V* b, A& scal, long long row) {
+  V b0[VPT], b1[VPT];
+  A sc0 = 0, sc1 = 0;  // this thread's head/tail scalar (rank 0 only)
+  auto load = [&](V (&b)[VPT], A& scal, long long row) {
     const T* xr = x + row * xs;
     const RowSplit rs(xr, ncols);
 #pragma unroll
@@ -95,15 +97,13 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
     }
     if (rank == 0 && (int)threadIdx.x < rs.nscalar) scal = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
   };
-
-  long long row = blockIdx.x / C;
-  if (PREFETCH && row < nrows) load(buf, sc, row);
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cluster_arrive();
-    cluster_wait();
-  }
-  for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) {
-    if constexpr (!PREFETCH) load(buf, sc, row);
+  // Row `row` from `buf` (already loaded with PREFETCH); `parity` picks part's half.
+  auto step = [&](V (&buf)[VPT], A& sc, V (&nxt)[VPT], A& nsc, long long row, int parity) {
+    if constexpr (PREFETCH) {
+      if (row + nclusters < nrows) load(nxt, nsc, row + nclusters);
+    } else {
+      load(buf, sc, row);
+    }
     const RowSplit rs(x + row * xs, ncols);
     A s = 0;
 #pragma unroll
@@ -122,10 +122,6 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
         for (unsigned r = 0; r < C; ++r) st_dsmem(&part[parity][rank], r, total);
       }
       cluster_arrive();
-    }
-    const long long next = row + nclusters;
-    if (PREFETCH && next < nrows) load(nxt, nsc, next);  // in flight across the barrier
-    if constexpr (C > 1) {
       cluster_wait();
       total = 0;
       for (int r = 0; r < C; ++r) total += part[parity][r];  // same order in every CTA
@@ -142,11 +138,24 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
       }
     }
     if (has_scalar) y[row * ys + rs.scalar_pos(threadIdx.x)] = from_acc<T>(scale(sc));
-    if constexpr (PREFETCH) {
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) buf[i] = nxt[i];
-      sc = nsc;
+  };
+
+  long long row = blockIdx.x / C;
+  if (PREFETCH && row < nrows) load(b0, sc0, row);
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cluster_arrive();
+    cluster_wait();
+  }
+  if constexpr (PREFETCH) {
+    while (row < nrows) {
+      step(b0, sc0, b1, sc1, row, 0);
+      row += nclusters;
+      if (row >= nrows) break;
+      step(b1, sc1, b0, sc0, row, 1);
+      row += nclusters;
     }
+  } else {
+    for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) step(b0, sc0, b0, sc0, row, parity);
   }
 }
 
@@ -199,9 +208,11 @@ normalize_apply(const T* __restrict__ x, T* __restrict__ y,
 // d recomputed from x (rounded to T as the forward rounds it), so the forward saves only
 // x. One cluster of C CTAs per row holds the row of x and of dy in registers: x and dy
 // are read once and dx written once. Rows of x, dy and dx start at the same offset
-// modulo 16 bytes (the caller checks it). Capacity as normalize_rows.
-template <int P, typename T, int C, int THREADS, int VPT,
-          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) / THREADS>
+// modulo 16 bytes (the caller checks it). Capacity as normalize_rows, and PREFETCH as
+// there: the next row's x and dy load into the other pair of buffers during this row's
+// step (four buffers: one CTA of 512 x 4 per SM).
+template <int P, typename T, int C, int THREADS, int VPT, bool PREFETCH = true,
+          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) / THREADS / (PREFETCH ? 2 : 1)>
 __global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
@@ -217,44 +228,49 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
   const unsigned rank = C > 1 ? cluster_ctarank() : 0;
   const long long nclusters = gridDim.x / C;
   const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cluster_arrive();
-    cluster_wait();
-  }
-  V xb[VPT], gb[VPT];
-  int parity = 0;
-  for (long long row = blockIdx.x / C; row < nrows; row += nclusters, parity ^= 1) {
+
+  struct Row { V x[VPT], g[VPT]; A xsc, gsc; };  // a row's share of x and dy (+ scalars)
+  Row r0, r1;
+  auto load = [&](Row& b, long long row) {
     const T* xr = x + row * xs;
     const T* gr = dy + row * dys;
     const RowSplit rs(xr, ncols);
-    A sn = 0, sg = 0, xsc = 0, gsc = 0;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
       if (v < rs.nvec) {
-        xb[i].u = ld_global_nc_v4(xr + rs.head + v * N);
-        gb[i].u = ld_global_nc_v4(gr + rs.head + v * N);
+        b.x[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+        b.g[i].u = ld_global_nc_v4(gr + rs.head + v * N);
       }
     }
-    const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
-    if (has_scalar) {
-      xsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
-      gsc = to_acc(gr[rs.scalar_pos(threadIdx.x)]);
+    if (rank == 0 && (int)threadIdx.x < rs.nscalar) {
+      b.xsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
+      b.gsc = to_acc(gr[rs.scalar_pos(threadIdx.x)]);
     }
+  };
+  auto step = [&](Row& b, Row& next, long long row, int parity) {
+    if constexpr (PREFETCH) {
+      if (row + nclusters < nrows) load(next, row + nclusters);
+    } else {
+      load(b, row);
+    }
+    const RowSplit rs(x + row * xs, ncols);
+    A sn = 0, sg = 0;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       if (vec0 + (long long)i * THREADS < rs.nvec) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-          const A xv = to_acc(xb[i].e[j]);
+          const A xv = to_acc(b.x[i].e[j]);
           sn += norm_term<P>(xv);
-          sg += to_acc(gb[i].e[j]) * xv;
+          sg += to_acc(b.g[i].e[j]) * xv;
         }
       }
     }
+    const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
     if (has_scalar) {  // after the vectors, as the forward adds it: the same d
-      sn += norm_term<P>(xsc);
-      sg += gsc * xsc;
+      sn += norm_term<P>(b.xsc);
+      sg += b.gsc * b.xsc;
     }
     A tn = block_sum(sn, scratch), tg = block_sum(sg, scratch);
     if constexpr (C > 1) {
@@ -283,10 +299,28 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
       if (v < rs.nvec) {
-        const V o = vec_from_acc<T>([&](int j) { return grad(to_acc(xb[i].e[j]), to_acc(gb[i].e[j])); });
+        const V o = vec_from_acc<T>([&](int j) { return grad(to_acc(b.x[i].e[j]), to_acc(b.g[i].e[j])); });
         st_global_cs_v4(dr + v * N, o.u);
       }
     }
-    if (has_scalar) dx[row * dxs + rs.scalar_pos(threadIdx.x)] = from_acc<T>(grad(xsc, gsc));
+    if (has_scalar) dx[row * dxs + rs.scalar_pos(threadIdx.x)] = from_acc<T>(grad(b.xsc, b.gsc));
+  };
+
+  long long row = blockIdx.x / C;
+  if (PREFETCH && row < nrows) load(r0, row);
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cluster_arrive();
+    cluster_wait();
+  }
+  if constexpr (PREFETCH) {
+    while (row < nrows) {
+      step(r0, r1, row, 0);
+      row += nclusters;
+      if (row >= nrows) break;
+      step(r1, r0, row, 1);
+      row += nclusters;
+    }
+  } else {
+    for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) step(r0, r0, row, parity);
   }
 }

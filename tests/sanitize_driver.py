@@ -102,6 +102,7 @@ def run_normalize():
         isz = dtype.itemsize
         per_vec = 16 // isz
         configs = [c for c in nz.CONFIGS[isz] if c[0] == 1 or clusters]
+        bconfigs = [c for c in nz.BACKWARD_CONFIGS[isz] if c[0] == 1 or clusters]
         for kind in ("l1", "l2"):
             t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
             tag = f"{kind} {NAME[dtype]}"
@@ -116,10 +117,16 @@ def run_normalize():
                     x = dev(randn(3, ncols, seed=ncols), dtype)
                     check(f"{tag} config {cfg} ncols {ncols}",
                           fn(x, config=cfg), norm_ref(host(x), kind), t)
+            for cfg in bconfigs:
+                cap = cfg[0] * cfg[1] * cfg[2]
+                for ncols in (1, 7, 1001, cap * per_vec - 3):
+                    if ncols // per_vec > cap:
+                        continue
+                    x = dev(randn(3, ncols, seed=ncols), dtype)
                     gy = dev(randn(3, ncols, seed=ncols + 1), dtype)
                     dx, scale = grad_ref(host(x), host(gy), kind)
                     check(f"{tag} backward config {cfg} ncols {ncols}",
-                          nz.normalize_backward(x, gy, nz.P[kind], 1, cfg[:3]), dx, t, scale)
+                          nz.normalize_backward(x, gy, nz.P[kind], 1, cfg), dx, t, scale)
             if kind == "l2":
                 # 12 * SMs rows: each of the 4 * SMs clusters walks 3 rows, so the
                 # prefetch buffers and the double-buffered partial sums are reused.
@@ -127,6 +134,11 @@ def run_normalize():
                 for cfg in configs:
                     check(f"{tag} config {cfg} many rows",
                           fn(x, config=cfg), norm_ref(host(x), kind), t)
+                gy = dev(randn(12 * sms, 40, seed=4), dtype)
+                dx, scale = grad_ref(host(x), host(gy), "l2")
+                for cfg in bconfigs:
+                    check(f"{tag} backward config {cfg} many rows",
+                          nz.normalize_backward(x, gy, 2, 1, cfg), dx, t, scale)
             # Rows longer than any cluster holds: the two-pass kernel (aligned, then offset).
             x = dev(randn(3, 300_001, seed=4), dtype)
             check(f"{tag} two-pass", fn(x), norm_ref(host(x), kind), t)

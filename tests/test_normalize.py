@@ -272,6 +272,31 @@ def test_every_kernel_path(kind, config):
     assert_matches(got, torch_ref(x, kind), torch.float32)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(8, 256, 8, True, 16), (8, 512, 4, True), (8, 512, 4, False, 8),
+                                    (8, 256, 8, False), (1, 256, 4)], ids=str)
+def test_rows_walked_by_each_cluster(config):
+    """Clusters that walk several rows (the prefetch buffers swap and the double-buffered
+    partial sums are reused): forward and fused backward, against float64."""
+    core = __import__("sys").modules["cupykern.normalize"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(12 * sms + 5, 1001, device="cuda", generator=gen)  # 3+ rows per cluster
+    g = torch.randn(x.shape, device="cuda", generator=gen)
+    x[7], x[8, 3] = 0, float("nan")
+    assert_matches(cupykern.l2_normalize(x, config=config), torch_ref(x, "l2"), torch.float32)
+    got = core.normalize_backward(x, g, 2, 1, config)
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(torch_ref(xr, "l2"), xr, g)  # zero and nan rows
+    for row in (7, 8):
+        assert torch.equal(got[row].isnan(), want[row].isnan()), row
+        assert torch.equal(got[row].isinf(), want[row].isinf()), row
+    want = _grad64(x[9:], g[9:], "l2")
+    scale = float((g[9:].double() / x[9:].double().norm(2, 1, keepdim=True)).abs().max())
+    torch.testing.assert_close(got[9:].double(), want, rtol=TOL[torch.float32],
+                               atol=TOL[torch.float32] * scale)
+
+
 def _grad64(x, g, kind):
     """dx of the model in float64, from autograd on the reference."""
     x64 = x.detach().to(torch.float64, copy=True).requires_grad_()
