@@ -146,15 +146,18 @@ def check(x, p: int, axis, out=None, config=None):
     o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
     if config is not None:
         config = tuple(config)
-        if len(config) == 5 and config[4] < 1:
-            raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
         _require_config(config, a.dtype)
     return a, ax, p, o, config
 
 
 def _require_config(config, dtype, backward=False):
-    """ValueError unless ``config`` names a known kernel configuration of ``dtype`` (a 5th
-    entry, rows per cluster, changes only the launch)."""
+    """ValueError unless ``config`` names a known kernel configuration of ``dtype``,
+    optionally with a 5th entry (rows per cluster, >= 1: it changes only the launch)."""
+    if not 3 <= len(config) <= 5:
+        raise ValueError(f"config: expected (cluster CTAs, threads, vectors[, prefetch[, rows "
+                         f"per cluster]]), got {config}")
+    if len(config) == 5 and config[4] < 1:
+        raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
     isz = ITEMSIZE[dtype]
     known = (BACKWARD_CONFIGS[isz] if backward else ()) + CONFIGS[isz] + TUNING_CONFIGS[isz]
     if _kernel_of(config) not in {_kernel_of(c) for c in known}:

@@ -297,6 +297,19 @@ def test_rows_walked_by_each_cluster(config):
                                atol=TOL[torch.float32] * scale)
 
 
+@pytest.mark.parametrize("config", [(8, 256, 8, True, 16, 1), (8, 256), (8, 256, 8, True, 0)],
+                         ids=str)
+def test_malformed_config_is_a_value_error(config):
+    """A tuning config of the wrong length, or with fewer than one row per cluster, is
+    refused by the forward and the fused backward alike (before any GPU work)."""
+    core = __import__("sys").modules["cupykern.normalize"]
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="config: "):
+        cupykern.l2_normalize(x, config=config)
+    with pytest.raises(ValueError, match="config: "):
+        core.normalize_backward(x, x, 2, 1, config)
+
+
 def _grad64(x, g, kind):
     """dx of the model in float64, from autograd on the reference."""
     x64 = x.detach().to(torch.float64, copy=True).requires_grad_()
