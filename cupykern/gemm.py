@@ -388,7 +388,7 @@ def matrix(o, work: int):
         return rows_2d(o, o.name)
     mode, ld = _read_mode(o, work)
     if mode == "transpose":
-        planned, copy = _transpose_plan(o, ld)
+        copy = _transpose_plan(o, ld)[1]
         launches, held = [], []
         copy(o.ptr, launches, held)
         launch_all(o, launches)

@@ -27,7 +27,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
-                   workspace)
+                   mm, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -342,8 +342,6 @@ def _backward_plan(go, zo, co, so, gmo, eps, precision, input_grad, weight_grad)
     """``run(g, z, coefs, x, weight, scale, bn_weight)`` for validated Operands (g with
     contiguous rows, vectors contiguous): the three passes' launches with their sizes
     fixed, then the two GEMMs (:func:`cupykern.gemm.mm`, whose plans are cached too)."""
-    from .gemm import check_precision, mm
-
     prec = check_precision(precision)
     M, N = zo.shape
     place, t = Place(zo), CTYPE[zo.dtype]
