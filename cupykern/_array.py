@@ -305,8 +305,10 @@ def _dim3(d):
     return (d[0], d[1] if len(d) > 1 else 1, d[2] if len(d) > 2 else 1)
 
 
-def _launch_calls(calls, stream: int) -> None:
+def _launch_calls(calls, stream: int, zero=()) -> None:
     cp = _loader.cupy()
+    for ptr, nbytes in zero:
+        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
     if not cp.cuda.driver.ctxGetCurrent():  # a thread's first launch: CuPy makes the context
         for fn, grid, block, args, smem in calls:
             fn(grid, block, args, shared_mem=smem, stream=_RawStream(stream))
@@ -326,16 +328,17 @@ class _RawStream:
         self.ptr = ptr
 
 
-def launch_all(a, calls) -> None:
+def launch_all(a, calls, zero=()) -> None:
     """Launch each ``(fn, grid, block, args, shared_mem)`` in order on ``a``'s device and
-    current stream, looked up once. ``args``: pointers and ``long long`` as Python ints,
-    other scalars from :func:`scalar`."""
+    current stream, looked up once, after zeroing each ``(pointer, bytes)`` of ``zero``
+    there. ``args``: pointers and ``long long`` as Python ints, other scalars from
+    :func:`scalar`."""
     cupy = _loader.cupy()
     if cupy.cuda.runtime.getDevice() == a.device:
-        _launch_calls(calls, stream_ptr(a))
+        _launch_calls(calls, stream_ptr(a), zero)
     else:
         with cupy.cuda.Device(a.device):  # CuPy's current stream is per device
-            _launch_calls(calls, stream_ptr(a))
+            _launch_calls(calls, stream_ptr(a), zero)
 
 
 class Place:

@@ -28,9 +28,12 @@ from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
 ROWS_PER_BLOCK = (1, 2, 4)  # rows of x per block of matmul_sum_rows (MatmulSumPlan.apply)
-_THREADS = 256  # matmul_sum_rows and matmul_sum_colsum_final
-_COLSUM = {"BX": 32, "BY": 8, "U": 8}  # colsum_partial: block (BX, BY), U rows per step
-_ROW_STEP = _COLSUM["BY"] * _COLSUM["U"]  # rows of W one colsum_partial step adds
+_LOADS = {1: 8, 2: 8, 4: 4}  # rows per block -> 16-byte loads per row in flight per thread
+_THREADS = 256  # matmul_sum_rows and matmul_sum_plan
+# matmul_sum_plan: U rows of W added at once; a column tile is _LANES lanes of 16 bytes
+# (128 bytes: whole DRAM sectors), or 32 lanes of one element where rows are unaligned;
+# row chunks are added where tiles alone give fewer than _BLOCKS_PER_SM blocks per SM.
+_PLAN_U, _LANES, _BLOCKS_PER_SM = 8, 8, 2
 PLAN_TAIL = 3  # plan = [wsum (K), bias.sum(), max|W|, max|bias|] in float64
 # Largest finite value of each dtype and of the type torch accumulates it in.
 _FMAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
@@ -44,22 +47,20 @@ def _vec(dtype: str) -> int:
 
 
 def _rows_expr(dtype, v, r):
-    return f"matmul_sum_rows<{CTYPE[dtype]}, {v}, {r}, {_THREADS}>"
+    return f"matmul_sum_rows<{CTYPE[dtype]}, {v}, {r}, {_LOADS[r]}, {_THREADS}>"
 
 
-def _partial_expr(dtype, v):
-    c = _COLSUM
-    return f"matmul_sum_colsum_partial<{CTYPE[dtype]}, {v}, {c['BX']}, {c['BY']}, {c['U']}>"
+def _lanes(v: int) -> int:
+    return _LANES if v > 1 else 32
 
 
-def _final_expr(dtype):
-    return f"matmul_sum_colsum_final<{CTYPE[dtype]}, {_THREADS}>"
+def _plan_expr(dtype, v):
+    return f"matmul_sum_plan<{CTYPE[dtype]}, {v}, {_lanes(v)}, {_THREADS}, {_PLAN_U}>"
 
 
 for _dt in CTYPE:
     for _v in (1, _vec(_dt)):
-        _loader.register(_FILE, [_partial_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in ROWS_PER_BLOCK])
-    _loader.register(_FILE, [_final_expr(_dt)])
+        _loader.register(_FILE, [_plan_expr(_dt, _v)] + [_rows_expr(_dt, _v, r) for r in ROWS_PER_BLOCK])
 
 
 def _zlim(dtype: str, n: int) -> float:
@@ -134,36 +135,32 @@ def build_plan(w, b):
 
 def _plan_builder(w, b):
     """``run(weight, bias) -> plan`` for weights like ``w`` / ``b`` (Operands, rows and
-    bias contiguous): the column-sum launches with their sizes fixed."""
+    bias contiguous): the launch of matmul_sum_plan with its sizes fixed."""
     n, k = w.shape
     dt, dev = w.dtype, w.device
     ldw = row_stride(w.shape, w.strides)
     v = _vec(dt) if vector_aligned(w.ptr, ldw, k, ITEMSIZE[dt]) else 1
-    gx = cdiv(k // v, _COLSUM["BX"])
-    # (column tile, row chunk) blocks: about 16 per SM, chunks a multiple of the
-    # kernel's row step.
-    nchunks = rows_per_chunk = 0
-    if n and k:
-        nchunks = min(cdiv(n, _ROW_STEP), cdiv(_loader.sm_count(dev) * 16, gx))
-        rows_per_chunk = cdiv(cdiv(n, nchunks), _ROW_STEP) * _ROW_STEP
-        nchunks = cdiv(n, rows_per_chunk)
-    nsum, nmax = max(nchunks * k, 1), max(nchunks * gx, 1)  # partial sums, partial maxima
-    partial = _loader.function(_FILE, _partial_expr(dt, v), dev) if nchunks else None
-    final = _loader.function(_FILE, _final_expr(dt), dev)
+    lanes = _lanes(v)
+    ntiles, step = cdiv(k, lanes * v), _THREADS // lanes * _PLAN_U  # step: rows a pass adds
+    # Row chunks (whole passes each) only where the tiles alone are too few blocks.
+    nchunks = (min(cdiv(n, step), cdiv(_BLOCKS_PER_SM * _loader.sm_count(dev), ntiles))
+               if n and ntiles else 1)
+    rows_per_chunk = cdiv(cdiv(n, nchunks), step) * step
+    nchunks = cdiv(n, rows_per_chunk) if n and ntiles else 1
+    nsync = 2 + cdiv(ntiles, 2) if nchunks > 1 else 2  # float64 slots: key, counters
+    nscratch = nsync + (nchunks * k if nchunks > 1 else 0)
+    fn = _loader.function(_FILE, _plan_expr(dt, v), dev)
     place = Place(w)
     ptr = place.ptr
 
     def run(weight, bias):
         data = empty(place, (k + PLAN_TAIL,), "float64")
-        scratch = empty(place, (nsum + nmax,), "float64")  # held to the launch
-        psum = ptr(scratch)
-        pmax = psum + 8 * nsum
-        calls = [(final, (cdiv(k, _THREADS) + 1,), (_THREADS,), (
-            psum, pmax, nchunks, nchunks * gx, k, ptr(bias), n, ptr(data)), 0)]
-        if partial is not None:
-            calls.insert(0, (partial, (gx, nchunks), (_COLSUM["BX"], _COLSUM["BY"]),
-                             (ptr(weight), ldw, n, k, rows_per_chunk, psum, pmax), 0))
-        launch_all(place, calls)
+        scratch = empty(place, (nscratch,), "float64")  # held to the launch
+        sync = ptr(scratch)
+        psum = sync + 8 * nsync if nchunks > 1 else 0
+        launch_all(place, ((fn, (ntiles + 1, nchunks), (_THREADS,), (
+            ptr(weight), ldw, n, k, rows_per_chunk, ptr(bias), ptr(data), psum, sync), 0),),
+            zero=((sync, 8 * nsync),))
         return data
 
     return run

@@ -2,8 +2,8 @@
 // (max, mean and logsumexp over the size-1 dim that follow are identities.)
 //
 // Fast path: out[b] = x[b] . wsum + bsum with wsum = W.sum(0), bsum = bias.sum(), all in
-// float64. A "plan" (wsum, bsum, max|W|, max|bias|) is built from the weights by
-// matmul_sum_colsum_partial + matmul_sum_colsum_final; matmul_sum_rows then reads x once.
+// float64. A "plan" (wsum, bsum, max|W|, max|bias|) is built from the weights by one
+// launch of matmul_sum_plan; matmul_sum_rows then reads x once.
 //
 // The identity is exact only when nothing in torch's chain overflows or is non-finite,
 // so matmul_sum_rows bounds every z[b,j] and every partial sum with K*max|x[b]|*max|W|+max|b|
@@ -64,72 +64,6 @@ template <int V> __device__ __forceinline__ void load_f64(double (&d)[V], const 
 
 // ---------------------------------------------------------------- plan build
 
-// Pass 1: block (BX, BY) = (32, 8) sums a tile of BX*V columns over one chunk of rows of W.
-// Each thread loads U (8) rows at once (one step), adds them in the accumulation type and
-// then once into float64 (1/U of the slow 64-bit conversions; the rounding is that
-// of float32 on U values), then the BY row phases are added in order: deterministic.
-// A step of the block covers BY * U rows (the caller makes chunks a multiple of it).
-// Writes psum[chunk][col] and the tile's max|W|.
-template <typename T, int V, int BX, int BY, int U>
-__global__ void __launch_bounds__(BX * BY)
-matmul_sum_colsum_partial(const T* __restrict__ w, long long ldw, long long N, long long K,
-                    long long rows_per_chunk, double* __restrict__ psum, double* __restrict__ pmax) {
-  typedef typename acc_of<T>::type A;
-  typedef decltype(abs_key(A())) Key;
-  static_assert(BX == 32, "matmul_sum_colsum_partial: a warp is one row phase ty (blockDim.x == 32)");
-  static_assert(BY >= 1 && BX * BY <= 1024, "matmul_sum_colsum_partial: at most 1024 threads");
-  static_assert(U >= 1, "matmul_sum_colsum_partial: U >= 1");
-  __shared__ double red[BY][BX * V];
-  __shared__ Key kred[BY];
-
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const long long c0 = ((long long)blockIdx.x * BX + tx) * V;
-  const long long r0 = (long long)blockIdx.y * rows_per_chunk;
-  const long long r1 = min(r0 + rows_per_chunk, N);
-  double s[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) s[e] = 0;
-  Key key = 0;
-  if (c0 < K) {
-    for (long long r = r0 + ty; r < r1; r += U * BY) {
-      Pack<T, V> p[U] = {};  // zeros: rows past the chunk add nothing
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (r + u * BY < r1) load_pack(p[u], w + (r + u * BY) * ldw + c0);
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        A g = 0;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const A v = to_acc(p[u].e[e]);
-          g += v;
-          key = max(key, abs_key(v));
-        }
-        s[e] += (double)g;
-      }
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < V; ++e) red[ty][tx * V + e] = s[e];
-  key = warp_max_key(key);  // a warp is one ty (blockDim.x == 32)
-  if (tx == 0) kred[ty] = key;
-  __syncthreads();
-  if (ty == 0 && c0 < K) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      double t = 0;
-#pragma unroll
-      for (int i = 0; i < BY; ++i) t += red[i][tx * V + e];
-      psum[blockIdx.y * K + c0 + e] = t;
-    }
-  }
-  if (tx == 0 && ty == 0) {
-    Key m = 0;
-    for (int i = 0; i < BY; ++i) m = max(m, kred[i]);
-    pmax[(long long)blockIdx.y * gridDim.x + blockIdx.x] = key_value(m);
-  }
-}
-
 template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch) {
   v = warp_max_key(v);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
@@ -140,68 +74,122 @@ template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch
   return m;
 }
 
-// Pass 2: plan[k] = sum of psum[c][k] over chunks c in order (blocks 0..gridDim.x-2);
-// the last block writes plan[K..K+2] = bias.sum(), max|W|, max|bias| (float64).
-// Loads go in batches of 8 so a thread waits for one round trip per batch, not per value.
-// Grid cdiv(K, THREADS) + 1, block THREADS.
-template <typename T, int THREADS>
+// One launch builds the whole plan from one read of W and of the bias.
+// Block (x, y) with x < ntiles = gridDim.x - 1 sums column tile x (L lanes of V
+// elements: 128 bytes wide in the vector path) over row chunk y. THREADS/L row phases;
+// each thread adds U rows at once in the accumulation type, then once into float64 (1/U
+// of the slow 64-bit conversions; the rounding is that of float32 on U values); the
+// phases are then added in order. With one chunk the block writes plan[cols]; otherwise
+// it writes psum[y][cols], and the tile's last block to finish (a counter per tile) adds
+// the chunks in order: deterministic. Every block folds its max|W| into one key with
+// atomicMax (order-free), and the last block of all writes plan[K+1]. Block (ntiles, 0)
+// writes plan[K] = bias.sum() and plan[K+2] = max|bias|; blocks (ntiles, y > 0) exit.
+// sync, zeroed by the caller: [max|W| key (u64), block counter, pad, ntiles tile counters].
+template <typename T, int V, int L, int THREADS, int U>
 __global__ void __launch_bounds__(THREADS)
-matmul_sum_colsum_final(const double* __restrict__ psum, const double* __restrict__ pmax,
-                  long long nchunks, long long npmax, long long K, const T* __restrict__ bias,
-                  long long N, double* __restrict__ plan) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024,
-                "matmul_sum_colsum_final: THREADS must be whole warps, at most 1024 (scratch[32])");
-  constexpr int B8 = 8;
-  if (blockIdx.x + 1 < gridDim.x) {
-    const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (k < K) {
-      double s = 0;
-      for (long long c = 0; c < nchunks; c += B8) {
-        double v[B8];
-#pragma unroll
-        for (int u = 0; u < B8; ++u) v[u] = c + u < nchunks ? psum[(c + u) * K + k] : 0.0;
-#pragma unroll
-        for (int u = 0; u < B8; ++u)
-          if (c + u < nchunks) s += v[u];
-      }
-      plan[k] = s;
-    }
-    return;
-  }
-  __shared__ double scratch[32];
-  __shared__ u64 kscratch[32];
-  const long long step = blockDim.x;
-  u64 kw = 0, kb = 0;
-  double bs = 0;
-  for (long long i = threadIdx.x; i < npmax; i += B8 * step) {
-    double v[B8];
-#pragma unroll
-    for (int u = 0; u < B8; ++u) v[u] = i + u * step < npmax ? pmax[i + u * step] : 0.0;
-#pragma unroll
-    for (int u = 0; u < B8; ++u) kw = max(kw, abs_key(v[u]));
-  }
-  if (bias != nullptr) {
-    for (long long i = threadIdx.x; i < N; i += B8 * step) {
+matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K,
+                long long rows_per_chunk, const T* __restrict__ bias, double* __restrict__ plan,
+                double* psum, unsigned* sync) {
+  typedef typename acc_of<T>::type A;
+  typedef decltype(abs_key(A())) Key;
+  constexpr int R = THREADS / L, W = L * V;  // row phases, tile width (elements)
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "matmul_sum_plan: whole warps, at most 1024 threads");
+  static_assert(L >= 1 && THREADS % L == 0, "matmul_sum_plan: THREADS must be whole row phases of L lanes");
+  static_assert(U >= 1, "matmul_sum_plan: U >= 1");
+  __shared__ double red[R][W];
+  __shared__ double scratch[THREADS / 32];
+  __shared__ u64 kscratch[THREADS / 32];
+  __shared__ bool s_last;
+
+  const unsigned ntiles = gridDim.x - 1, nchunks = gridDim.y;
+  u64* key_all = reinterpret_cast<u64*>(sync);
+  if (blockIdx.x == ntiles) {  // ---- the bias block
+    if (blockIdx.y != 0) return;
+    constexpr int B8 = 8;
+    double bs = 0;
+    u64 kb = 0;
+    for (long long i = threadIdx.x; bias != nullptr && i < N; i += B8 * THREADS) {
       double v[B8];
 #pragma unroll
-      for (int u = 0; u < B8; ++u) v[u] = i + u * step < N ? (double)to_acc(bias[i + u * step]) : 0.0;
+      for (int u = 0; u < B8; ++u) v[u] = i + u * THREADS < N ? (double)to_acc(bias[i + u * THREADS]) : 0.0;
 #pragma unroll
-      for (int u = 0; u < B8; ++u) {
-        if (i + u * step < N) {
+      for (int u = 0; u < B8; ++u)
+        if (i + u * THREADS < N) {
           bs += v[u];
           kb = max(kb, abs_key(v[u]));
+        }
+    }
+    bs = block_sum(bs, scratch);
+    kb = block_max_key(kb, kscratch);
+    if (threadIdx.x == 0) {
+      plan[K] = bs;
+      plan[K + 2] = key_value(kb);
+    }
+  } else {  // ---- tile x of W over row chunk y
+    const int tx = threadIdx.x % L, ty = threadIdx.x / L;
+    const long long t0 = (long long)blockIdx.x * W, c0 = t0 + tx * V;
+    const long long r0 = (long long)blockIdx.y * rows_per_chunk, r1 = min(r0 + rows_per_chunk, N);
+    double s[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) s[e] = 0;
+    Key key = 0;
+    if (c0 < K) {
+      for (long long r = r0 + ty; r < r1; r += U * R) {
+        Pack<T, V> p[U] = {};  // zeros: rows past the chunk add nothing
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (r + u * R < r1) load_pack(p[u], w + (r + u * R) * ldw + c0);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          A g = 0;
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const A v = to_acc(p[u].e[e]);
+            g += v;
+            key = max(key, abs_key(v));
+          }
+          s[e] += (double)g;
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) red[ty][tx * V + e] = s[e];
+    const u64 m = block_max_key((u64)abs_key(key_value(key)), kscratch);  // (syncs the block)
+    if (threadIdx.x == 0) atomicMax(key_all, m);
+    double* dst = nchunks == 1 ? plan : psum + blockIdx.y * K;
+    for (int j = threadIdx.x; j < W && t0 + j < K; j += THREADS) {
+      double t = 0;
+      for (int i = 0; i < R; ++i) t += red[i][j];
+      dst[t0 + j] = t;
+    }
+    if (nchunks > 1) {  // the tile's last block adds its chunks in order
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) s_last = atomicAdd(sync + 4 + blockIdx.x, 1u) == nchunks - 1;
+      __syncthreads();
+      if (s_last) {
+        __threadfence();
+        constexpr int B8 = 8;
+        for (int j = threadIdx.x; j < W && t0 + j < K; j += THREADS) {
+          double t = 0;
+          for (unsigned c = 0; c < nchunks; c += B8) {
+            double v[B8];
+#pragma unroll
+            for (int u = 0; u < B8; ++u) v[u] = c + u < nchunks ? __ldcg(psum + (c + u) * K + t0 + j) : 0.0;
+#pragma unroll
+            for (int u = 0; u < B8; ++u)
+              if (c + u < nchunks) t += v[u];
+          }
+          plan[t0 + j] = t;
         }
       }
     }
   }
-  bs = block_sum(bs, scratch);
-  kw = block_max_key(kw, kscratch);
-  kb = block_max_key(kb, kscratch);
-  if (threadIdx.x == 0) {
-    plan[K] = bs;
-    plan[K + 1] = key_value(kw);
-    plan[K + 2] = key_value(kb);
-  }
+  // The last block of all to count (every tile block and the bias block) writes max|W|.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(sync + 2, 1u) == ntiles * nchunks)
+    plan[K + 1] = key_value(atomicMax(key_all, 0ull));
 }
 
 // ---------------------------------------------------------------- forward
@@ -236,7 +224,7 @@ __device__ double exact_row_sum(const T* __restrict__ xr, long long K, const T* 
 // zlim (host) keeps every z, every partial sum and the output finite in T and in torch's
 // accumulation type; written so that nan fails it.
 // Block THREADS, grid cdiv(B, R).
-template <typename T, int V, int R, int THREADS>
+template <typename T, int V, int R, int U, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 matmul_sum_rows(const T* __restrict__ x, long long ldx, long long B, long long K,
           const double* __restrict__ plan, const T* __restrict__ w, long long ldw,
@@ -244,7 +232,8 @@ matmul_sum_rows(const T* __restrict__ x, long long ldx, long long B, long long K
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "matmul_sum_rows: THREADS must be whole warps, at most 1024");
-  constexpr int NW = THREADS / 32, U = R == 1 ? 8 : 16 / R;
+  static_assert(R >= 1 && U >= 1, "matmul_sum_rows: R >= 1 rows, U >= 1 loads per row in flight");
+  constexpr int NW = THREADS / 32;
   __shared__ double s_sum[R][NW];
   __shared__ Key s_key[R][NW];
   __shared__ double scratch[NW];

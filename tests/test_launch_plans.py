@@ -48,7 +48,8 @@ def launches(monkeypatch, request):
         c = real_contiguous(a, copy)
         return c if c is a.obj else new(c)
 
-    def launch_all(place, calls):
+    def launch_all(place, calls, zero=()):
+        log.extend(("memset", (), (), (ptr, nbytes), 0) for ptr, nbytes in zero)
         log.extend((fn, tuple(grid), tuple(block), tuple(args), smem)
                    for fn, grid, block, args, smem in calls)
 

@@ -300,6 +300,41 @@ def test_cupy_inputs_odd_layouts_and_streams():
 
 
 @gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("n, k, offset", [
+    (8192, 8192, 0),   # 128-byte column tiles, two row chunks per tile
+    (4000, 3, 0),      # one tile of unaligned rows: many row chunks, added by the last block
+    (70001, 5, 1),     # offset rows; the chunk sum takes more than one batch of 8
+    (3, 1001, 0),      # a partial last tile, one chunk
+    (0, 7, 0), (5, 0, 0), (1, 1, 0)])
+def test_plan_matches_float64(dtype, n, k, offset):
+    """The plan [W.sum(0), b.sum(), max|W|, max|b|] of one matmul_sum_plan launch against
+    float64 sums (W.sum(0) adds 8 rows at a time in the accumulation type: rounding of
+    that type on 8 values), max|.| exact; repeated builds bitwise equal."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    store = torch.randn(n * k + offset, generator=g, device="cuda", dtype=torch.float64)
+    w = store[offset:].view(n, k).to(dtype)
+    b = torch.randn(n, generator=g, device="cuda", dtype=torch.float64).to(dtype)
+    plan = tmr.plan_op(w, b)
+    wd, bd = w.double(), b.double()
+    want = torch.cat([wd.sum(0), bd.sum().reshape(1), wd.abs().amax().reshape(1) if w.numel()
+                      else wd.new_zeros(1), bd.abs().amax().reshape(1) if n else bd.new_zeros(1)])
+    # float32 accumulation: 8 roundings of 8 values; float64: a few hundred additions
+    rel = 512 * 2**-52 if dtype == torch.float64 else 8 * 2**-23
+    assert (plan[:k] - want[:k]).abs().le(rel * wd.abs().sum(0)).all()
+    torch.testing.assert_close(plan[k], want[k], atol=1e-12 * max(bd.abs().sum().item(), 1),
+                               rtol=1e-12)
+    assert torch.equal(plan[k + 1:], want[k + 1:])
+    assert torch.equal(tmr.plan_op(w, b), plan)
+    if w.numel():
+        for v in (float("inf"), float("nan")):
+            w2 = w.clone()
+            w2[n // 2, k // 2] = v
+            got = tmr.plan_op(w2, b)[k + 1].item()
+            assert got == float("inf") if v == float("inf") else got != got
+
+
+@gpu
 def test_deterministic():
     ref, new = cuda_pair(4096, 2048)
     x = torch.rand(333, 4096, device="cuda")
