@@ -295,12 +295,18 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
     at ``precision``. g (B, N) may have any row stride; other layouts are copied."""
     arrays = (g, z, coefs, x, weight, scale, bn_weight)
     options = (eps, precision, input_grad, weight_grad)
+    checked = []  # a miss's validated (and copied) Operands, reused below: one copy a call
+
+    def fresh():
+        checked.append(_check_backward(*arrays))
+        return _backward_fresh(checked[0], arrays, options)
+
     if type(eps) is float and type(precision) is str:  # the common call, cached
         key = tuple(signature(v) for v in arrays) + options
-        run = cached(_backward_plans, key, lambda: _backward_fresh(arrays, options))
+        run = cached(_backward_plans, key, fresh)
         if run is not None:
             return run(*arrays)
-    checked = _check_backward(*arrays)
+    checked = checked[0] if checked else _check_backward(*arrays)
     run = _backward_plan(*checked, *options)
     return run(*(None if o is None else o.obj for o in checked[:3]), x, weight,
                *(None if o is None else o.obj for o in checked[3:]))
@@ -329,10 +335,10 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
             *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
 
 
-def _backward_fresh(arrays, options):
-    """``run(*arrays)`` for backward calls like this one; None where an array must be
-    copied first (the general path copies each call)."""
-    checked = _check_backward(*arrays)
+def _backward_fresh(checked, arrays, options):
+    """``run(*arrays)`` for backward calls like this one (``checked``: their validated
+    Operands); None where an array must be copied first (the general path copies each
+    call)."""
     if any(o is not None and o.obj is not a for o, a in zip(checked, arrays[:3] + arrays[5:])):
         return None
     return _backward_plan(*checked, *options)

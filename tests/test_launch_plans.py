@@ -168,3 +168,24 @@ def test_kernel_arguments_fill_8_byte_slots():
     for bad in (float, np.float32, bool):
         with pytest.raises(TypeError, match="kernel arguments"):
             _array._format((int, bad))
+
+
+def test_backward_copies_once_a_call(launches, monkeypatch):
+    """A backward call whose g must be copied (rows not contiguous) copies it once: on the
+    first call, which validates and plans, as on every later one."""
+    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    copies, fake = [], _array.contiguous
+
+    def counting(a, copy=False):
+        c = fake(a, copy)
+        if c is not a.obj:
+            copies.append(a.name)
+        return c
+
+    monkeypatch.setattr(_array, "contiguous", counting)
+    r = torch.randn
+    args = [r(8, 9).t(), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)]
+    for _ in range(2):
+        copies.clear()
+        gs.backward_train(*args, 1e-5, "highest")
+        assert copies == ["g"]
