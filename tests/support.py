@@ -143,6 +143,16 @@ def matmul_precision(precision):
         torch.set_float32_matmul_precision(old)
 
 
+def assert_grad_close(got, want, rtol, atol=0.0, what=""):
+    """The training issue's gradient rule: ``got`` within ``rtol`` of max|want| (plus
+    ``atol``) everywhere, ``want`` being the reference gradient (float64 where one is
+    run); same shape."""
+    assert got.shape == want.shape, (what, tuple(got.shape), tuple(want.shape))
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    mag = want.abs().max().item() if want.numel() else 0.0
+    assert err <= rtol * mag + atol, (what, err, mag)
+
+
 def finite_abs(t: torch.Tensor) -> torch.Tensor:
     """|t| in float64 with nan/inf as 0 (error scales count the finite terms)."""
     a = t.to(torch.float64).abs()

@@ -16,7 +16,7 @@ Tolerances follow each quantity's sensitivity rather than trial:
 import pytest
 import torch
 
-from support import model_pair
+from support import assert_grad_close, model_pair
 from test_torch_ops import DEVICES, MODELS
 
 STEPS = 20
@@ -117,8 +117,7 @@ def test_compiled_training_steps_match_reference(name, device):
         c = torch.randn(want.shape, generator=g).to(device)
         (want * c).sum().backward()
         (got * c).sum().backward()
-        grad_tol = GRAD_RTOL * xr.grad.abs().max().item()
-        torch.testing.assert_close(xo.grad, xr.grad, atol=grad_tol, rtol=0)
+        assert_grad_close(xo.grad, xr.grad, GRAD_RTOL, what=f"x, step {step}")
         _check_grads(params, params_ours)
         for opt in opts:
             opt.step()
