@@ -395,6 +395,18 @@ def cached(plans: dict, key: tuple, build):
     return plan
 
 
+def cached_checked(plans: dict, key: tuple, check, fresh, args, options=()):
+    """``(plan, checked)``: ``(plans[key], None)`` on a hit; on a miss ``checked =
+    check(*args)`` and the plan ``fresh(checked, *args, *options)`` (stored as
+    :func:`cached` does). A caller whose plan is None (the general path) reuses
+    ``checked``, so that a call validates, and copies what it must, once."""
+    plan = plans.get(key, plans)
+    if plan is not plans:
+        return plan, None
+    checked = check(*args)
+    return cached(plans, key, lambda: fresh(checked, *args, *options)), checked
+
+
 def moveaxis(obj, src: int, dst: int):
     """``obj`` with axis ``src`` moved to ``dst`` (a view), for CuPy or torch."""
     if is_torch(obj):

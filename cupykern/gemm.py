@@ -26,9 +26,10 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, check_out, contiguous,
-                     copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
-                     row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, cached_checked, check_out,
+                     contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
+                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
+                     torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
@@ -286,12 +287,13 @@ def mm(a, b, precision=None):
     its rows or its columns are contiguous (a transposed view is never copied where that
     would be slower, see :func:`matrix`); any other layout is copied first. ``precision``
     as in :func:`linear`. Returns a new (M, N) array of a's kind (NumPy: the reference)."""
+    checked = None
     if precision is None or type(precision) is str:  # the common call, cached
         key = (signature(a), signature(b), precision)
-        run = cached(_mm_plans, key, lambda: _mm_fresh(a, b, precision))
+        run, checked = cached_checked(_mm_plans, key, check_mm, _mm_fresh, (a, b, precision))
         if run is not None:
             return run(a, b)
-    ao, bo, prec = check_mm(a, b, precision)
+    ao, bo, prec = checked or check_mm(a, b, precision)
     if ao.kind == "cpu":
         return reference(a, b.T)
     (M, K), N = ao.shape, bo.shape[1]
@@ -304,11 +306,12 @@ def mm(a, b, precision=None):
     return c.obj
 
 
-def _mm_fresh(a, b, precision):
-    """``run(a, b) -> a @ b`` for calls like this one: validated and planned once (a
-    transposed copy :func:`matrix` would make is a launch of the plan); None where the
-    call needs the general path (CPU, empty, or an operand copied otherwise)."""
-    ao, bo, prec = check_mm(a, b, precision)
+def _mm_fresh(checked, a, b, precision):
+    """``run(a, b) -> a @ b`` for calls like this one (``checked``: check_mm's result),
+    planned once (a transposed copy :func:`matrix` would make is a launch of the plan);
+    None where the call needs the general path (CPU, empty, or an operand copied
+    otherwise)."""
+    ao, bo, prec = checked
     (M, K), N = ao.shape, bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None

@@ -22,9 +22,9 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, empty, is_torch, launch_all,
-                     operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
-                     signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, empty, is_torch,
+                     launch_all, operand, require_writable, row_view_stride, rows_2d,
+                     same_place, scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
                    mm, workspace)
@@ -295,18 +295,14 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
     at ``precision``. g (B, N) may have any row stride; other layouts are copied."""
     arrays = (g, z, coefs, x, weight, scale, bn_weight)
     options = (eps, precision, input_grad, weight_grad)
-    checked = []  # a miss's validated (and copied) Operands, reused below: one copy a call
-
-    def fresh():
-        checked.append(_check_backward(*arrays))
-        return _backward_fresh(checked[0], arrays, options)
-
+    checked = None
     if type(eps) is float and type(precision) is str:  # the common call, cached
         key = tuple(signature(v) for v in arrays) + options
-        run = cached(_backward_plans, key, fresh)
+        run, checked = cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
+                                      arrays, options)
         if run is not None:
             return run(*arrays)
-    checked = checked[0] if checked else _check_backward(*arrays)
+    checked = checked or _check_backward(*arrays)
     run = _backward_plan(*checked, *options)
     return run(*(None if o is None else o.obj for o in checked[:3]), x, weight,
                *(None if o is None else o.obj for o in checked[3:]))
@@ -335,11 +331,11 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
             *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
 
 
-def _backward_fresh(checked, arrays, options):
-    """``run(*arrays)`` for backward calls like this one (``checked``: their validated
-    Operands); None where an array must be copied first (the general path copies each
-    call)."""
-    if any(o is not None and o.obj is not a for o, a in zip(checked, arrays[:3] + arrays[5:])):
+def _backward_fresh(checked, g, z, coefs, x, weight, scale, bn_weight, *options):
+    """``run(g, z, coefs, x, weight, scale, bn_weight)`` for backward calls like this one
+    (``checked``: their validated Operands); None where an array must be copied first
+    (the general path copies each call)."""
+    if any(o is not None and o.obj is not a for o, a in zip(checked, (g, z, coefs, scale, bn_weight))):
         return None
     return _backward_plan(*checked, *options)
 

@@ -189,3 +189,18 @@ def test_backward_copies_once_a_call(launches, monkeypatch):
         copies.clear()
         gs.backward_train(*args, 1e-5, "highest")
         assert copies == ["g"]
+
+
+def test_mm_validates_once_a_call(monkeypatch):
+    """An mm call the plan cache cannot describe (NumPy: the reference path) validates its
+    operands once, not once to try a plan and again on the general path."""
+    import numpy as np
+
+    gemm = sys.modules["cupykern.gemm"]
+    calls, real = [], gemm.check_mm
+    monkeypatch.setattr(gemm, "check_mm", lambda *a: calls.append(a) or real(*a))
+    a, b = np.random.rand(3, 4), np.random.rand(4, 5)
+    for _ in range(2):
+        calls.clear()
+        np.testing.assert_allclose(gemm.mm(a, b), a @ b)
+        assert len(calls) == 1
