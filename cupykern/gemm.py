@@ -26,10 +26,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached, cached_checked, check_out,
-                     contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
-                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
-                     torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, check_out, contiguous,
+                     copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
+                     row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
@@ -488,12 +487,13 @@ _plans: dict = {}  # (signatures, precision) -> run(x, weight, bias), or None
 def linear_core(x, weight, bias=None, precision=None, out=None):
     """:func:`linear` for CuPy arrays, NumPy arrays and (from the torch layer) torch
     CUDA tensors."""
+    checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
         key = (signature(x), signature(weight), signature(bias), precision)
-        run = cached(_plans, key, lambda: _fresh(x, weight, bias, precision))
+        run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
-    xo, wo, bo, o, prec, shape = check(x, weight, bias, precision, out)
+    xo, wo, bo, o, prec, shape = checked or check(x, weight, bias, precision, out)
     if xo.kind == "cpu":
         res = reference(x, weight, bias)
         if o is None:
@@ -516,11 +516,12 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     return out
 
 
-def _fresh(x, weight, bias, precision):
-    """``run(x, weight, bias) -> out`` for calls like this one without ``out``: validated
-    and planned once (a transposed copy is a launch of the plan); None where the call
-    needs the general path (CPU, empty, or an operand copied otherwise)."""
-    xo, wo, bo, _, prec, shape = check(x, weight, bias, precision, None)
+def _fresh(checked, x, weight, bias, precision, out):
+    """``run(x, weight, bias) -> out`` for calls like this one without ``out``
+    (``checked``: their validation), planned once (a transposed copy is a launch of the
+    plan); None where the call needs the general path (CPU, empty, or an operand copied
+    otherwise)."""
+    xo, wo, bo, _, prec, shape = checked
     if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view

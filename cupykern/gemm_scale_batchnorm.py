@@ -22,9 +22,9 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, empty, is_torch,
-                     launch_all, operand, require_writable, row_view_stride, rows_2d,
-                     same_place, scalar, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, is_torch, launch_all, operand,
+                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
+                     torch_layer)
 from ._geometry import acc_dtype, cdiv
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
                    mm, workspace)
@@ -156,13 +156,15 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
     arrays = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
               num_batches_tracked)
     options = (training, momentum, eps, precision, save)
+    checked = None
     if (type(training) is bool and type(eps) is float and type(momentum) in (float, type(None))
             and type(precision) in (str, type(None))):  # hashable: the common call, cached
         key = tuple(signature(v) for v in arrays) + options
-        run = cached(_plans, key, lambda: _fresh(arrays, options))
+        run, checked = cached_checked(_plans, key, check, _fresh, arrays + options[:4],
+                                      options[4:])
         if run is not None:
             return run(*arrays)
-    xo, wo, vec, nbt, momentum, eps, prec = check(*arrays, *options[:4])
+    xo, wo, vec, nbt, momentum, eps, prec = checked or check(*arrays, *options[:4])
     M, N = xo.shape[0], wo.shape[0]
     if save and (xo.kind == "cpu" or M == 0 or N == 0):
         raise ValueError("save: needs GPU arrays, a non-empty batch and out_features > 0")
@@ -176,16 +178,17 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
                num_batches_tracked)
 
 
-def _fresh(arrays, options):
-    """``run(*arrays) -> out`` for calls like this one: validated once, no copies; None
-    where the call needs the general path (CPU, empty, or an array to copy first)."""
-    xo, wo, vec, _, momentum, eps, prec = check(*arrays, *options[:4])
+def _fresh(checked, *args):
+    """``run(*arrays) -> out`` for calls like this one (``args``: the 9 arrays, training,
+    momentum, eps, precision, save; ``checked``: their validation), no copies; None where
+    the call needs the general path (CPU, empty, or an array to copy first)."""
+    xo, wo, vec, _, momentum, eps, prec = checked
+    arrays, training, save = args[:9], args[9], args[13]
     if (xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]) or row_view_stride(xo) is None
             or row_view_stride(wo) is None
             or any(v is not None and v.obj is not arr for v, arr in zip(vec.values(), arrays[2:8]))):
         return None
-    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), options[0], momentum, eps, prec,
-                 options[4])
+    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), training, momentum, eps, prec, save)
 
 
 def _plan(a, b, training, momentum, eps, precision, save=False):

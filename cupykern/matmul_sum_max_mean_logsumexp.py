@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, contiguous, data_ptr, empty, is_torch,
+from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, contiguous, data_ptr, empty, is_torch,
                      launch_all, operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
@@ -175,12 +175,14 @@ def build_plan_cached(weight, bias, check):
     """:func:`build_plan` for GPU arrays, with the launches planned once per signature;
     ``check(weight, bias)`` validates them on a miss (Operands of weight and bias)."""
     key = ("build", signature(weight), signature(bias))
-    run = cached(_plans, key, lambda: _builder_fresh(*check(weight, bias)))
-    return build_plan(*check(weight, bias)) if run is None else run(weight, bias)
+    run, checked = cached_checked(_plans, key, check, _builder_fresh, (weight, bias))
+    return build_plan(*(checked or check(weight, bias))) if run is None else run(weight, bias)
 
 
-def _builder_fresh(w, b):
-    """A plan builder for weights like these, or None where they must be copied first."""
+def _builder_fresh(checked, *_):
+    """A plan builder for weights like these (``checked``: their Operands), or None where
+    they must be copied first."""
+    w, b = checked
     if row_stride(w.shape, w.strides) is None or (
             b is not None and b.shape[0] > 1 and b.strides[0] != 1):
         return None
@@ -224,16 +226,17 @@ def apply_cached(x, weight, bias, plan, check):
     ``check(x, weight, bias, plan)`` validates them on a miss and returns the Operands
     of x, weight and bias."""
     key = (signature(x), signature(weight), signature(bias), signature(plan))
-    run = cached(_plans, key, lambda: _fresh(*check(x, weight, bias, plan)))
+    run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, plan))
     if run is None:  # x or the weights need copies first
-        a, w, b = check(x, weight, bias, plan)
+        a, w, b = checked or check(x, weight, bias, plan)
         return apply_plan(a, w, b, data_ptr(plan))
     return run(x, weight, bias, plan)
 
 
-def _fresh(a, w, b):
-    """``run(x, weight, bias, plan) -> out`` for calls like this one (checked Operands),
-    or None where x or the weights must be copied first."""
+def _fresh(checked, *_):
+    """``run(x, weight, bias, plan) -> out`` for calls like this one (``checked``: the
+    Operands of x, weight and bias), or None where x or the weights must be copied first."""
+    a, w, b = checked
     if (row_stride(a.shape, a.strides) is None or row_stride(w.shape, w.strides) is None
             or (b is not None and b.shape[0] > 1 and b.strides[0] != 1)):
         return None

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached, check_out, contiguous, copy_into,
-                     data_ptr, empty, is_torch, launch, moveaxis, normalize_axis, operand,
-                     same_place, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, contiguous,
+                     copy_into, data_ptr, empty, is_torch, launch, moveaxis, normalize_axis,
+                     operand, same_place, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE = "normalize.cu"
@@ -173,11 +173,12 @@ def normalize(x, p: int, axis, out=None, config=None):
     CuPy arrays, NumPy arrays and (from the torch layer) torch tensors: the array
     functions' core, after :func:`l1_normalize` / :func:`l2_normalize` have sent torch
     tensors to their custom op."""
+    checked = None
     if out is None and config is None and type(axis) is int:  # the common call: cached
-        run = cached(_plans, (signature(x), p, axis), lambda: _fresh(x, p, axis))
+        run, checked = cached_checked(_plans, (signature(x), p, axis), check, _fresh, (x, p, axis))
         if run is not None:
             return run(x)
-    a, ax, p, o, config = check(x, p, axis, out, config)
+    a, ax, p, o, config = checked or check(x, p, axis, out, config)
     if a.kind == "cpu":
         res = reference(x, ax, p)
         return res if o is None else _fill(out, res)
@@ -211,11 +212,11 @@ def _fill(out, res):
     return out
 
 
-def _fresh(x, p, axis):
-    """``run(x) -> y`` for calls like this one without ``out``: one allocation and the
-    kernel(s), no copies; None where the call needs the general path (CPU, empty, or x
-    not read in place as aligned rows)."""
-    a, ax, p, _, _ = check(x, p, axis)
+def _fresh(checked, x, p, axis):
+    """``run(x) -> y`` for calls like this one without ``out`` (``checked``: their
+    validation): one allocation and the kernel(s), no copies; None where the call needs
+    the general path (CPU, empty, or x not read in place as aligned rows)."""
+    a, ax, p, _, _ = checked
     if a.kind == "cpu" or a.size == 0:
         return None
     xs = _rows(a, ax)

@@ -191,16 +191,28 @@ def test_backward_copies_once_a_call(launches, monkeypatch):
         assert copies == ["g"]
 
 
-def test_mm_validates_once_a_call(monkeypatch):
-    """An mm call the plan cache cannot describe (NumPy: the reference path) validates its
-    operands once, not once to try a plan and again on the general path."""
+def _cpu_calls():
+    """(module, name of its check, call) for each op whose plan cache a NumPy call misses."""
     import numpy as np
 
-    gemm = sys.modules["cupykern.gemm"]
-    calls, real = [], gemm.check_mm
-    monkeypatch.setattr(gemm, "check_mm", lambda *a: calls.append(a) or real(*a))
-    a, b = np.random.rand(3, 4), np.random.rand(4, 5)
+    r = np.random.default_rng(0).random
+    yield "gemm", "check_mm", lambda m: m.mm(r((3, 4)), r((4, 5)))
+    yield "gemm", "check", lambda m: m.linear_core(r((3, 4)), r((5, 4)), r(5))
+    yield "normalize", "check", lambda m: m.normalize(r((3, 4)), 2, -1)
+    yield "gemm_scale_batchnorm", "check", lambda m: m.gemm_scale_batchnorm_core(
+        r((6, 4)), r((5, 4)), r(5), r(5), r(5), r(5), r(5), r(5) + 1, None, True, 0.1, 1e-5,
+        "highest")
+
+
+@pytest.mark.parametrize("stem, name, call", list(_cpu_calls()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_cpu_call_validates_once(monkeypatch, stem, name, call):
+    """A call the plan cache cannot describe (NumPy: the reference path) validates its
+    arguments once, not once to try a plan and again on the general path."""
+    m = sys.modules[f"cupykern.{stem}"]
+    calls, real = [], getattr(m, name)
+    monkeypatch.setattr(m, name, lambda *a: calls.append(a) or real(*a))
     for _ in range(2):
         calls.clear()
-        np.testing.assert_allclose(gemm.mm(a, b), a @ b)
+        call(m)
         assert len(calls) == 1
