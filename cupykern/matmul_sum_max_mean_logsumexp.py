@@ -28,7 +28,10 @@ from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
 ROWS_PER_BLOCK = (1, 2, 4)  # rows of x per block of matmul_sum_rows (MatmulSumPlan.apply)
-_LOADS = {1: 8, 2: 8, 4: 4}  # rows per block -> 16-byte loads per row in flight per thread
+# rows per block -> 16-byte loads of x per row in flight per thread (each with wsum's
+# values for it: 64 bytes for 16-bit x). H200, 1024/300/100 x 8192 float32: 15.4, 9.5,
+# 6.8 us, against 22.1, 14.0, 9.0 for {1: 8, 2: 8, 4: 4} with wsum loaded after x.
+_LOADS = {1: 8, 2: 2, 4: 2}
 _THREADS = 256  # matmul_sum_rows and matmul_sum_plan
 # matmul_sum_plan: U rows of W added at once; a column tile is _LANES lanes of 16 bytes
 # (128 bytes: whole DRAM sectors), or 32 lanes of one element where rows are unaligned;

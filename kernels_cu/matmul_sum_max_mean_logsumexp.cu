@@ -218,7 +218,7 @@ __device__ double exact_row_sum(const T* __restrict__ xr, long long K, const T* 
 }
 
 // R rows per block (wsum is read once from L2 for R rows); each thread issues U*R loads
-// of 16 bytes before using any.
+// of 16 bytes of x, and those of wsum they need, before using any.
 // plan = [wsum (K), bsum, max|W|, max|bias|] in float64.
 // Row b takes the fast path when z_bound = K*max|x[b]|*max|W| + max|bias| < zlim, where
 // zlim (host) keeps every z, every partial sum and the output finite in T and in torch's
@@ -249,26 +249,26 @@ matmul_sum_rows(const T* __restrict__ x, long long ldx, long long B, long long K
   const long long nv = K / V;
   for (long long base = threadIdx.x; base < nv; base += (long long)U * THREADS) {
     Pack<T, V> p[U][R];
+    double ws[U][V];  // wsum's values for them, loaded alongside (not one round trip per u)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const long long i = base + (long long)u * THREADS;
 #pragma unroll
       for (int r = 0; r < R; ++r)
         if (i < nv && r < nrows) load_pack(p[u][r], x0 + r * ldx + i * V);
+      if (i < nv) load_f64<V>(ws[u], plan + i * V);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const long long i = base + (long long)u * THREADS;
       if (i < nv) {
-        double ws[V];
-        load_f64<V>(ws, plan + i * V);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           if (r < nrows) {
 #pragma unroll
             for (int e = 0; e < V; ++e) {
               const A v = to_acc(p[u][r].e[e]);
-              acc[r] = fma((double)v, ws[e], acc[r]);
+              acc[r] = fma((double)v, ws[u][e], acc[r]);
               key[r] = max(key[r], abs_key(v));
             }
           }
