@@ -150,7 +150,8 @@ def _plan_builder(w, b):
                if n and ntiles else 1)
     rows_per_chunk = cdiv(cdiv(n, nchunks), step) * step
     nchunks = cdiv(n, rows_per_chunk) if n and ntiles else 1
-    nsync = 2 + cdiv(ntiles, 2) if nchunks > 1 else 2  # float64 slots: key, counters
+    # scratch, float64 slots: [max|W| key, block counter, tile counters (with chunks)], psum
+    nsync = cdiv(12 + (4 * ntiles if nchunks > 1 else 0), 8)
     nscratch = nsync + (nchunks * k if nchunks > 1 else 0)
     fn = _loader.function(_FILE, _plan_expr(dt, v), dev)
     place = Place(w)
@@ -162,8 +163,8 @@ def _plan_builder(w, b):
         sync = ptr(scratch)
         psum = sync + 8 * nsync if nchunks > 1 else 0
         launch_all(place, ((fn, (ntiles + 1, nchunks), (_THREADS,), (
-            ptr(weight), ldw, n, k, rows_per_chunk, ptr(bias), ptr(data), psum, sync), 0),),
-            zero=((sync, 8 * nsync),))
+            ptr(weight), ldw, n, k, rows_per_chunk, ptr(bias), ptr(data), psum, sync, sync + 8,
+            sync + 12), 0),), zero=((sync, 8 * nsync),))
         return data
 
     return run

@@ -84,12 +84,12 @@ template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch
 // the chunks in order: deterministic. Every block folds its max|W| into one key with
 // atomicMax (order-free), and the last block of all writes plan[K+1]. Block (ntiles, 0)
 // writes plan[K] = bias.sum() and plan[K+2] = max|bias|; blocks (ntiles, y > 0) exit.
-// sync, zeroed by the caller: [max|W| key (u64), block counter, pad, ntiles tile counters].
+// key_all, blocks_done and tile_done[ntiles] (used only with chunks) are zeroed by the caller.
 template <typename T, int V, int L, int THREADS, int U>
 __global__ void __launch_bounds__(THREADS)
 matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K,
                 long long rows_per_chunk, const T* __restrict__ bias, double* __restrict__ plan,
-                double* psum, unsigned* sync) {
+                double* psum, u64* key_all, unsigned* blocks_done, unsigned* tile_done) {
   typedef typename acc_of<T>::type A;
   typedef decltype(abs_key(A())) Key;
   constexpr int R = THREADS / L, W = L * V;  // row phases, tile width (elements)
@@ -102,7 +102,6 @@ matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K
   __shared__ bool s_last;
 
   const unsigned ntiles = gridDim.x - 1, nchunks = gridDim.y;
-  u64* key_all = reinterpret_cast<u64*>(sync);
   if (blockIdx.x == ntiles) {  // ---- the bias block
     if (blockIdx.y != 0) return;
     constexpr int B8 = 8;
@@ -165,7 +164,7 @@ matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K
     if (nchunks > 1) {  // the tile's last block adds its chunks in order
       __threadfence();
       __syncthreads();
-      if (threadIdx.x == 0) s_last = atomicAdd(sync + 4 + blockIdx.x, 1u) == nchunks - 1;
+      if (threadIdx.x == 0) s_last = atomicAdd(tile_done + blockIdx.x, 1u) == nchunks - 1;
       __syncthreads();
       if (s_last) {
         __threadfence();
@@ -188,7 +187,7 @@ matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K
   // The last block of all to count (every tile block and the bias block) writes max|W|.
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(sync + 2, 1u) == ntiles * nchunks)
+  if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == ntiles * nchunks)
     plan[K + 1] = key_value(atomicMax(key_all, 0ull));
 }
 
