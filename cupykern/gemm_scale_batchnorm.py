@@ -22,9 +22,9 @@ import numbers
 import numpy as np
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, is_torch, launch_all, operand,
-                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
-                     torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch, launch_all,
+                     operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
+                     signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
                    mm, workspace)
@@ -159,8 +159,7 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
     checked = None
     if (type(training) is bool and type(eps) is float and type(momentum) in (float, type(None))
             and type(precision) in (str, type(None))):  # hashable: the common call, cached
-        key = tuple(signature(v) for v in arrays) + options
-        run, checked = cached_checked(_plans, key, check, _fresh, arrays + options[:4],
+        run, checked = cached_checked(_plans, _plan_key(arrays, options), check, _fresh, arrays + options[:4],
                                       options[4:])
         if run is not None:
             return run(*arrays)
@@ -176,6 +175,17 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
     run = _plan(a, b, training, momentum, eps, prec, save)
     return run(a.obj, b.obj, *(None if v is None else v.obj for v in vec.values()),
                num_batches_tracked)
+
+
+def planned_run(arrays, options):
+    """The launch plan ``run(*arrays)`` cached for the 9 arrays of
+    :func:`gemm_scale_batchnorm_core` like these and its ``options`` (training, momentum,
+    eps, precision, save), or None: not planned yet, or a call that takes the general path."""
+    return _plans.get(_plan_key(arrays, options))
+
+
+def _plan_key(arrays, options):
+    return tuple(signature(v) for v in arrays) + options
 
 
 def _fresh(checked, *args):
@@ -231,11 +241,12 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
         return run_eval
 
-    # One scratch buffer: the coefficients (3, N) (with ``save``: (4, N), ending with
-    # inv, a separate array kept for the backward), the GEMM's partial statistics
-    # (PART_ROWS * mtiles, N), then its split-K workspace (if any).
+    # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv; with ``save`` a view
+    # of them is the coefs array kept for the backward, which keeps the buffer alive: one
+    # allocation less a call), the GEMM's partial statistics (PART_ROWS * mtiles, N),
+    # then its split-K workspace (if any).
     bm = kernel.bm
-    part_end = (3 + PART_ROWS * cdiv(M, bm)) * N
+    part_end = (4 + PART_ROWS * cdiv(M, bm)) * N
     scratch = part_end + kernel.workspace
     ws_off = part_end * ITEMSIZE[acc] if kernel.workspace else 0  # (split K: acc is the dtype)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
@@ -247,16 +258,17 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
         out, buf = empty(place, (M, N)), empty(place, (scratch,), acc)  # held to the launch
         z = empty(place, (M, N)) if save else out
-        coefs = empty(place, (4, N), acc) if save else buf
-        c0, b0, zp = ptr(coefs), ptr(buf), ptr(z)
-        part, n = b0 + 3 * step, ptr(nbt)
+        c0, zp = ptr(buf), ptr(z)
+        part, n = c0 + 4 * step, ptr(nbt)
         launch_all(place, (
-            *gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, b0 + ws_off if ws_off else 0),
+            *gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, c0 + ws_off if ws_off else 0),
             (coef, *coef_launch, (part, *sizes, ptr(bias), ptr(scale), ptr(gamma),
                                   ptr(beta), ptr(rmean), ptr(rvar), n, factor, eps_, c0,
                                   c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0), 0),
             apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
-        return (out, z, coefs) if save else out
+        if save:
+            return out, z, head(buf, (4, N))
+        return out
 
     return run_train
 

@@ -229,12 +229,19 @@ def apply_cached(x, weight, bias, plan, check):
     array built from those weights, with the launch planned once per signature.
     ``check(x, weight, bias, plan)`` validates them on a miss and returns the Operands
     of x, weight and bias."""
-    key = (signature(x), signature(weight), signature(bias), signature(plan))
-    run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, plan))
+    run, checked = planned_run(x, weight, bias, plan, check)
     if run is None:  # x or the weights need copies first
         a, w, b = checked or check(x, weight, bias, plan)
         return apply_plan(a, w, b, data_ptr(plan))
     return run(x, weight, bias, plan)
+
+
+def planned_run(x, weight, bias, plan, check):
+    """``(run, checked)``: the launch plan ``run(x, weight, bias, plan) -> out`` cached for
+    arrays like these (validated by ``check`` on a miss, whose Operands are ``checked``),
+    or ``run`` None where x or the weights must be copied first."""
+    key = (signature(x), signature(weight), signature(bias), signature(plan))
+    return cached_checked(_plans, key, check, _fresh, (x, weight, bias, plan))
 
 
 def _fresh(checked, *_):

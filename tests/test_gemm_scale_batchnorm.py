@@ -334,3 +334,55 @@ def test_fused_backward_16_bit(dtype):
     for o, r in zip([x.grad] + [p.grad for p in new.parameters()], want):
         assert o.dtype == dtype
         assert_grad_close(o, r, 3e-2, 1e-3)
+
+
+@pytest.mark.gpu
+def test_planned_calls_follow_every_change():
+    """Calls after a module's first reuse its launch plan without the checks: each must
+    still be the reference model's (output, x's gradient, running statistics) through the
+    changes those checks see: mode, momentum, eps, hooks, a new BatchNorm1d, no running
+    statistics, grad mode and the float32 matmul precision."""
+    ref, new = _pair(64, 48)
+    ref, new = ref.cuda(), new.cuda()
+    handles = []
+
+    def no_stats(m):
+        m.bn.track_running_stats = False
+        m.bn.running_mean = m.bn.running_var = m.bn.num_batches_tracked = None
+
+    steps = [("first", lambda m: None), ("eval", lambda m: m.eval()), ("train", lambda m: m.train()),
+             ("momentum", lambda m: setattr(m.bn, "momentum", 0.3)),
+             ("momentum None", lambda m: setattr(m.bn, "momentum", None)),
+             ("eps", lambda m: setattr(m.bn, "eps", 1e-3)),
+             ("hook", lambda m: handles.append(m.gemm.register_forward_hook(
+                 lambda mod, inp, out: out * 2))),
+             ("unhook", lambda m: handles.pop(0).remove()),
+             ("new bn", lambda m: setattr(m, "bn", torch.nn.BatchNorm1d(48).cuda())),
+             ("no running stats", no_stats)]
+    for name, change in steps:
+        for m in (ref, new):
+            change(m)
+        for grad in (True, False, True):
+            x = torch.randn(32, 64, device="cuda")
+            xr, xn = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                r, n = ref(xr), new(xn)
+            torch.testing.assert_close(n, r, atol=1e-4, rtol=1e-4, msg=name)
+            if grad:
+                g = torch.randn_like(r)
+                r.backward(g)
+                n.backward(g)
+                assert_grad_close(xn.grad, xr.grad, 1e-4, what=name)
+        for buf in ("running_mean", "running_var", "num_batches_tracked"):
+            a, b = getattr(new.bn, buf), getattr(ref.bn, buf)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    new.eval()
+    x = torch.randn(32, 64, device="cuda")
+    with torch.no_grad():
+        highest = [new(x) for _ in range(2)]
+        with matmul_precision("high"):
+            high = [new(x) for _ in range(2)]
+    assert torch.equal(*highest) and torch.equal(*high)
+    assert not torch.equal(highest[0], high[0])  # the planned call follows the precision

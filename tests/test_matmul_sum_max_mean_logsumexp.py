@@ -10,6 +10,7 @@ import cupykern
 from cupykern.models import matmul_sum_max_mean_logsumexp as model4
 from cupykern.torch import MatmulSumMaxMeanLogSumExp
 from cupykern.torch import matmul_sum_max_mean_logsumexp as tmr
+from support import assert_grad_close
 
 # allclose tolerance (atol = rtol) against the same-dtype PyTorch model. PyTorch rounds
 # each of the N Linear outputs to bfloat16 (half-ulp 2**-9 relative) before summing, so
@@ -455,3 +456,42 @@ def test_bad_input_gpu():
     with pytest.raises(TypeError, match="bias: is a"):
         cupykern.matmul_sum_max_mean_logsumexp(torch.rand(4, 8, device="cuda"),
                                                torch.rand(3, 8, device="cuda"), torch.rand(3))
+
+
+@gpu
+def test_planned_calls_follow_every_change():
+    """Calls after a module's first reuse its plan and launch plan without the checks: each
+    must still be the reference model's, gradients included, through the changes those
+    checks see (hooks, a new Linear, no bias, dtype, grad mode, x's layout)."""
+    ref, new = cuda_pair(64, 32)
+    handles = []
+
+    def hook(m):
+        handles.append(m.linear.register_forward_hook(lambda mod, inp, out: out * 2))
+
+    def relinear(m):
+        torch.manual_seed(1)
+        m.linear = torch.nn.Linear(64, 32).cuda()
+
+    steps = [("first", lambda m: None), ("hook", hook), ("unhook", lambda m: handles.pop(0).remove()),
+             ("new linear", relinear), ("no bias", lambda m: setattr(m.linear, "bias", None)),
+             ("float64", lambda m: m.double())]
+    for name, change in steps:
+        for m in (ref, new):
+            change(m)
+        dtype = new.linear.weight.dtype
+        for transposed in (False, True):
+            for grad in (True, False, True):
+                base = torch.rand(64, 16, device="cuda", dtype=dtype)
+                x = base.t() if transposed else base.t().contiguous()
+                xr, xn = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
+                with torch.set_grad_enabled(grad):
+                    r, n = ref(xr), new(xn)
+                assert_same(n.detach(), r.detach(), 1e-4)
+                assert n.requires_grad == r.requires_grad == grad, name
+                if grad:
+                    r.sum().backward()
+                    n.sum().backward()
+                    assert_grad_close(xn.grad, xr.grad, 1e-5, what=name)
+        for p, q in zip(new.parameters(), ref.parameters()):
+            assert_grad_close(p.grad, q.grad, 1e-5, what=name)

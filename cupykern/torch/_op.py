@@ -47,20 +47,23 @@ def _direct(tensors) -> bool:
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
-def _function(name, forward, setup_context, backward):
+def _function(name, forward, setup_context, backward, lead=False, trail=False):
     """An autograd.Function of ``forward`` with the op's own setup_context / backward.
-    (A leading dispatch keyset argument, where there is one, gets no gradient.) It uses
-    the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd binds the
-    arguments through ``inspect.signature`` on every call, tens of microseconds."""
-    skip = 1 if getattr(forward, "takes_keyset", False) else 0
+    With ``lead``, the first argument (a dispatch keyset) is not the op's and gets no
+    gradient; with ``trail``, the last (the planned implementation of
+    :meth:`Op.call_planned`), so that ``ctx.needs_input_grad`` keeps the op's indices.
+    It uses the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd
+    binds the arguments through ``inspect.signature`` on every call, tens of
+    microseconds."""
+    first, last = (1 if lead else 0), (1 if trail else 0)
 
     def fwd(ctx, *args):
         out = forward(*args)
-        setup_context(ctx, args[skip:], out)
+        setup_context(ctx, args[first:len(args) - last], out)
         return out
 
     def bwd(ctx, *grads):
-        return (None,) * skip + tuple(backward(ctx, *grads))
+        return (None,) * first + tuple(backward(ctx, *grads)) + (None,) * last
 
     cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd),
                                                   "backward": staticmethod(bwd)})
@@ -73,8 +76,11 @@ def _below_autograd(op):
     def forward(keyset, *args):
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-    forward.takes_keyset = True
     return forward
+
+
+def _run_planned(*args):
+    return args[-1](*args[:-1])
 
 
 def _autocast_key(device_type: str) -> str:
@@ -137,15 +143,17 @@ class Op:
             for device_type in ("cpu", "cuda"):
                 _LIB.impl(self.name, _autocast_kernel(self.op, device_type, autocast),
                           _autocast_key(device_type), with_keyset=True)
-        self.function = None
+        self.function = self.planned = None
         if backward is None:
             return
         self.function = _function(self.name, impl, setup_context, backward)
+        self.planned = _function(self.name, _run_planned, setup_context, backward, trail=True)
         if torch._library.utils.is_functional_schema(self.op._schema):
             torch.library.register_autograd(qualname, backward, setup_context=setup_context,
                                             lib=_LIB)
         else:  # register_autograd takes functional ops only: its own recipe, by hand
-            redispatch = _function(self.name, _below_autograd(self.op), setup_context, backward)
+            redispatch = _function(self.name, _below_autograd(self.op), setup_context, backward,
+                                   lead=True)
             _LIB.impl(self.name, lambda keyset, *args: redispatch.apply(keyset, *args),
                       "Autograd", with_keyset=True)
 
@@ -157,8 +165,7 @@ class Op:
                 direct = direct and _plain(a)
         grad = grad and torch.is_grad_enabled()
         if grad and self.function is None:
-            raise ValueError(f"cupykern.{self.name}: has no backward, and an input requires "
-                             "grad; call it under torch.no_grad() or on detached tensors")
+            self._no_backward()
         if not direct:
             if self.autocast is not None and torch.compiler.is_compiling():
                 # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
@@ -168,3 +175,18 @@ class Op:
                         args = _autocast_args(args, device_type, self.autocast)
             return self.op(*args)
         return self.function.apply_eager(*args) if grad else self.impl(*args)
+
+    def call_planned(self, run, grad: bool, *args):
+        """``self(*args)`` in plain eager mode (:func:`_direct`), where ``run(*args)`` computes
+        what the implementation would (a module's cached launch plan for these arguments),
+        with autograd if ``grad`` (a gradient is needed): the call without the checks
+        and lookups that chose ``run``."""
+        if not grad:
+            return run(*args)
+        if self.planned is None:
+            self._no_backward()
+        return self.planned.apply_eager(*args, run)
+
+    def _no_backward(self):
+        raise ValueError(f"cupykern.{self.name}: has no backward, and an input requires "
+                         "grad; call it under torch.no_grad() or on detached tensors")
