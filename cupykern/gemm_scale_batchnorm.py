@@ -39,8 +39,11 @@ def _train_coef_expr(t):
     return f"bn_train_coef<{t}, {_COEF_THREADS}, {PART_ROWS}>"
 
 
-def _apply_expr(dtype, vec):
-    return f"bn_apply<{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}>"
+def _apply_expr(dtype, vec, fused=False):
+    """bn_apply, or with ``fused`` bn_train_apply (its coefficients computed in the same
+    launch), for ``dtype`` and ``vec`` columns per thread."""
+    a = f"{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}"
+    return f"bn_train_apply<{a}, {PART_ROWS}>" if fused else f"bn_apply<{a}>"
 
 
 def _grad_exprs(t):
@@ -53,7 +56,8 @@ def _grad_exprs(t):
 for _dt in CTYPE:
     _t = CTYPE[_dt]
     _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
-                             _apply_expr(_dt, 1), _apply_expr(_dt, 16 // ITEMSIZE[_dt]),
+                             *(_apply_expr(_dt, v, f) for v in (1, 16 // ITEMSIZE[_dt])
+                               for f in (False, True)),
                              *_grad_exprs(_t)])
 
 
@@ -254,18 +258,24 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     factor = scalar(momentum if momentum is not None else -1.0, "double")  # -1: cumulative
     eps_ = scalar(eps, "double")
     apply_ = _apply_call(place, M, N)
+    # One M-tile and a momentum: coefficients and apply in one launch (bn_train_apply).
+    fused = _apply_launch(place, M, N, True) if sizes[0] == 1 and momentum is not None else None
+    mn = (N, sizes[2], sizes[3])
 
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
         out, buf = empty(place, (M, N)), empty(place, (scratch,), acc)  # held to the launch
         z = empty(place, (M, N)) if save else out
         c0, zp = ptr(buf), ptr(z)
         part, n = c0 + 4 * step, ptr(nbt)
-        launch_all(place, (
-            *gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, c0 + ws_off if ws_off else 0),
-            (coef, *coef_launch, (part, *sizes, ptr(bias), ptr(scale), ptr(gamma),
-                                  ptr(beta), ptr(rmean), ptr(rvar), n, factor, eps_, c0,
-                                  c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0), 0),
-            apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
+        vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
+                   factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
+        gemm_launches = gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, c0 + ws_off if ws_off else 0)
+        if fused:
+            launch_all(place, (*gemm_launches,
+                               (*fused, (zp, ptr(out), *mn, part, sizes[1], *vectors), 0)))
+        else:
+            launch_all(place, (*gemm_launches, (coef, *coef_launch, (part, *sizes, *vectors), 0),
+                               apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
         if save:
             return out, z, head(buf, (4, N))
         return out
@@ -282,17 +292,21 @@ def check_real(v, name: str) -> float:
     return float(v)
 
 
-def _apply_call(place, M, N):
-    """``call(z_ptr, out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply from a
-    fresh (M, N) z to a fresh out (16-byte aligned; out may be z); it also counts
-    num_batches_tracked (nbt, 0 for none)."""
+def _apply_launch(place, M, N, fused=False):
+    """``(fn, grid, block)`` of bn_apply (``fused``: bn_train_apply) over (M, N) arrays,
+    16-byte aligned."""
     isz = ITEMSIZE[place.dtype]
     vec = 16 // isz if (N * isz) % 16 == 0 else 1
-    fn = _loader.function(_FILE, _apply_expr(place.dtype, vec), place.device)
-    grid = (cdiv(cdiv(N, vec), _APPLY["THREADS"]), cdiv(M, _APPLY["ROWS"]))
-    sizes = (N, scalar(M, "int"), scalar(N, "int"))
-    return lambda z, o, ca, cm, cb, nbt: (fn, grid, (_APPLY["THREADS"],),
-                                          (z, o) + sizes + (ca, cm, cb, nbt), 0)
+    fn = _loader.function(_FILE, _apply_expr(place.dtype, vec, fused), place.device)
+    return fn, (cdiv(cdiv(N, vec), _APPLY["THREADS"]), cdiv(M, _APPLY["ROWS"])), (_APPLY["THREADS"],)
+
+
+def _apply_call(place, M, N):
+    """``call(z_ptr, out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply from a
+    fresh (M, N) z to a fresh out (out may be z); it also counts num_batches_tracked
+    (nbt, 0 for none)."""
+    launch, sizes = _apply_launch(place, M, N), (N, scalar(M, "int"), scalar(N, "int"))
+    return lambda z, o, ca, cm, cb, nbt: (*launch, (z, o) + sizes + (ca, cm, cb, nbt), 0)
 
 
 _backward_plans: dict = {}  # (signatures, eps, precision, input_grad, weight_grad) -> run, or None

@@ -11,31 +11,24 @@ template <typename T, typename A>
 __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
 
 // Training: merge the GEMM's per-M-tile (mean, M2, min, max) partials of z in tile order
-// (and, where inv is not null, keep 1/sqrt(var_y + eps) for the backward)
-// (Chan), then write the coefficients and update running stats like BatchNorm1d:
-// mean/var of y = s*mean(z + b), s^2*var(z); running_var takes the unbiased var.
+// (Chan) into column n's coefficients (ca, cm, cb); with ``update``, also keep
+// iv = 1/sqrt(var_y + eps) for the backward (where inv is not null) and update the
+// running stats like BatchNorm1d: mean/var of y = s*mean(z + b), s^2*var(z);
+// running_var takes the unbiased var.
 // The reference forms y = s*(z + b) in T, rounding twice: where that overflows T in some
 // row (checked at z's min and max, y being monotonic in z), its batch mean is +-inf (nan
 // if both signs overflow) and its variance nan, so every output of the column is nan.
 // factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
-// (bn_apply, launched after this kernel, increments num_batches_tracked).
-// One thread per column n: grid cdiv(N, THREADS), block THREADS.
-template <typename T, int THREADS, int ROWS>
-__global__ void __launch_bounds__(THREADS)
-bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
-              int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
-              const T* __restrict__ gamma, const T* __restrict__ beta,
-              T* __restrict__ rmean, T* __restrict__ rvar,
-              const long long* __restrict__ nbt, double factor, double eps,
-              typename acc_of<T>::type* __restrict__ ca,
-              typename acc_of<T>::type* __restrict__ cm,
-              typename acc_of<T>::type* __restrict__ cb,
-              typename acc_of<T>::type* __restrict__ inv) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
-  static_assert(ROWS == PART_ROWS, "bn_train_coef: the GEMM's partial statistics are PART_ROWS rows per tile");
-  typedef typename acc_of<T>::type A;
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
+// (incremented by bn_apply, launched after bn_train_coef has read it).
+template <typename T, int ROWS, typename A = typename acc_of<T>::type>
+__device__ __forceinline__ void
+train_column(int n, const A* __restrict__ part, int mtiles, int bm, int M, int N,
+             const T* __restrict__ bias, const T* __restrict__ scale,
+             const T* __restrict__ gamma, const T* __restrict__ beta,
+             T* __restrict__ rmean, T* __restrict__ rvar, const long long* __restrict__ nbt,
+             double factor, double eps, bool update, A* __restrict__ inv,
+             A& ca, A& cm, A& cb) {
+  static_assert(ROWS == PART_ROWS, "train_column: the GEMM's partial statistics are PART_ROWS rows per tile");
   A cnt = 0, mean = 0, m2 = 0;
   constexpr int BATCH = 16;  // loads issued together: the merge chain is latency-bound
   for (int t0 = 0; t0 < mtiles; t0 += BATCH) {
@@ -66,16 +59,37 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
     mean_y = up && down ? quiet_nan<A>() : (up ? infinity<A>() : -infinity<A>());
   }
   const A iv = (A)1 / sqrt(s * s * var + (A)eps);  // 1 / std of y
-  ca[n] = opt(gamma, n, (A)1) * s * iv;
+  ca = opt(gamma, n, (A)1) * s * iv;
+  cm = mean;
+  cb = opt(beta, n, (A)0);
+  if (!update) return;
   if (inv) inv[n] = iv;  // saved for the backward
-  cm[n] = mean;
-  cb[n] = opt(beta, n, (A)0);
   if (rmean) {
     const A f = factor < 0 ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
     const A var_y = s * s * var * (A)M / (A)(M - 1);
     rmean[n] = from_acc<T>(((A)1 - f) * to_acc(rmean[n]) + f * mean_y);
     rvar[n] = from_acc<T>(((A)1 - f) * to_acc(rvar[n]) + f * var_y);
   }
+}
+
+// The coefficients of every column (train_column), for bn_apply.
+// One thread per column n: grid cdiv(N, THREADS), block THREADS.
+template <typename T, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
+              int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
+              const T* __restrict__ gamma, const T* __restrict__ beta,
+              T* __restrict__ rmean, T* __restrict__ rvar,
+              const long long* __restrict__ nbt, double factor, double eps,
+              typename acc_of<T>::type* __restrict__ ca,
+              typename acc_of<T>::type* __restrict__ cm,
+              typename acc_of<T>::type* __restrict__ cb,
+              typename acc_of<T>::type* __restrict__ inv) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  train_column<T, ROWS>(n, part, mtiles, bm, M, N, bias, scale, gamma, beta, rmean, rvar, nbt,
+                        factor, eps, true, inv, ca[n], cm[n], cb[n]);
 }
 
 // Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cb, for the GEMM's
@@ -100,33 +114,17 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
   cb[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
-// out = ca[n]*(z - cm[n]) + cb[n] over (M, N) arrays with row stride ldz (out may be z:
-// in place; it is a separate array where the backward keeps z). Each thread
-// owns VEC consecutive columns (16-byte vectors when VEC > 1) for ROWS rows, loading
-// UNROLL rows before storing any (the stores may alias later loads for all the
-// compiler knows, so without this each row would wait for the previous one's load).
-// It also counts the batch: ++num_batches_tracked when nbt is not null, after
-// bn_train_coef has read it (a launch of its own would cost a call of host time).
-// Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
-template <typename T, int VEC, int THREADS, int ROWS>
-__global__ void __launch_bounds__(THREADS)
-bn_apply(const T* z, T* out, long long ldz, int M, int N,
-         const typename acc_of<T>::type* __restrict__ ca,
-         const typename acc_of<T>::type* __restrict__ cm,
-         const typename acc_of<T>::type* __restrict__ cb, long long* __restrict__ nbt) {
-  static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_apply: VEC is 1 or one 16-byte vector of T");
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_apply: THREADS must be whole warps, at most 1024");
-  static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
-  typedef typename acc_of<T>::type A;
+// out = ca*(z - cm) + cb for VEC consecutive columns from col, rows [r0, r1) of (M, N)
+// arrays with row stride ldz (out may be z: in place; it is a separate array where the
+// backward keeps z), 16-byte vectors when VEC > 1, loading UNROLL rows before storing any
+// (the stores may alias later loads for all the compiler knows, so without this each
+// row would wait for the previous one's load).
+template <typename T, int VEC, typename A = typename acc_of<T>::type>
+__device__ __forceinline__ void
+apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1,
+           const A (&fa)[VEC], const A (&fm)[VEC], const A (&fb)[VEC]) {
   constexpr int UNROLL = 8;
-  if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
-  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-  if (col >= N) return;
-  A fa[VEC], fm[VEC], fb[VEC];
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fm[e] = cm[col + e]; fb[e] = cb[col + e]; }
-  const int r1 = min(M, (blockIdx.y + 1) * ROWS);
-  for (int r = blockIdx.y * ROWS; r < r1; r += UNROLL) {
+  for (int r = r0; r < r1; r += UNROLL) {
     Vec16<T> v[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -145,6 +143,65 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N,
       else *p = v[u].e[0];
     }
   }
+}
+
+// apply_rows with the coefficients of arrays ca, cm, cb, each thread owning VEC columns
+// for ROWS rows. It also counts the batch: ++num_batches_tracked when nbt is not null,
+// after bn_train_coef has read it (a launch of its own would cost a call of host time).
+// Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
+template <typename T, int VEC, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_apply(const T* z, T* out, long long ldz, int M, int N,
+         const typename acc_of<T>::type* __restrict__ ca,
+         const typename acc_of<T>::type* __restrict__ cm,
+         const typename acc_of<T>::type* __restrict__ cb, long long* __restrict__ nbt) {
+  static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_apply: VEC is 1 or one 16-byte vector of T");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_apply: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
+  typedef typename acc_of<T>::type A;
+  if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (col >= N) return;
+  A fa[VEC], fm[VEC], fb[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fm[e] = cm[col + e]; fb[e] = cb[col + e]; }
+  apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
+}
+
+// bn_train_coef and bn_apply in one launch, for a batch of one M-tile (mtiles == 1: each
+// block's merge is a read of that tile's statistics) with a momentum (factor >= 0:
+// num_batches_tracked is only incremented, never read, so no launch need order the two).
+// Every block computes its columns' coefficients; the first row of blocks writes them
+// (ca, cm, cb, inv: the backward's) and updates the running stats.
+// Grid and block as bn_apply's.
+template <typename T, int VEC, int THREADS, int ROWS, int PROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
+               const typename acc_of<T>::type* __restrict__ part, int bm,
+               const T* __restrict__ bias, const T* __restrict__ scale,
+               const T* __restrict__ gamma, const T* __restrict__ beta,
+               T* __restrict__ rmean, T* __restrict__ rvar, long long* __restrict__ nbt,
+               double factor, double eps,
+               typename acc_of<T>::type* __restrict__ ca,
+               typename acc_of<T>::type* __restrict__ cm,
+               typename acc_of<T>::type* __restrict__ cb,
+               typename acc_of<T>::type* __restrict__ inv) {
+  static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_train_apply: VEC is 1 or one 16-byte vector of T");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_apply: THREADS must be whole warps, at most 1024");
+  static_assert(ROWS >= 1, "bn_train_apply: ROWS >= 1");
+  typedef typename acc_of<T>::type A;
+  if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (col >= N) return;
+  const bool first = blockIdx.y == 0;
+  A fa[VEC], fm[VEC], fb[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    train_column<T, PROWS>(col + e, part, 1, bm, M, N, bias, scale, gamma, beta, rmean, rvar,
+                           nbt, factor, eps, first, inv, fa[e], fm[e], fb[e]);
+    if (first) { ca[col + e] = fa[e]; cm[col + e] = fm[e]; cb[col + e] = fb[e]; }
+  }
+  apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
 }
 
 // ---- backward, training mode ---------------------------------------------------------
