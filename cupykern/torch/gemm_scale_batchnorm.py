@@ -76,6 +76,9 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, scale, gamma, beta, rmean, rvar, _, training, _, eps, precision, save = inputs
     ctx.training, ctx.eps, ctx.precision, ctx.save = training, eps, precision, save
     ctx.mark_non_differentiable(*output[1:])
+    # No zero-filled (B, N) and (4, N) gradients for z and coefs (two allocations and
+    # fills a step): _backward never reads them.
+    ctx.set_materialize_grads(False)
     # Which of x, weight, bias, scale, gamma, beta want a gradient (read from the inputs:
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
@@ -88,6 +91,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g, *_):
+    if g is None:  # (only z or coefs, which are not differentiable, were used)
+        return (None,) * 14
     x, weight, bias, scale, gamma, *stats = ctx.saved_tensors
     want = ctx.wants
     if not ctx.training and not torch.is_grad_enabled():
