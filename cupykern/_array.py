@@ -68,8 +68,11 @@ class Operand:
 
     @property
     def proto(self):
-        """A tensor whose ``new_empty`` makes outputs like this one (torch kind)."""
-        return self.obj
+        """A plain tensor whose ``new_empty`` makes outputs like this one (torch kind)."""
+        t = _torch()
+        if type(self.obj) in (t.Tensor, t.nn.Parameter):  # (Parameter.new_empty: a Tensor)
+            return self.obj
+        return t.empty(0, dtype=self.obj.dtype, device=self.obj.device)
 
     @property
     def ndim(self) -> int:
@@ -286,7 +289,6 @@ def launch(a, fn, grid, block, args, shared_mem: int = 0) -> None:
 # slot addresses are the cuLaunchKernel parameter array (the driver copies the values
 # before it returns): half the host time of CuPy's per-argument conversion.
 _SLOT = {int: "q", np.int32: "i4x", np.float64: "d"}  # see scalar()
-_FORMATS: dict = {}  # argument types -> struct format
 _KERNEL_FORMATS: dict = {}  # kernel function -> struct format of its arguments
 _MAX_ARGS = 32
 _ARENA = threading.local()
@@ -294,14 +296,12 @@ _PAD = ((), (1, 1), (1,), ())  # the missing dimensions of a 1-, 2- or 3-d grid 
 
 
 def _format(types) -> str:
-    fmt = _FORMATS.get(types)
-    if fmt is None:
-        bad = [t.__name__ for t in types if t not in _SLOT]
-        if bad or len(types) > _MAX_ARGS:
-            raise TypeError(f"kernel arguments: expected at most {_MAX_ARGS} of int "
-                            f"(pointer, long long), numpy.int32 or numpy.float64, got {bad}")
-        fmt = _FORMATS[types] = "=" + "".join(_SLOT[t] for t in types)
-    return fmt
+    """The struct format of kernel arguments of these types (TypeError for others)."""
+    bad = [t.__name__ for t in types if t not in _SLOT]
+    if bad or len(types) > _MAX_ARGS:
+        raise TypeError(f"kernel arguments: expected at most {_MAX_ARGS} of int "
+                        f"(pointer, long long), numpy.int32 or numpy.float64, got {bad}")
+    return "=" + "".join(_SLOT[t] for t in types)
 
 
 def _arena():
@@ -326,7 +326,8 @@ def _launch_calls(calls, stream: int, zero=()) -> None:
     buf, params = _arena()
     pack, launch = struct.pack_into, cp.cuda.driver.launchKernel
     for fn, grid, block, args, smem in calls:
-        # A kernel's argument types are its signature's: checked on its first launch.
+        # A kernel's argument types are its signature's: checked on its first launch here
+        # (a thread's very first launches go through CuPy's launcher, which checks them).
         fmt = _KERNEL_FORMATS.get(fn)
         if fmt is None:
             fmt = _KERNEL_FORMATS[fn] = _format(tuple(map(type, args)))
@@ -366,7 +367,8 @@ class Place:
     def __init__(self, a: Operand):
         self.kind, self.device, self.dtype = a.kind, a.device, a.dtype
         self.array_dtype = a.array_dtype
-        self.proto = a.obj.new_empty(0) if a.torch else None  # (holds no memory)
+        # a plain tensor's new_empty (a subclass's would make outputs of the subclass)
+        self.proto = _torch().empty(0, dtype=a.obj.dtype, device=a.obj.device) if a.torch else None
         # ptr(array) -> its data pointer (None -> 0), without data_ptr()'s type test
         tensor_ptr = _torch().Tensor.data_ptr if a.kind == "torch" else None
         self.ptr = (lambda v: 0 if v is None else tensor_ptr(v)) if tensor_ptr else \

@@ -245,31 +245,37 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
         return run_eval
 
-    # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv; with ``save`` a view
-    # of them is the coefs array kept for the backward, which keeps the buffer alive: one
-    # allocation less a call), the GEMM's partial statistics (PART_ROWS * mtiles, N),
-    # then its split-K workspace (if any).
+    # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv), the GEMM's partial
+    # statistics (PART_ROWS * mtiles, N), then its split-K workspace (if any).
     bm = kernel.bm
     part_end = (4 + PART_ROWS * cdiv(M, bm)) * N
     scratch = part_end + kernel.workspace
     ws_off = part_end * ITEMSIZE[acc] if kernel.workspace else 0  # (split K: acc is the dtype)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
     sizes = tuple(scalar(v, "int") for v in (cdiv(M, bm), bm, M, N))
-    factor = scalar(momentum if momentum is not None else -1.0, "double")  # -1: cumulative
+    # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
+    factor = scalar(momentum if momentum is not None else math.nan, "double")
     eps_ = scalar(eps, "double")
     apply_ = _apply_call(place, M, N)
     # One M-tile and a momentum: coefficients and apply in one launch (bn_train_apply).
     fused = _apply_launch(place, M, N, True) if sizes[0] == 1 and momentum is not None else None
     mn = (N, sizes[2], sizes[3])
 
+    # With ``save`` the coefficients the backward keeps are a view of the buffer's head
+    # (one allocation less a call), unless a split-K workspace would be kept with them.
+    own_coefs = save and kernel.workspace
+
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
         out, buf = empty(place, (M, N)), empty(place, (scratch,), acc)  # held to the launch
         z = empty(place, (M, N)) if save else out
-        c0, zp = ptr(buf), ptr(z)
-        part, n = c0 + 4 * step, ptr(nbt)
+        coefs = empty(place, (4, N), acc) if own_coefs else None
+        b0, zp = ptr(buf), ptr(z)
+        c0 = ptr(coefs) if own_coefs else b0
+        part, n = b0 + 4 * step, ptr(nbt)
         vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
                    factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
-        gemm_launches = gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, c0 + ws_off if ws_off else 0)
+        ws = b0 + ws_off if ws_off else 0
+        gemm_launches = gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, ws)
         if fused:
             launch_all(place, (*gemm_launches,
                                (*fused, (zp, ptr(out), *mn, part, sizes[1], *vectors), 0)))
@@ -277,7 +283,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
             launch_all(place, (*gemm_launches, (coef, *coef_launch, (part, *sizes, *vectors), 0),
                                apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
         if save:
-            return out, z, head(buf, (4, N))
+            return out, z, coefs if own_coefs else head(buf, (4, N))
         return out
 
     return run_train

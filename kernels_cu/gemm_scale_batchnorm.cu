@@ -18,7 +18,7 @@ __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(
 // The reference forms y = s*(z + b) in T, rounding twice: where that overflows T in some
 // row (checked at z's min and max, y being monotonic in z), its batch mean is +-inf (nan
 // if both signs overflow) and its variance nan, so every output of the column is nan.
-// factor < 0 means momentum=None: cumulative average 1/(num_batches_tracked + 1)
+// factor nan means momentum=None: cumulative average 1/(num_batches_tracked + 1)
 // (incremented by bn_apply, launched after bn_train_coef has read it).
 template <typename T, int ROWS, typename A = typename acc_of<T>::type>
 __device__ __forceinline__ void
@@ -65,7 +65,7 @@ train_column(int n, const A* __restrict__ part, int mtiles, int bm, int M, int N
   if (!update) return;
   if (inv) inv[n] = iv;  // saved for the backward
   if (rmean) {
-    const A f = factor < 0 ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
+    const A f = isnan(factor) ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
     const A var_y = s * s * var * (A)M / (A)(M - 1);
     rmean[n] = from_acc<T>(((A)1 - f) * to_acc(rmean[n]) + f * mean_y);
     rvar[n] = from_acc<T>(((A)1 - f) * to_acc(rvar[n]) + f * var_y);
@@ -169,7 +169,7 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N,
 }
 
 // bn_train_coef and bn_apply in one launch, for a batch of one M-tile (mtiles == 1: each
-// block's merge is a read of that tile's statistics) with a momentum (factor >= 0:
+// block's merge is a read of that tile's statistics) with a momentum (factor not nan:
 // num_batches_tracked is only incremented, never read, so no launch need order the two).
 // Every block computes its columns' coefficients; the first row of blocks writes them
 // (ca, cm, cb, inv: the backward's) and updates the running stats.

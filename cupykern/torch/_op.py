@@ -37,6 +37,12 @@ def _plain(t) -> bool:
     return type(t) in _PLAIN and not t.is_meta
 
 
+def wants_grad(tensors) -> bool:
+    """Whether autograd records a call on these (tensors or None)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _direct(tensors) -> bool:
     """Whether an eager call on ``tensors`` may skip the dispatcher."""
     return _eager() and all(_plain(t) for t in tensors)

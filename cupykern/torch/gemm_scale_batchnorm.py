@@ -20,7 +20,7 @@ from torch import nn
 from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, check_inputs,
                                     check_real, gemm_scale_batchnorm_core, planned_run)
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._op import _PLAIN, Op, _eager
+from ._op import _PLAIN, Op, _eager, wants_grad
 from .gemm import mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
@@ -91,7 +91,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g, *_):
-    if g is None:  # (only z or coefs, which are not differentiable, were used)
+    if g is None:  # no gradient reached out (z and coefs are not differentiable)
         return (None,) * 14
     x, weight, bias, scale, gamma, *stats = ctx.saved_tensors
     want = ctx.wants
@@ -219,17 +219,11 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
     save = (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] > 0
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
-            and _wants_grad((x, weight, bias, scale, bn_weight, bn_bias)))
+            and wants_grad((x, weight, bias, scale, bn_weight, bn_bias)))
     op, args = _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                         num_batches_tracked, training, momentum, eps, resolve_precision(precision),
                         save)
     return op(*args)[0]
-
-
-def _wants_grad(tensors) -> bool:
-    """Whether autograd will record a call on these (None or tensors)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -311,7 +305,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         plain eager mode, with plain submodules (nn.Linear, nn.BatchNorm1d, no hooks) and
         arrays like that call's. None where the checks must run (a tenth of the host time
         of a small call)."""
-        if type(x) not in _PLAIN or not _eager():
+        if (type(self) is not GemmScaleBatchNorm or type(x) not in _PLAIN or not x.is_cuda
+                or not _eager()):  # (a subclass's properties could stand for submodules)
             return None
         mods = self.__dict__["_modules"]
         gemm, bn = mods.get("gemm"), mods.get("bn")
@@ -322,12 +317,12 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         *tensors, training, momentum, eps = _arguments(gemm, bn, scale)
         if type(eps) is not float or type(momentum) not in (float, type(None)):
             return None  # (a plan key must hash; the checks name a bad one)
-        save = _wants_grad((x, *tensors[:5]))
+        save = wants_grad((x, *tensors[:5]))
         op, args = _op_call(x, *tensors, training, momentum, eps, resolve_precision(None), save)
         full = args if op is gemm_scale_batchnorm_op else _full(args)
         arrays = full[:9]
         run = planned_run(arrays, full[9:])  # (on a hit, x is 2-D with rows: save is exact)
-        if run is None or save != _wants_grad(arrays):
+        if run is None or save != wants_grad(arrays):
             return None
         if not save:
             return run(*arrays)

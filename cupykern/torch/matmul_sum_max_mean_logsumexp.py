@@ -27,7 +27,7 @@ from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan
                                               check_weights, check_x, planned_run)
 from .._array import UNPLANNED, operand, signature
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._op import _PLAIN, Op, _direct, _eager
+from ._op import _PLAIN, Op, _direct, _eager, wants_grad
 
 
 def _tail(s: torch.Tensor) -> torch.Tensor:
@@ -237,7 +237,9 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         hooks), for x like an earlier call's. None where the checks must run (a tenth of
         the host time of a call that is a few microseconds of GPU work)."""
         c = self._cache
-        if c is None or type(x) not in _PLAIN or not _eager():
+        # (exact type: a subclass's property could stand for linear)
+        if (c is None or type(self) is not MatmulSumMaxMeanLogSumExp or type(x) not in _PLAIN
+                or not x.is_cuda or not _eager()):
             return None
         linear = self.__dict__["_modules"].get("linear")
         if linear is not c.linear or type(linear) is not nn.Linear or hooked(linear):
@@ -257,9 +259,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
             c.runs[sx] = run
         if run is None:
             return None
-        grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                            or (b is not None and b.requires_grad))
-        return matmul_sum_op.call_planned(run, grad, x, w, b, c.plan)
+        return matmul_sum_op.call_planned(run, wants_grad((x, w, b)), x, w, b, c.plan)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .half(): free the old plan now
         self._cache = None
