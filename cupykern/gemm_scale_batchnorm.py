@@ -259,7 +259,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     apply_ = _apply_call(place, M, N)
     # One M-tile and a momentum: coefficients and apply in one launch (bn_train_apply).
     fused = _apply_launch(place, M, N, True) if sizes[0] == 1 and momentum is not None else None
-    mn = (N, sizes[2], sizes[3])
+    mn = _apply_sizes(M, N)
 
     # With ``save`` the coefficients the backward keeps are a view of the buffer's head
     # (one allocation less a call), unless a split-K workspace would be kept with them.
@@ -307,11 +307,16 @@ def _apply_launch(place, M, N, fused=False):
     return fn, (cdiv(cdiv(N, vec), _APPLY["THREADS"]), cdiv(M, _APPLY["ROWS"])), (_APPLY["THREADS"],)
 
 
+def _apply_sizes(M, N):
+    """The (ldz, M, N) arguments of bn_apply / bn_train_apply over fresh (M, N) arrays."""
+    return N, scalar(M, "int"), scalar(N, "int")
+
+
 def _apply_call(place, M, N):
     """``call(z_ptr, out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply from a
     fresh (M, N) z to a fresh out (out may be z); it also counts num_batches_tracked
     (nbt, 0 for none)."""
-    launch, sizes = _apply_launch(place, M, N), (N, scalar(M, "int"), scalar(N, "int"))
+    launch, sizes = _apply_launch(place, M, N), _apply_sizes(M, N)
     return lambda z, o, ca, cm, cb, nbt: (*launch, (z, o) + sizes + (ca, cm, cb, nbt), 0)
 
 
