@@ -32,12 +32,16 @@ def _torch():
     """torch once it has been imported (cupykern never imports it itself), remembered:
     code that torch.compile traces must not read sys.modules, which the compiler's own
     imports change while it wraps the dict."""
-    global _TORCH
+    global _TORCH, _TORCH_PLAIN, _STRIDED
     if _TORCH is None:
         _TORCH = sys.modules.get("torch")
+        if _TORCH is not None:
+            _TORCH_PLAIN, _STRIDED = (_TORCH.Tensor, _TORCH.nn.Parameter), _TORCH.strided
     return _TORCH
 
 
+# Plain tensor types and torch.strided once torch is imported (signature's hot path).
+_TORCH_PLAIN, _STRIDED = (), None
 _torch()
 
 
@@ -154,7 +158,7 @@ def stream_ptr(a) -> int:
     """The stream a launch for ``a`` (an Operand or a Place) must go on, as a raw handle:
     torch's current stream for tensors, CuPy's for CuPy arrays."""
     if a.kind == "torch":
-        return _torch()._C._cuda_getCurrentRawStream(a.device)
+        return _TORCH._C._cuda_getCurrentRawStream(a.device)
     return _loader.cupy().cuda.get_current_stream().ptr
 
 
@@ -315,16 +319,27 @@ def _arena():
     return arena
 
 
+_API: list = []  # CuPy's getDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
+
+
+def _api():
+    if not _API:
+        cuda = _loader.cupy().cuda
+        _API.extend((cuda.runtime.getDevice, cuda.driver.ctxGetCurrent,
+                     cuda.driver.launchKernel, cuda.runtime.memsetAsync))
+    return _API
+
+
 def _launch_calls(calls, stream: int, zero=()) -> None:
-    cp = _loader.cupy()
+    _, ctx_current, launch, memset = _API
     for ptr, nbytes in zero:
-        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
-    if not cp.cuda.driver.ctxGetCurrent():  # a thread's first launch: CuPy makes the context
+        memset(ptr, 0, nbytes, stream)
+    if not ctx_current():  # a thread's first launch: CuPy makes the context
         for fn, grid, block, args, smem in calls:
             fn(grid, block, args, shared_mem=smem, stream=_RawStream(stream))
         return
     buf, params = _arena()
-    pack, launch = struct.pack_into, cp.cuda.driver.launchKernel
+    pack = struct.pack_into
     for fn, grid, block, args, smem in calls:
         # A kernel's argument types are its signature's: checked on its first launch here
         # (a thread's very first launches go through CuPy's launcher, which checks them).
@@ -349,11 +364,10 @@ def launch_all(a, calls, zero=()) -> None:
     current stream, looked up once, after zeroing each ``(pointer, bytes)`` of ``zero``
     there. ``args``: pointers and ``long long`` as Python ints, other scalars from
     :func:`scalar`."""
-    cupy = _loader.cupy()
-    if cupy.cuda.runtime.getDevice() == a.device:
+    if _api()[0]() == a.device:
         _launch_calls(calls, stream_ptr(a), zero)
     else:
-        with cupy.cuda.Device(a.device):  # CuPy's current stream is per device
+        with _loader.cupy().cuda.Device(a.device):  # CuPy's current stream is per device
             _launch_calls(calls, stream_ptr(a), zero)
 
 
@@ -386,13 +400,14 @@ def signature(x):
     subclasses, other types): see :func:`cached`."""
     if x is None:
         return None
-    t = _torch()
-    if t is not None and (type(x) is t.Tensor or type(x) is t.nn.Parameter):
-        if x.is_cuda and x.layout is t.strided:
-            return (x.dtype, x.device, x.shape, x.stride(), x.data_ptr() & 15)
+    if type(x) in _TORCH_PLAIN:
+        if x.is_cuda and x.layout is _STRIDED:  # (get_device: no torch.device object)
+            return (x.dtype, x.get_device(), x.shape, x.stride(), x.data_ptr() & 15)
         return UNPLANNED
     if _is_cupy(x):
         return (x.dtype, x.device.id, x.shape, x.strides, x.data.ptr & 15)
+    if _TORCH is None and _torch() is not None:  # torch imported after cupykern
+        return signature(x)
     return UNPLANNED
 
 

@@ -219,9 +219,9 @@ def _rows_call(a, w, b, rows=None):
     fn = _loader.function(_FILE, _rows_expr(a.dtype, v, rows), a.device)
     n = w.shape[0]
     grid, block = (cdiv(bsz, rows),), (_THREADS,)
-    head, mid, tail = (ldx, bsz, k), (ldw,), (n, scalar(_zlim(a.dtype, n), "double"))
+    zlim = scalar(_zlim(a.dtype, n), "double")
     return lambda x, plan, wp, bp, out: (fn, grid, block,
-                                         (x,) + head + (plan, wp) + mid + (bp,) + tail + (out,), 0)
+                                         (x, ldx, bsz, k, plan, wp, ldw, bp, n, zlim, out), 0)
 
 
 def apply_cached(x, weight, bias, plan, check):

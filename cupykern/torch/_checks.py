@@ -44,12 +44,17 @@ def members(module: nn.Module, kind: type, names):
     return found
 
 
+_MODULE = nn.modules.module  # where the global hooks live
+
+
 def hooked(*modules: nn.Module) -> bool:
     """Whether calling these submodules would run hooks (their own or global ones): a
     fused forward that never calls them would silently skip those."""
-    g = nn.modules.module
+    g = _MODULE
     if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
             or g._global_backward_pre_hooks):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-               or m._backward_pre_hooks for m in modules)
+    for m in modules:  # (a loop, not any(generator): a call's fast path reads this)
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return False

@@ -27,7 +27,7 @@ from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan
                                               check_weights, check_x, planned_run)
 from .._array import UNPLANNED, operand, signature
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._op import _PLAIN, Op, _direct, _eager, wants_grad
+from ._op import _PLAIN, Op, _direct, _eager
 
 
 def _tail(s: torch.Tensor) -> torch.Tensor:
@@ -148,14 +148,15 @@ def _count_step(optimizer, args, kwargs):
 register_optimizer_step_post_hook(_count_step)
 
 
-def _key(t):
-    if t is None:
-        return _optimizer_steps[0]
+def _key(w, b):
+    """What a plan of weights ``w`` and bias ``b`` (or None) stays valid for: their
+    versions, storage and layout, and the optimizer steps taken."""
     try:
-        version = t._version
+        return (_optimizer_steps[0], w._version, w.data_ptr(), w.dtype, w.get_device(),
+                w.shape, w.stride(), None if b is None else
+                (b._version, b.data_ptr(), b.dtype, b.get_device(), b.shape, b.stride()))
     except RuntimeError:  # inference tensors have no version counter: never trust a cache
-        version = object()
-    return (version, _optimizer_steps[0], t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
+        return object()
 
 
 class MatmulSumMaxMeanLogSumExpReference(nn.Module):
@@ -179,12 +180,12 @@ class _Cache:
     """A plan of ``linear``'s weights ``w`` / ``b`` (valid while their keys hold) and the
     launch plans of the calls made with it, by x's signature (None: x is copied first)."""
 
-    __slots__ = ("linear", "w", "b", "key_w", "key_b", "plan", "keep", "runs")
+    __slots__ = ("linear", "w", "b", "key", "plan", "keep", "runs")
     RUNS = 64  # x signatures kept at most
 
     def __init__(self, linear, w, b, plan, keep):
         self.linear, self.w, self.b, self.plan, self.keep = linear, w, b, plan, keep
-        self.key_w, self.key_b, self.runs = _key(w), _key(b), {}
+        self.key, self.runs = _key(w, b), {}
 
 
 class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
@@ -208,7 +209,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
     def _plan(self, linear, w, b):
         c = self._cache
         if (c is not None and c.linear is linear and c.w is w and c.b is b
-                and c.key_w == _key(w) and c.key_b == _key(b)):
+                and c.key == _key(w, b)):
             return c.plan
         wd, bd = w.detach(), _detach(b)
         # The detached views keep the old storage alive while cached, so that new data
@@ -246,7 +247,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
             return None
         params = linear.__dict__["_parameters"]
         w, b = params.get("weight"), params.get("bias")
-        if w is not c.w or b is not c.b or _key(w) != c.key_w or _key(b) != c.key_b:
+        if w is not c.w or b is not c.b or _key(w, b) != c.key:
             return None
         sx = signature(x)
         run = c.runs.get(sx, c)
@@ -259,7 +260,9 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
             c.runs[sx] = run
         if run is None:
             return None
-        return matmul_sum_op.call_planned(run, wants_grad((x, w, b)), x, w, b, c.plan)
+        grad = torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
+                                            or (b is not None and b.requires_grad))
+        return matmul_sum_op.call_planned(run, grad, x, w, b, c.plan)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .half(): free the old plan now
         self._cache = None
