@@ -109,9 +109,11 @@ def check_inputs(x, weight):
 
 
 def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-          num_batches_tracked, training, momentum, eps, precision):
+          num_batches_tracked, training, momentum, eps, precision, synchronized=False):
     """Validate every argument once: (x, weight Operands, dict of vector Operands or None,
-    num_batches_tracked Operand or None, momentum, eps, precision)."""
+    num_batches_tracked Operand or None, momentum, eps, precision). ``synchronized``:
+    batch statistics over several processes, where one process may hold any number of
+    rows."""
     xo, wo = check_inputs(x, weight)
     M, N = xo.shape[0], wo.shape[0]
     vec = {name: check_vector(v, name, xo, N) for name, v in (
@@ -141,7 +143,7 @@ def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
     if training and running_mean is not None and momentum is None and nbt is None:
         raise ValueError("num_batches_tracked: required when momentum is None (a cumulative "
                          "average) and running statistics are updated")
-    if training and M <= 1:
+    if training and M <= 1 and not synchronized:
         raise batch_size_error((M, N))
     return xo, wo, vec, nbt, momentum, eps, check_precision(precision)
 

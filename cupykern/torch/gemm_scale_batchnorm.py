@@ -19,9 +19,12 @@ from torch import nn
 
 from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, check_inputs,
                                     check_real, gemm_scale_batchnorm_core, planned_run)
+from torch.autograd.function import once_differentiable
+
 from ._checks import hooked, members, require_submodule, require_tensor
+from ._distributed import gather, merge_moments, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _eager, wants_grad
-from .gemm import mm_op, resolve_precision
+from .gemm import linear_op, mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
            "Tensor? bn_bias")
@@ -239,6 +242,83 @@ def _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_v
                                      precision, save)
 
 
+class _Synchronized(torch.autograd.Function):
+    """Training-mode gemm_scale_batchnorm with batch statistics over the processes of a
+    group, as nn.SyncBatchNorm computes them: z + b = x @ W.T + b on our GEMM (F.linear
+    on the CPU), y = (z + b) * scale, each rank's per-column (count, mean, M2) of y, one
+    all_gather, their merge in rank order. The backward gathers each rank's column sums
+    of dŷ and dŷ·ŷ the same way, then runs our two GEMMs. Gradients of the parameters
+    are this rank's own, as SyncBatchNorm's (DDP averages them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, momentum, eps,
+                precision, group):
+        acc = _acc(x)
+        zb = linear_op(x, weight, bias, precision)
+        y = zb.to(acc) * scale.to(acc)
+        count, mean, m2 = merge_moments(gather(moments(y), group))
+        if rmean is not None:  # nn.BatchNorm1d's update, with the unbiased variance of all rows
+            if nbt is not None:
+                nbt.add_(1)
+            f = momentum if momentum is not None else 1.0 / float(nbt)
+            rmean.copy_(rmean * (1 - f) + mean.to(rmean.dtype) * f)
+            rvar.copy_(rvar * (1 - f) + (m2 / (count - 1)).to(rvar.dtype) * f)
+        mean, invstd = mean.to(acc), torch.rsqrt(m2 / count + eps).to(acc)
+        out = (y - mean) * invstd
+        if gamma is not None:
+            out = out * gamma.to(acc)
+        if beta is not None:
+            out = out + beta.to(acc)
+        ctx.precision, ctx.group = precision, group
+        ctx.save_for_backward(x, weight, scale, gamma, zb, mean, invstd, count)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, weight, scale, gamma, zb, mean, invstd, count = ctx.saved_tensors
+        want, dt, acc = ctx.needs_input_grad, x.dtype, mean.dtype
+        ga, za, sa = g.to(acc), zb.to(acc), scale.to(acc)
+        yhat = (za * sa - mean) * invstd
+        dyhat = ga if gamma is None else ga * gamma.to(acc)
+        dx = dw = db = ds = None
+        if any(want[:4]):  # (the same on every rank: each joins the gather)
+            local = torch.stack([dyhat.sum(0), (dyhat * yhat).sum(0)]).double()
+            s1, s2 = (sum_in_order(gather(local, ctx.group)) / count).to(acc)
+            dy = invstd * (dyhat - s1 - yhat * s2)  # the gradient of y = (z + b) * scale
+            dzb = dy * sa
+            d = dzb.to(dt)
+            if want[0]:
+                dx = mm_op(d, weight, ctx.precision) if len(d) else torch.zeros_like(x)
+            if want[1]:
+                dw = mm_op(d.t(), x, ctx.precision) if len(d) else torch.zeros_like(weight)
+            db = dzb.sum(0).to(dt) if want[2] else None
+            ds = (dy * za).sum(0).to(scale.dtype) if want[3] else None
+        dgamma = (ga * yhat).sum(0).to(dt) if want[4] else None
+        dbeta = ga.sum(0).to(dt) if want[5] else None
+        return (dx, dw, db, ds, dgamma, dbeta) + (None,) * 7
+
+
+@torch.compiler.disable  # (collectives in an autograd.Function: a graph break, not a crash)
+def synchronized(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
+                 running_var=None, num_batches_tracked=None, *, momentum=0.1, eps=1e-5,
+                 precision=None, process_group=None):
+    """Training-mode :func:`gemm_scale_batchnorm` whose batch statistics are those of the
+    rows of every process of ``process_group`` (None: the default group), as
+    nn.SyncBatchNorm's: one all_gather of per-column moments forward, one of two column
+    sums backward (torch.distributed must be initialized; any backend). A process may
+    hold any number of rows, none included. The running statistics are updated with the
+    statistics of all rows, identically on every rank."""
+    prec = resolve_precision(precision)
+    xo = check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+               num_batches_tracked, True, momentum, eps, prec, synchronized=True)[0]
+    if not xo.torch:
+        raise TypeError("x: synchronized batch statistics take torch tensors")
+    return _Synchronized.apply(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                               running_var, num_batches_tracked, momentum, float(eps), prec,
+                               process_group)
+
+
 class GemmScaleBatchNormReference(nn.Module):
     """Documented model 3 in plain PyTorch: ``bn(gemm(x) * scale)``."""
 
@@ -264,17 +344,30 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
     ``torch.get_float32_matmul_precision()``. CUDA tensors run the fused kernels through
     ``torch.ops.cupykern.gemm_scale_batchnorm`` (autograd, torch.compile, CUDA graphs);
     CPU tensors run the reference model itself. On CUDA, ``gemm`` must stay an
-    nn.Linear and ``bn`` an nn.BatchNorm1d (or a SyncBatchNorm that does not
-    synchronize, e.g. in eval mode or a single process); anything else raises rather
-    than being silently ignored. While either has hooks (forward or backward, its own
-    or global: pruning, weight norm, probes) the reference model runs, so they do too.
+    nn.Linear and ``bn`` an nn.BatchNorm1d or nn.SyncBatchNorm; anything else raises
+    rather than being silently ignored. While either has hooks (forward or backward, its
+    own or global: pruning, weight norm, probes) the reference model runs, so they do too.
+
+    Synchronized batch statistics: in training mode, when ``bn`` is an nn.SyncBatchNorm
+    (``nn.SyncBatchNorm.convert_sync_batchnorm``) or the module was given a
+    ``process_group``, and that group (None: the default one) spans several processes,
+    the statistics are those of every process's rows, as SyncBatchNorm computes them
+    (:func:`synchronized`; CPU tensors too, over gloo).
     """
+
+    def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1, *,
+                 process_group=None):
+        super().__init__(in_features, out_features, scale_shape, eps, momentum)
+        self.process_group = process_group
 
     def forward(self, x):
         out = self._planned_call(x)
         if out is not None:
             return out
         require_tensor(x)
+        group = self._sync_group()
+        if group is not None:
+            return self._synchronized_call(x, group)
         if not x.is_cuda:  # the reference model itself: honours any submodule
             if isinstance(self.gemm, nn.Linear) and x.device.type == "cpu":  # (meta: shapes only)
                 check_inputs(x, self.gemm.weight)
@@ -283,22 +376,40 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
             return super().forward(x)
         gemm, bn, scale = members(self, GemmScaleBatchNorm, ("gemm", "bn", "scale"))
         require_submodule(self, "gemm", nn.Linear, gemm)
-        if isinstance(bn, nn.SyncBatchNorm):
-            if (bn.training or bn.running_mean is None) and _synchronizes(bn):
-                raise NotImplementedError(
-                    "bn: GemmScaleBatchNorm.bn is a SyncBatchNorm over several processes; "
-                    "cupykern does not synchronize batch statistics yet, and per-GPU "
-                    "statistics would be wrong. Use the reference model for this step.")
-        else:
-            require_submodule(self, "bn", nn.BatchNorm1d, bn)
+        # (a SyncBatchNorm here does not synchronize: _sync_group said so)
+        require_submodule(self, "bn", _bn_kind(bn), bn)
         if hooked(gemm, bn):  # hooks (pruning, weight norm, probes) run in the reference
             return super().forward(x)
-        if scale.dim() != 1:
-            scale = scale.reshape(-1)
-        if scale.shape[0] == 1:  # a broadcast scale, as the reference model allows
-            scale = scale.expand(gemm.weight.shape[0])
-        *tensors, training, momentum, eps = _arguments(gemm, bn, scale)
+        *tensors, training, momentum, eps = _arguments(gemm, bn, _flat_scale(scale, gemm))
         return gemm_scale_batchnorm(x, *tensors, training=training, momentum=momentum, eps=eps)
+
+    def _sync_group(self):
+        """The process group whose rows the batch statistics span (a SyncBatchNorm
+        ``bn``'s, else this module's ``process_group``), or None for this process's rows
+        alone: eval mode, one process, or torch.distributed not initialized."""
+        bn = self.bn
+        if isinstance(bn, nn.SyncBatchNorm):
+            group = bn.process_group or None  # (SyncBatchNorm's own rule: falsy means WORLD)
+        else:
+            group = self.__dict__.get("process_group")
+            if group is None:
+                return None
+        if not bn.training or world_size(group) <= 1:
+            return None
+        return group if group is not None else torch.distributed.group.WORLD
+
+    def _synchronized_call(self, x, group):
+        gemm, bn, scale = members(self, GemmScaleBatchNorm, ("gemm", "bn", "scale"))
+        require_submodule(self, "gemm", nn.Linear, gemm)
+        require_submodule(self, "bn", _bn_kind(bn), bn)
+        if hooked(gemm, bn):
+            if x.is_cuda and isinstance(bn, nn.SyncBatchNorm):  # it synchronizes itself
+                return super().forward(x)
+            raise ValueError("GemmScaleBatchNorm: hooks on gemm or bn with synchronized batch "
+                             "statistics; remove the hooks, or convert bn with "
+                             "nn.SyncBatchNorm.convert_sync_batchnorm and run on CUDA")
+        *tensors, _, momentum, eps = _arguments(gemm, bn, _flat_scale(scale, gemm))
+        return synchronized(x, *tensors, momentum=momentum, eps=eps, process_group=group)
 
     def _planned_call(self, x):
         """What :meth:`forward` returns, from the launch plan of an earlier call alone: in
@@ -306,8 +417,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         arrays like that call's. None where the checks must run (a tenth of the host time
         of a small call)."""
         if (type(self) is not GemmScaleBatchNorm or type(x) not in _PLAIN or not x.is_cuda
-                or not _eager()):  # (a subclass's properties could stand for submodules)
-            return None
+                or not _eager() or self.__dict__.get("process_group") is not None):
+            return None  # (a subclass's properties could stand for submodules)
         mods = self.__dict__["_modules"]
         gemm, bn = mods.get("gemm"), mods.get("bn")
         scale = self.__dict__["_parameters"].get("scale")
@@ -343,9 +454,15 @@ def _arguments(gemm, bn, scale):
             nbt if track else None, batch_stats, bn.momentum, bn.eps)
 
 
-def _synchronizes(bn: nn.SyncBatchNorm) -> bool:
-    """Whether ``bn`` would reduce batch statistics across processes (its own rule)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return dist.get_world_size(bn.process_group or dist.group.WORLD) > 1
+def _bn_kind(bn) -> type:
+    """What ``bn`` must compute: a SyncBatchNorm's forward, or nn.BatchNorm1d's."""
+    return nn.SyncBatchNorm if isinstance(bn, nn.SyncBatchNorm) else nn.BatchNorm1d
+
+
+def _flat_scale(scale, gemm):
+    """The model's scale parameter as an (out_features,) vector (a view)."""
+    if scale.dim() != 1:
+        scale = scale.reshape(-1)
+    if scale.shape[0] == 1:  # a broadcast scale, as the reference model allows
+        scale = scale.expand(gemm.weight.shape[0])
+    return scale

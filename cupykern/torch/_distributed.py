@@ -1,0 +1,60 @@
+"""What synchronized batch statistics share across processes (torch.distributed, any
+backend: NCCL between GPUs, gloo between CPUs or on one GPU): a small float64 vector
+per rank, gathered in rank order and merged in that order, so that every rank gets the
+same bits, run after run (an all_reduce's summation order is the backend's)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size(group) -> int:
+    """Processes of ``group`` (None: the default group); 1 while torch.distributed is not
+    initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def gather(t: torch.Tensor, group) -> list:
+    """``t`` (same shape on every rank) of every rank of ``group``, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def moments(y: torch.Tensor) -> torch.Tensor:
+    """This rank's per-column [count, mean (N), M2 (N)] of y (B, N), float64 (zeros for
+    an empty batch)."""
+    b, n = y.shape
+    out = y.new_zeros((2 * n + 1,), dtype=torch.float64)
+    if b:
+        var, mean = torch.var_mean(y, 0, correction=0)
+        out[0] = b
+        out[1:n + 1] = mean
+        out[n + 1:] = var.double() * b
+    return out
+
+
+def merge_moments(parts: list):
+    """``(count, mean, M2)`` of all ranks' rows from their :func:`moments`, merged in rank
+    order with Chan et al.'s pairwise formula (exact for empty ranks)."""
+    n = (parts[0].shape[0] - 1) // 2
+    count, mean, m2 = parts[0][0], parts[0][1:n + 1], parts[0][n + 1:]
+    for p in parts[1:]:
+        cb, mb, m2b = p[0], p[1:n + 1], p[n + 1:]
+        total = count + cb
+        w = cb / total.clamp(min=1)  # the new rank's share (0 when it is empty)
+        delta = mb - mean
+        mean = mean + delta * w
+        m2 = m2 + m2b + delta * delta * count * w
+        count = total
+    return count, mean, m2
+
+
+def sum_in_order(parts: list) -> torch.Tensor:
+    """The sum of the ranks' tensors, added in rank order."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
