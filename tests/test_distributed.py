@@ -1,15 +1,19 @@
 """Synchronized batch statistics: GemmScaleBatchNorm trained over torch.distributed.
 
-Each test starts its processes with torch.multiprocessing and checks, on every rank,
-our synchronized model against the reference model run on the whole batch in one
+Each test starts its processes with torch.multiprocessing. The synchronized-statistics
+tests check, on every rank, our synchronized model against the reference model run on the whole batch in one
 process, in float64: outputs, the rank's input gradient, the parameter gradients summed
 over ranks (each rank's are its own, as nn.SyncBatchNorm's: DDP averages them) and the
 running statistics, which must also be bitwise equal on every rank.
 
-* CPU, gloo, two ranks: the merge logic, in CI.
+The DDP tests train every documented model under DistributedDataParallel, ours against
+the reference under the same wrapper.
+
+* CPU, gloo, two ranks: the merge logic and DDP's plumbing, in CI.
 * One GPU, gloo, two ranks both on it (gloo moves CUDA tensors): our GPU kernels.
 * Several GPUs, NCCL, a rank per GPU (up to 4): skipped where fewer than two are present.
 """
+import functools
 import tempfile
 
 import pytest
@@ -21,6 +25,7 @@ from torch import nn
 from conftest import gpu_count
 from cupykern.torch import GemmScaleBatchNorm
 from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference
+from test_torch_ops import MODELS
 
 K, N = 24, 8
 # (rows per rank, momentum, how bn learns it synchronizes): uneven ranks, a rank with one
@@ -32,22 +37,27 @@ STEPS = 2
 RTOL = 1e-4  # float32 against the float64 reference: the tolerance table's float32 figure
 
 
-def _spawn(world: int, backend: str, device: str) -> None:
+def _spawn(check, world: int, backend: str, device: str) -> None:
+    """``check(rank, world, device)`` on ``world`` ranks of a new process group."""
     with tempfile.TemporaryDirectory() as d:  # (the file store deletes its file when done)
-        mp.spawn(_worker, args=(world, f"{d}/rendezvous", backend, device), nprocs=world)
+        mp.spawn(_worker, args=(check, world, f"{d}/rendezvous", backend, device), nprocs=world)
 
 
-def _worker(rank, world, path, backend, device):
+def _worker(rank, check, world, path, backend, device):
     dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         if device == "cuda:rank":
             device = f"cuda:{rank}"
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        for sizes, momentum, how in CASES:
-            _check_case(rank, world, device, (sizes * world)[:world], momentum, how)
+        check(rank, world, device)
     finally:
         dist.destroy_process_group()
+
+
+def _check_synchronized(rank, world, device):
+    for sizes, momentum, how in CASES:
+        _check_case(rank, world, device, (sizes * world)[:world], momentum, how)
 
 
 def _close(ours, ref, what, scale=None):
@@ -94,19 +104,92 @@ def _check_case(rank, world, device, sizes, momentum, how):
             assert all(torch.equal(c, b) for c in copies), f"{what}: {name} differs across ranks"
 
 
-def test_synchronized_statistics_cpu_gloo():
-    _spawn(2, "gloo", "cpu")
+# (backend, device of each rank): CPU ranks; two ranks sharing one GPU (gloo moves
+# CUDA tensors); a rank per GPU over NCCL.
+RUNS = [pytest.param("gloo", "cpu", id="cpu-gloo"),
+        pytest.param("gloo", "cuda:0", id="one-gpu-gloo", marks=pytest.mark.gpu),
+        pytest.param("nccl", "cuda:rank", id="nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            gpu_count() < 2, reason="needs 2 or more GPUs for NCCL ranks (found fewer)")])]
 
 
-@pytest.mark.gpu
-def test_synchronized_statistics_one_gpu_gloo():
-    _spawn(2, "gloo", "cuda:0")
+def _world(backend):
+    return min(gpu_count(), 4) if backend == "nccl" else 2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 or more GPUs for NCCL ranks (found fewer)")
-def test_synchronized_statistics_nccl():
-    _spawn(min(gpu_count(), 4), "nccl", "cuda:rank")
+@pytest.mark.parametrize("backend, device", RUNS)
+def test_synchronized_statistics(backend, device):
+    _spawn(_check_synchronized, _world(backend), backend, device)
+
+
+TRAIN_STEPS = 20
+
+
+def _ddp_pairs(device):
+    """(name, reference, ours) built from one seed, for every documented model; the norms
+    behind an nn.Linear (DDP needs parameters). On CUDA GemmScaleBatchNorm's bn is
+    converted to nn.SyncBatchNorm in both (on the CPU the reference's cannot run)."""
+    for name, (ref_cls, ours_cls, init, shape, _) in MODELS.items():
+        pair = []
+        for cls in (ref_cls, ours_cls):
+            torch.manual_seed(0)
+            m = cls(*init)
+            if not init:
+                m = nn.Sequential(nn.Linear(shape[1], shape[1]), m)
+            if device != "cpu" and isinstance(m, GemmScaleBatchNormReference):
+                m = nn.SyncBatchNorm.convert_sync_batchnorm(m)
+            pair.append(m.to(device))
+        yield name, shape, *pair
+
+
+def _ddp(m, device):
+    ids = [torch.device(device).index] if device != "cpu" else None
+    return nn.parallel.DistributedDataParallel(m, device_ids=ids)
+
+
+def _fsdp(m, device):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(m)
+
+
+def _ddp_compiled(m, device):
+    return torch.compile(_ddp(m, device))
+
+
+WRAPPERS = {"ddp": _ddp, "fsdp": _fsdp, "ddp_compiled": _ddp_compiled}
+
+
+def _check_training(wrapper, rank, world, device):
+    """20 SGD steps of wrapper(ours) against wrapper(reference), each rank on its own
+    batches: the same losses and, at the end, the same weights and buffers."""
+    for name, shape, ref, ours in _ddp_pairs(device):
+        models = [WRAPPERS[wrapper](m, device) for m in (ref, ours)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(TRAIN_STEPS):
+            x = torch.randn(*shape, generator=gen).to(device)
+            losses = []
+            for m, opt in zip(models, opts):
+                opt.zero_grad()
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} rank {rank} step {step}: loss {m}")
+        for (key, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
+            if wrapper == "fsdp":  # (sharded parameters: this rank's shard)
+                a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} rank {rank}: {key} {m}")
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("backend, device", RUNS)
+def test_training_matches_reference(wrapper, backend, device):
+    if wrapper == "ddp_compiled" and device == "cpu":
+        pytest.skip("torch.compile on the CPU needs a C++ compiler; compiled DDP runs on the GPU")
+    _spawn(functools.partial(_check_training, wrapper), _world(backend), backend, device)
 
 
 def test_no_synchronization_without_several_processes():
