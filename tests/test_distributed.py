@@ -26,6 +26,7 @@ from conftest import gpu_count
 from cupykern.torch import GemmScaleBatchNorm
 from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference
 from test_torch_ops import MODELS
+from test_training import GRAD_RTOL
 
 K, N = 24, 8
 # (rows per rank, momentum, how bn learns it synchronizes): uneven ranks, a rank with one
@@ -159,36 +160,56 @@ def _ddp_compiled(m, device):
 WRAPPERS = {"ddp": _ddp, "fsdp": _fsdp, "ddp_compiled": _ddp_compiled}
 
 
+def _local(t):
+    """This rank's part of a tensor (an FSDP-sharded DTensor's shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _check_training(wrapper, rank, world, device):
     """20 SGD steps of wrapper(ours) against wrapper(reference), each rank on its own
-    batches: the same losses and, at the end, the same weights and buffers."""
+    batches. Every step starts both from the same weights (ours are set to the
+    reference's: the two drift apart at rounding level otherwise, which says nothing of
+    the wrapper) and must give the same loss, gradients (within GRAD_RTOL of the largest,
+    as the training tests), weight update and buffers."""
+    lr = 0.05
     for name, shape, ref, ours in _ddp_pairs(device):
         models = [WRAPPERS[wrapper](m, device) for m in (ref, ours)]
-        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+        pairs = list(zip(ref.parameters(), ours.parameters()))
         gen = torch.Generator().manual_seed(100 + rank)
         for step in range(TRAIN_STEPS):
+            what = f"{name}, {wrapper}, rank {rank}, step {step}"
             x = torch.randn(*shape, generator=gen).to(device)
-            losses = []
+            losses, c = [], None
             for m, opt in zip(models, opts):
                 opt.zero_grad()
-                loss = m(x).square().mean()
+                out = m(x)
+                if c is None:  # loss = <c, out>
+                    c = torch.randn(out.shape, generator=gen).to(device)
+                loss = (out * c).sum()
                 loss.backward()
-                opt.step()
                 losses.append(loss.detach())
-            torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{name} rank {rank} step {step}: loss {m}")
-        for (key, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
-            if wrapper == "fsdp":  # (sharded parameters: this rank's shard)
-                a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name} rank {rank}: {key} {m}")
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-7,
+                                       msg=lambda m: f"{what}: loss {m}")
+            grad_tol = GRAD_RTOL * max(_local(p.grad).abs().max().item() for p, _ in pairs)
+            for p, q in pairs:
+                torch.testing.assert_close(_local(q.grad), _local(p.grad), rtol=0, atol=grad_tol,
+                                           msg=lambda m: f"{what}: gradient {m}")
+            for opt in opts:
+                opt.step()
+            with torch.no_grad():
+                for p, q in pairs:  # an SGD step moves them apart by lr * grad_tol at most
+                    torch.testing.assert_close(_local(q), _local(p), rtol=1e-6, atol=lr * grad_tol,
+                                               msg=lambda m: f"{what}: updated weight {m}")
+                    q.copy_(p)
+            for (key, a), b in zip(ref.named_buffers(), ours.buffers()):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{what}: {key} {m}")
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("backend, device", RUNS)
 def test_training_matches_reference(wrapper, backend, device):
-    if wrapper == "ddp_compiled" and device == "cpu":
-        pytest.skip("torch.compile on the CPU needs a C++ compiler; compiled DDP runs on the GPU")
     _spawn(functools.partial(_check_training, wrapper), _world(backend), backend, device)
 
 
