@@ -52,6 +52,7 @@ def _worker(rank, check, world, path, backend, device):
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         check(rank, world, device)
+        dist.barrier()  # (no rank tears its group down while another still uses it)
     finally:
         dist.destroy_process_group()
 
@@ -148,9 +149,11 @@ def _ddp(m, device):
 
 
 def _fsdp(m, device):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    return fully_shard(m)
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    return fully_shard(m, mesh=mesh)
 
 
 def _ddp_compiled(m, device):
