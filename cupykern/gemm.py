@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _loader
+from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
                      row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
@@ -457,7 +457,10 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
         out: optional (..., N) array of x's kind, device and dtype.
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
-    through the custom op ``torch.ops.cupykern.linear``, with autograd).
+    through the custom op ``torch.ops.cupykern.linear``, with autograd). A Dask array x
+    (CuPy or NumPy chunks; weight and bias concrete arrays of that kind) gives a Dask
+    array computed block by block, K rechunked into one chunk where it is split
+    (``out`` not supported).
     Copies: a 2-D x or weight whose rows are contiguous (any row stride: a column
     slice) is read in place, and so is a contiguous x of any rank; one whose columns
     are contiguous (a transposed view) is read in place where that is faster than a
@@ -466,6 +469,12 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """
     if is_torch(x):
         return torch_layer("gemm").linear(x, weight, bias, precision=precision, out=out)
+    if _dask.is_dask(x):
+        _dask.no_out(out)
+        check(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]), weight, bias, precision, None)
+        x = _dask.whole(x, x.ndim - 1)
+        return x.map_blocks(linear_core, weight, bias, precision, dtype=x.dtype,
+                            chunks=x.chunks[:-1] + ((weight.shape[0],),))
     return linear_core(x, weight, bias, precision, out)
 
 

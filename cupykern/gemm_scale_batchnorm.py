@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import numpy as np
 
-from . import _loader
+from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch, launch_all,
                      operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
+from ._stats import merge_moments
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
-                   mm, workspace)
+                   linear_core, mm, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -88,7 +90,12 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
 
     Returns out (B, N) of x's kind; torch tensors go through the custom op
     ``torch.ops.cupykern.gemm_scale_batchnorm`` (autograd: a fused backward in training
-    mode on the GPU, PyTorch ops elsewhere).
+    mode on the GPU, PyTorch ops elsewhere). A Dask array x (CuPy or NumPy chunks; the
+    other arguments concrete arrays of that kind) gives a Dask array: in eval mode each
+    block runs the fused eval-mode kernel; in training mode the batch statistics are
+    those of all rows, computed now (one pass: each block's GEMM and per-column moments,
+    merged in block order, which also updates the running statistics), and the output
+    normalizes each block with them (the GEMM again, then one elementwise pass).
     Raises ValueError for a training batch of one row, with PyTorch's message. x is
     copied to a contiguous array if its rows are not contiguous.
     """
@@ -97,7 +104,65 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     if is_torch(x):
         return torch_layer("gemm_scale_batchnorm").gemm_scale_batchnorm(
             *args, training=training, momentum=momentum, eps=eps, precision=precision)
+    if _dask.is_dask(x):
+        return _dask_call(*args, training, momentum, eps, precision)
     return gemm_scale_batchnorm_core(*args, training, momentum, eps, precision)
+
+
+def _dask_call(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
+               precision):
+    """:func:`gemm_scale_batchnorm` of a Dask array x (see its docstring)."""
+    rows = 2 if x.ndim == 2 and x.shape[0] > 1 else min(x.shape[0] if x.ndim else 0, 1)
+    sample = _dask.sample(x, (rows,) + x.shape[1:])  # (a training batch of one row: its error)
+    _, _, vec, _, momentum, eps, prec = check(sample, weight, bias, scale, gamma, beta, rmean,
+                                              rvar, nbt, training, momentum, eps, precision)
+    x = _dask.whole(x, 1)
+    chunks = (x.chunks[0], (weight.shape[0],))
+    if not training:  # a per-row map: the fused eval-mode GEMM on each block
+        return x.map_blocks(gemm_scale_batchnorm_core, weight, bias, scale, gamma, beta, rmean,
+                            rvar, None, False, None, eps, prec, dtype=x.dtype, chunks=chunks)
+    part = _dask.delayed(_block_moments)
+    parts = _dask.compute(*(part(b, weight, bias, scale, prec) for b in _dask.blocks(x)))
+    count, mean, m2 = merge_moments(parts)
+    if rmean is not None:  # nn.BatchNorm1d's update, from the statistics of all rows
+        if nbt is not None:
+            nbt += 1
+        f = momentum if momentum is not None else 1.0 / float(nbt)
+        rmean[...] = (1 - f) * rmean + f * mean
+        rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
+    invstd = 1 / (m2 / count + eps) ** 0.5
+    return x.map_blocks(_normalize_block, weight, bias, scale, gamma, beta, mean, invstd, prec,
+                        dtype=x.dtype, chunks=chunks)
+
+
+def _affine_block(xb, weight, bias, scale, precision):
+    """y = (x @ W.T + b) * scale of one block, in the accumulation type."""
+    acc = acc_dtype(xb.dtype.name)
+    return linear_core(xb, weight, bias, precision).astype(acc) * scale.astype(acc)
+
+
+def _block_moments(xb, weight, bias, scale, precision):
+    """One block's [count, mean (N), M2 (N)] of y (float64; see cupykern._stats)."""
+    y = _affine_block(xb, weight, bias, scale, precision)
+    xp = sys.modules[type(y).__module__.split(".")[0]]
+    out = xp.zeros(2 * y.shape[1] + 1)
+    if len(y):
+        mean = y.mean(0)
+        out[0], out[1:y.shape[1] + 1] = len(y), mean
+        out[y.shape[1] + 1:] = ((y - mean) ** 2).sum(0)
+    return out
+
+
+def _normalize_block(xb, weight, bias, scale, gamma, beta, mean, invstd, precision):
+    """One block of the output, from the statistics of all rows."""
+    y = _affine_block(xb, weight, bias, scale, precision)
+    acc = y.dtype
+    out = (y - mean.astype(acc)) * invstd.astype(acc)
+    if gamma is not None:
+        out = out * gamma.astype(acc)
+    if beta is not None:
+        out = out + beta.astype(acc)
+    return out.astype(xb.dtype)
 
 
 def check_inputs(x, weight):

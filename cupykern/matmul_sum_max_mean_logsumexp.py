@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _loader
+from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, contiguous, data_ptr, empty, is_torch,
                      launch_all, operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
@@ -297,6 +297,10 @@ class MatmulSumPlan:
         if is_torch(x):
             return torch_layer("matmul_sum_max_mean_logsumexp").matmul_sum_max_mean_logsumexp(
                 x, self.weight, self.bias, plan=self)
+        if _dask.is_dask(x):  # block by block: a block of rows needs only the plan
+            self.apply(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]))  # (the checks)
+            x = _dask.whole(x, x.ndim - 1)
+            return x.map_blocks(self.apply, dtype=x.dtype, chunks=(x.chunks[0], (1,)))
         return self.apply(x)
 
     def apply(self, x, rows=None):
@@ -341,6 +345,8 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     if is_torch(x):
         return torch_layer("matmul_sum_max_mean_logsumexp").matmul_sum_max_mean_logsumexp(
             x, weight, bias, plan=plan)
+    if _dask.is_dask(x):
+        return (plan or MatmulSumPlan(weight, bias))(x)
     if plan is None:
         a = operand(x, "x")
         w, _ = check_weights(weight, bias)

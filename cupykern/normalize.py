@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _loader
+from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch, moveaxis, normalize_axis,
                      operand, same_place, signature, torch_layer)
@@ -94,7 +94,9 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
     torch's current stream). torch tensors go through the custom op
-    ``torch.ops.cupykern.normalize`` (autograd, torch.compile, CUDA graphs).
+    ``torch.ops.cupykern.normalize`` (autograd, torch.compile, CUDA graphs). A Dask
+    array (CuPy or NumPy chunks) gives a Dask array normalized block by block, ``axis``
+    rechunked into one chunk where it is split (``out`` not supported).
     Sums accumulate in float32 (float64 for float64) and the mean is rounded to
     x's dtype before dividing, as PyTorch does. A row of zeros gives nan (0/0);
     inf and nan propagate as in PyTorch.
@@ -105,9 +107,7 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
     array with ``axis`` last, and the result is returned as a view in x's axis
     order. x is also copied when ``out`` does not share its 16-byte alignment.
     """
-    if is_torch(x):
-        return torch_layer("normalize").normalize(x, 1, axis, out, config)
-    return normalize(x, 1, axis, out, config)
+    return _dispatch(x, 1, axis, out, config)
 
 
 def l2_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -115,9 +115,19 @@ def l2_normalize(x, axis: int = 1, *, out=None, config=None):
 
     Arguments, return value, accumulation and copies as in :func:`l1_normalize`.
     """
+    return _dispatch(x, 2, axis, out, config)
+
+
+def _dispatch(x, p, axis, out, config):
+    """torch tensors to the custom op, Dask arrays block by block, the rest here."""
     if is_torch(x):
-        return torch_layer("normalize").normalize(x, 2, axis, out, config)
-    return normalize(x, 2, axis, out, config)
+        return torch_layer("normalize").normalize(x, p, axis, out, config)
+    if _dask.is_dask(x):
+        _dask.no_out(out)
+        ax = check(_dask.sample(x, (0,) * x.ndim), p, axis, None, config)[1]
+        x = _dask.whole(x, ax)
+        return x.map_blocks(normalize, p, ax, None, config, dtype=x.dtype)
+    return normalize(x, p, axis, out, config)
 
 
 def reference(x: np.ndarray, axis: int, p: int) -> np.ndarray:

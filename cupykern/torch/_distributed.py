@@ -25,7 +25,7 @@ def gather(t: torch.Tensor, group) -> list:
 
 def moments(y: torch.Tensor) -> torch.Tensor:
     """This rank's per-column [count, mean (N), M2 (N)] of y (B, N), float64 (zeros for
-    an empty batch)."""
+    an empty batch), as :func:`cupykern._stats.merge_moments` takes them."""
     b, n = y.shape
     out = y.new_zeros((2 * n + 1,), dtype=torch.float64)
     if b:
@@ -34,22 +34,6 @@ def moments(y: torch.Tensor) -> torch.Tensor:
         out[1:n + 1] = mean
         out[n + 1:] = var.double() * b
     return out
-
-
-def merge_moments(parts: list):
-    """``(count, mean, M2)`` of all ranks' rows from their :func:`moments`, merged in rank
-    order with Chan et al.'s pairwise formula (exact for empty ranks)."""
-    n = (parts[0].shape[0] - 1) // 2
-    count, mean, m2 = parts[0][0], parts[0][1:n + 1], parts[0][n + 1:]
-    for p in parts[1:]:
-        cb, mb, m2b = p[0], p[1:n + 1], p[n + 1:]
-        total = count + cb
-        w = cb / total.clamp(min=1)  # the new rank's share (0 when it is empty)
-        delta = mb - mean
-        mean = mean + delta * w
-        m2 = m2 + m2b + delta * delta * count * w
-        count = total
-    return count, mean, m2
 
 
 def sum_in_order(parts: list) -> torch.Tensor:

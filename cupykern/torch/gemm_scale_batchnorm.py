@@ -22,7 +22,8 @@ from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, che
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._distributed import gather, merge_moments, moments, sum_in_order, world_size
+from .._stats import merge_moments
+from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _eager, wants_grad
 from .gemm import linear_op, mm_op, resolve_precision
 

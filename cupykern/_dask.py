@@ -1,0 +1,49 @@
+"""Dask arrays of CuPy (or NumPy) chunks: each array function maps its call over the
+blocks. Rows must lie within one chunk along the reduced axis (a row's divisor, a dot
+product's K), so that axis is rechunked where it is split, as Dask's own reductions
+do; the other axes keep their chunks. Dask itself is optional: nothing here imports
+it unless the caller passed a Dask array."""
+from __future__ import annotations
+
+import sys
+
+
+def is_dask(x) -> bool:
+    da = sys.modules.get("dask.array")
+    return da is not None and isinstance(x, da.Array)
+
+
+def whole(x, axis: int):
+    """``x`` with ``axis`` in one chunk (rechunked only where it is split)."""
+    return x if len(x.chunks[axis]) == 1 else x.rechunk({axis: -1})
+
+
+def sample(x, shape):
+    """An uninitialised array of ``x``'s chunk type (CuPy or NumPy) and dtype: what the
+    op's checks run on before the graph is built, so that bad arguments fail at the
+    call, not at compute time."""
+    xp = sys.modules[type(x._meta).__module__.split(".")[0]]
+    return xp.empty(shape, dtype=x.dtype)
+
+
+def no_out(out) -> None:
+    if out is not None:
+        raise ValueError("out: not supported for Dask arrays (a Dask array is computed "
+                         "later, never written into); use the returned array")
+
+
+def blocks(x) -> list:
+    """``x``'s blocks along axis 0 as delayed objects (x has one chunk along the others)."""
+    return list(x.to_delayed().ravel())
+
+
+def compute(*values):
+    import dask
+
+    return dask.compute(*values)
+
+
+def delayed(fn):
+    import dask
+
+    return dask.delayed(fn)

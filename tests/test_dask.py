@@ -1,0 +1,111 @@
+"""Dask arrays of NumPy chunks (CPU, in CI) and of CuPy chunks (GPU): every array
+function gives a Dask array of the chunk type whose computed value is the function's
+result on the whole array (row-wise ops: row for row; GemmScaleBatchNorm's batch
+statistics: those of all rows, running statistics updated at the call), with the
+reduced axis rechunked where a chunk boundary splits it."""
+import numpy as np
+import pytest
+import torch
+
+import cupykern
+from support import tolerance, to_kind
+
+da = pytest.importorskip("dask.array", reason="dask is an optional extra: pip install 'cupykern[dask]'")
+
+KINDS = ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.float64]
+
+
+def _data(kind, dtype, *shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return to_kind(torch.randn(*shape, generator=g, dtype=dtype) * scale, kind)
+
+
+def _dask(a, chunks):
+    return da.from_array(a, chunks=chunks, asarray=False)
+
+
+def _close(got, want, dtype):
+    xp = type(want).__module__.split(".")[0]
+    assert type(got).__module__.split(".")[0] == xp, "the chunks' kind changed"
+    got, want = (np.asarray(a.get() if xp == "cupy" else a, dtype=np.float64) for a in (got, want))
+    tol = tolerance(dtype)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", [cupykern.l1_normalize, cupykern.l2_normalize])
+@pytest.mark.parametrize("axis, chunks", [(1, (5, 40)), (-1, (3, 7)), (0, (4, 9))])
+def test_normalize(kind, dtype, fn, axis, chunks):
+    x = _data(kind, dtype, 13, 40)
+    d = _dask(x, chunks)
+    got = fn(d, axis=axis)
+    assert isinstance(got, da.Array) and got.shape == x.shape
+    _close(got.compute(), fn(x, axis=axis), dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear(kind, dtype):
+    x, w, b = _data(kind, dtype, 4, 9, 30), _data(kind, dtype, 11, 30, seed=1), _data(kind, dtype, 11, seed=2)
+    got = cupykern.linear(_dask(x, (3, 5, 8)), w, b)  # K split: rechunked
+    assert got.chunks == ((3, 1), (5, 4), (11,))
+    _close(got.compute(), cupykern.linear(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_sum_max_mean_logsumexp(kind, dtype):
+    x, w, b = _data(kind, dtype, 21, 30), _data(kind, dtype, 12, 30, seed=1), _data(kind, dtype, 12, seed=2)
+    plan = cupykern.prepare_matmul_sum(w, b)
+    d = _dask(x, (8, 30))
+    want = cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
+    _close(cupykern.matmul_sum_max_mean_logsumexp(d, w, b).compute(), want, dtype)
+    got = plan(d)
+    assert got.chunks == ((8, 8, 5), (1,))
+    _close(got.compute(), want, dtype)
+
+
+def _gsbn_args(kind, dtype):
+    x = _data(kind, dtype, 37, 24, scale=3.0)
+    w, b, s, gamma, beta = (_data(kind, dtype, *shape, seed=i) for i, shape in enumerate(
+        [(10, 24), (10,), (10,), (10,), (10,)], start=1))
+    return x, (w, b, s, gamma, beta)
+
+
+def _buffers(kind, dtype):
+    return [to_kind(torch.zeros(10, dtype=dtype), kind), to_kind(torch.ones(10, dtype=dtype), kind),
+            to_kind(torch.zeros((), dtype=torch.int64), kind)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_gemm_scale_batchnorm_training_uses_all_rows(kind, dtype, momentum):
+    x, params = _gsbn_args(kind, dtype)
+    ours, want = _buffers(kind, dtype), _buffers(kind, dtype)
+    d = _dask(x, (10, 7))  # uneven row blocks, K split
+    for _ in range(2):  # (momentum None: the cumulative factor follows num_batches_tracked)
+        got = cupykern.gemm_scale_batchnorm(d, *params, *ours, training=True, momentum=momentum)
+        ref = cupykern.gemm_scale_batchnorm(x, *params, *want, training=True, momentum=momentum)
+        for a, b in zip(ours, want):  # updated at the call, before any compute
+            _close(a, b, dtype)
+        _close(got.compute(), ref, dtype)
+    got = cupykern.gemm_scale_batchnorm(d, *params, *ours[:2], training=False)
+    _close(got.compute(), cupykern.gemm_scale_batchnorm(x, *params, *want[:2], training=False), dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_arguments_fail_at_the_call(kind):
+    x, params = _gsbn_args(kind, torch.float32)
+    d = _dask(x, (10, 24))
+    with pytest.raises(ValueError, match="out: not supported for Dask"):
+        cupykern.l2_normalize(d, out=d)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        cupykern.gemm_scale_batchnorm(d[:1], *params, *_buffers(kind, torch.float32))
+    with pytest.raises(ValueError, match="x: last dimension 24 does not match"):
+        cupykern.linear(d, params[0][:, :20])
+    other = "numpy" if kind == "cupy" else "torch_cpu"
+    with pytest.raises(TypeError, match="weight"):  # weights of another kind than the chunks
+        cupykern.linear(d, to_kind(torch.zeros(10, 24), other))
