@@ -42,7 +42,8 @@ def test_model_names_in_either_spelling():
     assert resolve("L1Norm,l2norm,MATMULSUMMAXMEANLOGSUMEXP,GemmScaleBatchNorm") == list(NAMES)
 
 
-@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead"])
+@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead",
+                                    "scale_out"])
 def test_benchmarks_have_help_and_need_a_gpu(module):
     name = f"cupykern.benchmarks.{module}"
     r = subprocess.run([sys.executable, "-m", name, "--help"], capture_output=True, text=True)
@@ -56,7 +57,8 @@ _WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; "
                   "runpy.run_module(sys.argv.pop(1), run_name='__main__')")
 
 
-@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead"])
+@pytest.mark.parametrize("module", ["normalize", "gemm", "matmul_sum_max_mean_logsumexp", "overhead",
+                                    "scale_out"])
 def test_benchmarks_without_torch_help_then_say_what_to_install(module):
     name = f"cupykern.benchmarks.{module}"
     run = lambda *args: subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, name, *args],  # noqa: E731
