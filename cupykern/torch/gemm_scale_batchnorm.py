@@ -245,58 +245,67 @@ def _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_v
 
 class _Synchronized(torch.autograd.Function):
     """Training-mode gemm_scale_batchnorm with batch statistics over the processes of a
-    group, as nn.SyncBatchNorm computes them: z + b = x @ W.T + b on our GEMM (F.linear
-    on the CPU), y = (z + b) * scale, each rank's per-column (count, mean, M2) of y, one
-    all_gather, their merge in rank order. The backward gathers each rank's column sums
-    of dŷ and dŷ·ŷ the same way, then runs our two GEMMs. Gradients of the parameters
-    are this rank's own, as SyncBatchNorm's (DDP averages them)."""
+    group, as nn.SyncBatchNorm computes them. Forward: z + b = x @ W.T + b on our GEMM
+    (F.linear on the CPU); this rank's per-column (count, mean, M2) of z + b (one read);
+    one all_gather and their merge in rank order; y = (z + b) * scale has mean s * mean
+    and variance s^2 * var; out = a * u + beta with u = z + b - mean and a = gamma * s *
+    invstd (two passes). Backward: the column sums of g and g * u, gathered the same way,
+    make dz = a * g + k0 + k1 * u (two passes), then our two GEMMs; every vector gradient
+    follows from those sums and the forward's moments (no pass). Gradients of the
+    parameters are this rank's own, as SyncBatchNorm's (DDP averages them); the vector
+    algebra runs in float64."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, momentum, eps,
                 precision, group):
         acc = _acc(x)
-        zb = linear_op(x, weight, bias, precision)
-        y = zb.to(acc) * scale.to(acc)
-        count, mean, m2 = merge_moments(gather(moments(y), group))
+        zb = linear_op(x, weight, bias, precision).to(acc)
+        local = moments(zb)
+        count, mean, m2 = merge_moments(gather(local, group))
+        s = scale.double()
+        var = s * s * m2 / count  # y's (biased) variance
         if rmean is not None:  # nn.BatchNorm1d's update, with the unbiased variance of all rows
             if nbt is not None:
                 nbt.add_(1)
             f = momentum if momentum is not None else 1.0 / float(nbt)
-            rmean.copy_(rmean * (1 - f) + mean.to(rmean.dtype) * f)
-            rvar.copy_(rvar * (1 - f) + (m2 / (count - 1)).to(rvar.dtype) * f)
-        mean, invstd = mean.to(acc), torch.rsqrt(m2 / count + eps).to(acc)
-        out = (y - mean) * invstd
-        if gamma is not None:
-            out = out * gamma.to(acc)
-        if beta is not None:
-            out = out + beta.to(acc)
+            rmean.copy_(rmean * (1 - f) + (s * mean).to(rmean.dtype) * f)
+            rvar.copy_(rvar * (1 - f) + (var * count / (count - 1)).to(rvar.dtype) * f)
+        invstd = torch.rsqrt(var + eps)
+        a = s * invstd if gamma is None else gamma.double() * s * invstd
+        u = zb - mean.to(acc)
+        out = u * a.to(acc) if beta is None else torch.addcmul(beta.to(acc), u, a.to(acc))
         ctx.precision, ctx.group = precision, group
-        ctx.save_for_backward(x, weight, scale, gamma, zb, mean, invstd, count)
+        ctx.save_for_backward(x, weight, scale, gamma, u, mean, invstd, a, count, local)
         return out.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        x, weight, scale, gamma, zb, mean, invstd, count = ctx.saved_tensors
-        want, dt, acc = ctx.needs_input_grad, x.dtype, mean.dtype
-        ga, za, sa = g.to(acc), zb.to(acc), scale.to(acc)
-        yhat = (za * sa - mean) * invstd
-        dyhat = ga if gamma is None else ga * gamma.to(acc)
+        x, weight, scale, gamma, u, mean, invstd, a, count, local = ctx.saved_tensors
+        want, dt, acc = ctx.needs_input_grad, x.dtype, u.dtype
+        ga = g.to(acc)
+        l1, l2 = ga.sum(0).double(), (ga * u).sum(0).double()  # this rank's: sum g, sum g u
+        s = scale.double()
+        n_l, m_l = local[0], local[1:len(s) + 1]  # this rank's count and mean of z + b
+        su = n_l * (m_l - mean)  # sum u over this rank's rows
+        suu = local[len(s) + 1:] + n_l * (m_l - mean) ** 2  # sum u^2
         dx = dw = db = ds = None
         if any(want[:4]):  # (the same on every rank: each joins the gather)
-            local = torch.stack([dyhat.sum(0), (dyhat * yhat).sum(0)]).double()
-            s1, s2 = (sum_in_order(gather(local, ctx.group)) / count).to(acc)
-            dy = invstd * (dyhat - s1 - yhat * s2)  # the gradient of y = (z + b) * scale
-            dzb = dy * sa
-            d = dzb.to(dt)
+            s1, s2 = sum_in_order(gather(torch.stack([l1, l2]), ctx.group))
+            # dy (of y = (z + b) s) = p g + q0 + q1 u, with p = gamma invstd
+            p = invstd if gamma is None else gamma.double() * invstd
+            q0, q1 = -p * s1 / count, -p * s * s * invstd * invstd * s2 / count
+            d = torch.addcmul((s * q0).to(acc), ga, a.to(acc)).addcmul_(u, (s * q1).to(acc)).to(dt)
             if want[0]:
                 dx = mm_op(d, weight, ctx.precision) if len(d) else torch.zeros_like(x)
             if want[1]:
                 dw = mm_op(d.t(), x, ctx.precision) if len(d) else torch.zeros_like(weight)
-            db = dzb.sum(0).to(dt) if want[2] else None
-            ds = (dy * za).sum(0).to(scale.dtype) if want[3] else None
-        dgamma = (ga * yhat).sum(0).to(dt) if want[4] else None
-        dbeta = ga.sum(0).to(dt) if want[5] else None
+            sdy = p * l1 + q0 * n_l + q1 * su  # sum dy over this rank's rows
+            db = (s * sdy).to(dt) if want[2] else None
+            # sum dy (z + b) = sum dy u + mean sum dy
+            ds = (p * l2 + q0 * su + q1 * suu + mean * sdy).to(dt) if want[3] else None
+        dgamma = (s * invstd * l2).to(dt) if want[4] else None
+        dbeta = l1.to(dt) if want[5] else None
         return (dx, dw, db, ds, dgamma, dbeta) + (None,) * 7
 
 
