@@ -160,7 +160,12 @@ def _ddp_compiled(m, device):
     return torch.compile(_ddp(m, device))
 
 
-WRAPPERS = {"ddp": _ddp, "fsdp": _fsdp, "ddp_compiled": _ddp_compiled}
+def _fsdp_compiled(m, device):
+    return torch.compile(_fsdp(m, device))
+
+
+WRAPPERS = {"ddp": _ddp, "fsdp": _fsdp, "ddp_compiled": _ddp_compiled,
+            "fsdp_compiled": _fsdp_compiled}
 
 
 def _local(t):
