@@ -319,14 +319,15 @@ def _arena():
     return arena
 
 
-_API: list = []  # CuPy's getDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
+_API = None  # CuPy's getDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
 
 
 def _api():
-    if not _API:
+    global _API
+    if _API is None:  # (one assignment: threads racing here bind the same tuple)
         cuda = _loader.cupy().cuda
-        _API.extend((cuda.runtime.getDevice, cuda.driver.ctxGetCurrent,
-                     cuda.driver.launchKernel, cuda.runtime.memsetAsync))
+        _API = (cuda.runtime.getDevice, cuda.driver.ctxGetCurrent, cuda.driver.launchKernel,
+                cuda.runtime.memsetAsync)
     return _API
 
 

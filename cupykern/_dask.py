@@ -5,7 +5,9 @@ do; the other axes keep their chunks. Dask itself is optional: nothing here impo
 it unless the caller passed a Dask array."""
 from __future__ import annotations
 
+import math
 import sys
+import uuid
 
 
 def is_dask(x) -> bool:
@@ -22,8 +24,22 @@ def sample(x, shape):
     """An uninitialised array of ``x``'s chunk type (CuPy or NumPy) and dtype: what the
     op's checks run on before the graph is built, so that bad arguments fail at the
     call, not at compute time."""
+    if any(math.isnan(n) for n in shape):
+        raise ValueError("x: a Dask array of unknown chunk sizes; call x.compute_chunk_sizes() "
+                         "first")
     xp = sys.modules[type(x._meta).__module__.split(".")[0]]
     return xp.empty(shape, dtype=x.dtype)
+
+
+def map_blocks(fn, x, *args, name: str, chunks=None):
+    """``x.map_blocks(fn, *args)`` into blocks of x's chunk type and dtype (``chunks``: the
+    result's, default x's). The meta is given, so Dask never calls ``fn`` on empty arrays
+    to guess it, and so is a unique name, so Dask never hashes the arguments (it would
+    copy GPU weights to the host to do so)."""
+    chunks = chunks or x.chunks
+    return x.map_blocks(fn, *args, dtype=x.dtype, chunks=chunks,
+                        meta=sample(x, (0,) * len(chunks)),
+                        name=f"cupykern-{name}-{uuid.uuid4().hex}")
 
 
 def no_out(out) -> None:

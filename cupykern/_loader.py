@@ -30,21 +30,21 @@ CHECKED_CCS = (75, 80, 86, 89, 90, 100, 120)
 _functions: dict = {}
 
 
-_CUPY = []  # the module once imported (an import statement costs a launch ~0.3 us)
+_CUPY = None  # the module once imported (an import statement costs a launch ~0.3 us)
 
 
 def cupy():
     """The CuPy module; an ImportError naming the extras when it is not installed."""
-    if _CUPY:
-        return _CUPY[0]
-    try:
-        import cupy as cp
-    except ImportError as e:
-        raise ImportError("cupykern needs CuPy for GPU arrays and tensors: pip install "
-                          "'cupykern[cuda12]' (CUDA 12 driver) or 'cupykern[cuda13]' (CUDA 13 "
-                          "driver); see the README's install recipes") from e
-    _CUPY.append(cp)
-    return cp
+    global _CUPY
+    if _CUPY is None:
+        try:
+            import cupy as cp
+        except ImportError as e:
+            raise ImportError("cupykern needs CuPy for GPU arrays and tensors: pip install "
+                              "'cupykern[cuda12]' (CUDA 12 driver) or 'cupykern[cuda13]' (CUDA "
+                              "13 driver); see the README's install recipes") from e
+        _CUPY = cp
+    return _CUPY
 
 
 @functools.lru_cache(maxsize=None)

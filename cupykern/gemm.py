@@ -473,8 +473,8 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
         _dask.no_out(out)
         check(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]), weight, bias, precision, None)
         x = _dask.whole(x, x.ndim - 1)
-        return x.map_blocks(linear_core, weight, bias, precision, dtype=x.dtype,
-                            chunks=x.chunks[:-1] + ((weight.shape[0],),))
+        return _dask.map_blocks(linear_core, x, weight, bias, precision, name="linear",
+                                chunks=x.chunks[:-1] + ((weight.shape[0],),))
     return linear_core(x, weight, bias, precision, out)
 
 

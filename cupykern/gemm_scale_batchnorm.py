@@ -112,15 +112,19 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
 def _dask_call(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
                precision):
     """:func:`gemm_scale_batchnorm` of a Dask array x (see its docstring)."""
-    rows = 2 if x.ndim == 2 and x.shape[0] > 1 else min(x.shape[0] if x.ndim else 0, 1)
-    sample = _dask.sample(x, (rows,) + x.shape[1:])  # (a training batch of one row: its error)
+    # (rows: a training batch of one row gets its error)
+    rows = min(x.shape[0], 2) if x.ndim and not math.isnan(x.shape[0]) else 2
+    sample = _dask.sample(x, (rows,) + x.shape[1:])
     _, _, vec, _, momentum, eps, prec = check(sample, weight, bias, scale, gamma, beta, rmean,
                                               rvar, nbt, training, momentum, eps, precision)
     x = _dask.whole(x, 1)
     chunks = (x.chunks[0], (weight.shape[0],))
-    if not training:  # a per-row map: the fused eval-mode GEMM on each block
-        return x.map_blocks(gemm_scale_batchnorm_core, weight, bias, scale, gamma, beta, rmean,
-                            rvar, None, False, None, eps, prec, dtype=x.dtype, chunks=chunks)
+    if not training:  # a per-row map: the fused eval-mode GEMM on each block, with the
+        # running statistics as they are now (a later training call updates them in place)
+        stats = (vec["running_mean"].obj.copy(), vec["running_var"].obj.copy())
+        return _dask.map_blocks(gemm_scale_batchnorm_core, x, weight, bias, scale, gamma, beta,
+                                *stats, None, False, None, eps, prec, chunks=chunks,
+                                name="gemm_scale_batchnorm")
     part = _dask.delayed(_block_moments)
     parts = _dask.compute(*(part(b, weight, bias, scale, prec) for b in _dask.blocks(x)))
     count, mean, m2 = merge_moments(parts)
@@ -131,8 +135,8 @@ def _dask_call(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, 
         rmean[...] = (1 - f) * rmean + f * mean
         rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
     invstd = 1 / (m2 / count + eps) ** 0.5
-    return x.map_blocks(_normalize_block, weight, bias, scale, gamma, beta, mean, invstd, prec,
-                        dtype=x.dtype, chunks=chunks)
+    return _dask.map_blocks(_normalize_block, x, weight, bias, scale, gamma, beta, mean, invstd,
+                            prec, chunks=chunks, name="gemm_scale_batchnorm")
 
 
 def _affine_block(xb, weight, bias, scale, precision):

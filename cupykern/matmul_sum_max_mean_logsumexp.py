@@ -300,7 +300,8 @@ class MatmulSumPlan:
         if _dask.is_dask(x):  # block by block: a block of rows needs only the plan
             self.apply(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]))  # (the checks)
             x = _dask.whole(x, x.ndim - 1)
-            return x.map_blocks(self.apply, dtype=x.dtype, chunks=(x.chunks[0], (1,)))
+            return _dask.map_blocks(self.apply, x, name="matmul_sum_max_mean_logsumexp",
+                                    chunks=(x.chunks[0], (1,)))
         return self.apply(x)
 
     def apply(self, x, rows=None):

@@ -126,7 +126,7 @@ def _dispatch(x, p, axis, out, config):
         _dask.no_out(out)
         ax = check(_dask.sample(x, (0,) * x.ndim), p, axis, None, config)[1]
         x = _dask.whole(x, ax)
-        return x.map_blocks(normalize, p, ax, None, config, dtype=x.dtype)
+        return _dask.map_blocks(normalize, x, p, ax, None, config, name=f"l{p}_normalize")
     return normalize(x, p, axis, out, config)
 
 

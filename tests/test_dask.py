@@ -25,6 +25,12 @@ def _dask(a, chunks):
     return da.from_array(a, chunks=chunks, asarray=False)
 
 
+def _lazy(got, x):
+    """A Dask array whose meta (what Dask tells downstream ops of its blocks) is x's type."""
+    assert isinstance(got, da.Array) and type(got._meta) is type(x), type(got._meta)
+    return got
+
+
 def _close(got, want, dtype):
     xp = type(want).__module__.split(".")[0]
     assert type(got).__module__.split(".")[0] == xp, "the chunks' kind changed"
@@ -40,8 +46,8 @@ def _close(got, want, dtype):
 def test_normalize(kind, dtype, fn, axis, chunks):
     x = _data(kind, dtype, 13, 40)
     d = _dask(x, chunks)
-    got = fn(d, axis=axis)
-    assert isinstance(got, da.Array) and got.shape == x.shape
+    got = _lazy(fn(d, axis=axis), x)
+    assert got.shape == x.shape
     _close(got.compute(), fn(x, axis=axis), dtype)
 
 
@@ -49,7 +55,7 @@ def test_normalize(kind, dtype, fn, axis, chunks):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear(kind, dtype):
     x, w, b = _data(kind, dtype, 4, 9, 30), _data(kind, dtype, 11, 30, seed=1), _data(kind, dtype, 11, seed=2)
-    got = cupykern.linear(_dask(x, (3, 5, 8)), w, b)  # K split: rechunked
+    got = _lazy(cupykern.linear(_dask(x, (3, 5, 8)), w, b), x)  # K split: rechunked
     assert got.chunks == ((3, 1), (5, 4), (11,))
     _close(got.compute(), cupykern.linear(x, w, b), dtype)
 
@@ -62,7 +68,7 @@ def test_matmul_sum_max_mean_logsumexp(kind, dtype):
     d = _dask(x, (8, 30))
     want = cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
     _close(cupykern.matmul_sum_max_mean_logsumexp(d, w, b).compute(), want, dtype)
-    got = plan(d)
+    got = _lazy(plan(d), x)
     assert got.chunks == ((8, 8, 5), (1,))
     _close(got.compute(), want, dtype)
 
@@ -87,13 +93,17 @@ def test_gemm_scale_batchnorm_training_uses_all_rows(kind, dtype, momentum):
     ours, want = _buffers(kind, dtype), _buffers(kind, dtype)
     d = _dask(x, (10, 7))  # uneven row blocks, K split
     for _ in range(2):  # (momentum None: the cumulative factor follows num_batches_tracked)
-        got = cupykern.gemm_scale_batchnorm(d, *params, *ours, training=True, momentum=momentum)
+        got = _lazy(cupykern.gemm_scale_batchnorm(d, *params, *ours, training=True,
+                                                  momentum=momentum), x)
         ref = cupykern.gemm_scale_batchnorm(x, *params, *want, training=True, momentum=momentum)
         for a, b in zip(ours, want):  # updated at the call, before any compute
             _close(a, b, dtype)
         _close(got.compute(), ref, dtype)
-    got = cupykern.gemm_scale_batchnorm(d, *params, *ours[:2], training=False)
-    _close(got.compute(), cupykern.gemm_scale_batchnorm(x, *params, *want[:2], training=False), dtype)
+    got = _lazy(cupykern.gemm_scale_batchnorm(d, *params, *ours[:2], training=False), x)
+    want_eval = cupykern.gemm_scale_batchnorm(x, *params, *want[:2], training=False)
+    # eval mode normalizes with the running statistics of the call, not those of a later one
+    cupykern.gemm_scale_batchnorm(d, *params, *ours, training=True)
+    _close(got.compute(), want_eval, dtype)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -106,6 +116,9 @@ def test_bad_arguments_fail_at_the_call(kind):
         cupykern.gemm_scale_batchnorm(d[:1], *params, *_buffers(kind, torch.float32))
     with pytest.raises(ValueError, match="x: last dimension 24 does not match"):
         cupykern.linear(d, params[0][:, :20])
+    unknown = d[d[:, 0] > 0]  # (rows of unknown count)
+    with pytest.raises(ValueError, match="x: a Dask array of unknown chunk sizes"):
+        cupykern.linear(unknown.T, params[0].T)
     other = "numpy" if kind == "cupy" else "torch_cpu"
     with pytest.raises(TypeError, match="weight"):  # weights of another kind than the chunks
         cupykern.linear(d, to_kind(torch.zeros(10, 24), other))

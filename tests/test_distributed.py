@@ -9,7 +9,9 @@ running statistics, which must also be bitwise equal on every rank.
 The DDP tests train every documented model under DistributedDataParallel, ours against
 the reference under the same wrapper.
 
-* CPU, gloo, two ranks: the merge logic and DDP's plumbing, in CI.
+* CPU, gloo, two ranks: the merge logic and the wrappers' plumbing, in CI (on the CPU
+  the wrapped modules run the reference model's code: PyTorch's SyncBatchNorm refuses
+  CPU tensors, so there GemmScaleBatchNorm keeps plain BatchNorm in both).
 * One GPU, gloo, two ranks both on it (gloo moves CUDA tensors): our GPU kernels.
 * Several GPUs, NCCL, a rank per GPU (up to 4): skipped where fewer than two are present.
 """
@@ -60,6 +62,13 @@ def _worker(rank, check, world, path, backend, device):
 def _check_synchronized(rank, world, device):
     for sizes, momentum, how in CASES:
         _check_case(rank, world, device, (sizes * world)[:world], momentum, how)
+    model = GemmScaleBatchNorm(K, N, (N,), process_group=dist.group.WORLD).to(device)
+    x = torch.randn(1 if rank == 0 else 0, K, device=device)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):  # 1 row in all
+        model(x)
+    model.bn = nn.SyncBatchNorm(N, process_group=dist.new_group(list(range(world))))
+    with pytest.raises(ValueError, match="process_group: GemmScaleBatchNorm was given one"):
+        model(torch.randn(4, K, device=device))
 
 
 def _close(ours, ref, what, scale=None):

@@ -262,6 +262,10 @@ class _Synchronized(torch.autograd.Function):
         zb = linear_op(x, weight, bias, precision).to(acc)
         local = moments(zb)
         count, mean, m2 = merge_moments(gather(local, group))
+        # All rows are one or none only if every rank holds at most one: then all of them
+        # (and only they) read the count and raise together, after the gather.
+        if len(x) <= 1 and count.item() <= 1:
+            raise batch_size_error(torch.Size([int(count.item()), weight.shape[0]]))
         s = scale.double()
         var = s * s * m2 / count  # y's (biased) variance
         if rmean is not None:  # nn.BatchNorm1d's update, with the unbiased variance of all rows
@@ -362,7 +366,9 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
     (``nn.SyncBatchNorm.convert_sync_batchnorm``) or the module was given a
     ``process_group``, and that group (None: the default one) spans several processes,
     the statistics are those of every process's rows, as SyncBatchNorm computes them
-    (:func:`synchronized`; CPU tensors too, over gloo).
+    (:func:`synchronized`; CPU tensors too, over gloo). Every process must then call
+    the module alike: the same mode, and hooks on ``gemm`` / ``bn`` in all processes or
+    in none (with hooks a SyncBatchNorm synchronizes itself, in the reference model).
     """
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1, *,
@@ -397,13 +403,14 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         """The process group whose rows the batch statistics span (a SyncBatchNorm
         ``bn``'s, else this module's ``process_group``), or None for this process's rows
         alone: eval mode, one process, or torch.distributed not initialized."""
-        bn = self.bn
+        bn, group = self.bn, self.__dict__.get("process_group")
         if isinstance(bn, nn.SyncBatchNorm):
-            group = bn.process_group or None  # (SyncBatchNorm's own rule: falsy means WORLD)
-        else:
-            group = self.__dict__.get("process_group")
-            if group is None:
-                return None
+            if bn.process_group and group is not None and bn.process_group is not group:
+                raise ValueError("process_group: GemmScaleBatchNorm was given one process group "
+                                 "and its SyncBatchNorm bn another; give both the same")
+            group = group or bn.process_group or None  # (SyncBatchNorm's rule: falsy is WORLD)
+        elif group is None:
+            return None
         if not bn.training or world_size(group) <= 1:
             return None
         return group if group is not None else torch.distributed.group.WORLD
