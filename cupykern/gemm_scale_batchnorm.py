@@ -391,6 +391,62 @@ def _apply_call(place, M, N):
     return lambda z, o, ca, cm, cb, nbt: (*launch, (z, o) + sizes + (ca, cm, cb, nbt), 0)
 
 
+# ---- the BatchNorm passes with column statistics from elsewhere (synchronized training:
+# every process's rows). z: a contiguous (M > 0, N) GPU array; vectors: contiguous (N,)
+# (or (3, N)) arrays of the accumulation type, beside z.
+
+def _checked_z(z, name="z"):
+    zo = operand(z, name)
+    if (zo.kind == "cpu" or zo.ndim != 2 or not zo.is_c_contiguous() or 0 in zo.shape
+            or zo.ptr % 16):
+        raise ValueError(f"{name}: expected a contiguous, 16-byte aligned, non-empty 2-D GPU "
+                         "array")
+    return zo, Place(zo), zo.shape
+
+
+def apply_coefficients(z, ca, cm, cb):
+    """out = ca * (z - cm) + cb, column by column (bn_apply)."""
+    zo, place, (M, N) = _checked_z(z)
+    out = empty(place, (M, N))
+    launch_all(place, (_apply_call(place, M, N)(zo.ptr, place.ptr(out), place.ptr(ca),
+                                                 place.ptr(cm), place.ptr(cb), 0),))
+    return out
+
+
+def _grad_launch(zo, place, g):
+    """(g's row Operand, grid, block, (M, N) arguments) of bn_grad_partials / bn_grad_dz."""
+    M, N = zo.shape
+    go = rows_2d(operand(g, "g"), "g")  # (copied if its rows are not contiguous)
+    if go.shape != (M, N) or go.dtype != zo.dtype:
+        raise ValueError(f"g: expected a ({M}, {N}) {zo.dtype} array, got {go.shape} {go.dtype}")
+    same_place(zo, go)
+    grid = (cdiv(N, _GRAD["THREADS"]), cdiv(M, _GRAD["ROWS"]))
+    return go, grid, (_GRAD["THREADS"],), (scalar(M, "int"), scalar(N, "int"))
+
+
+def grad_partials(g, z, cm):
+    """Per (row tile, column) sums of g and g * (z - cm), (tiles, 2, N) of the accumulation
+    type (bn_grad_partials): add them over the tiles (axis 0) for the column sums."""
+    zo, place, (M, N) = _checked_z(z)
+    go, grid, block, mn = _grad_launch(zo, place, g)
+    fn = _loader.function(_FILE, _grad_exprs(CTYPE[zo.dtype])[0], zo.device)
+    part = empty(place, (grid[1], 2, N), acc_dtype(zo.dtype))
+    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(cm),
+                                          place.ptr(part)), 0),))
+    return part
+
+
+def grad_dz(g, z, k, cm):
+    """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
+    zo, place, (M, N) = _checked_z(z)
+    go, grid, block, mn = _grad_launch(zo, place, g)
+    fn = _loader.function(_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
+    dz = empty(place, (M, N))
+    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(k),
+                                          place.ptr(cm), place.ptr(dz)), 0),))
+    return dz
+
+
 _backward_plans: dict = {}  # (signatures, eps, precision, input_grad, weight_grad) -> run, or None
 
 

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (backward_train, batch_size_error, check, check_inputs,
-                                    check_real, gemm_scale_batchnorm_core, planned_run)
+from ..gemm_scale_batchnorm import (apply_coefficients, backward_train, batch_size_error, check,
+                                    check_inputs, check_real, gemm_scale_batchnorm_core,
+                                    grad_dz, grad_partials, planned_run)
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
@@ -259,8 +260,8 @@ class _Synchronized(torch.autograd.Function):
     def forward(ctx, x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, momentum, eps,
                 precision, group):
         acc = _acc(x)
-        zb = linear_op(x, weight, bias, precision).to(acc)
-        local = moments(zb)
+        zb = linear_op(x, weight, bias, precision)
+        local = moments(zb.to(acc))
         count, mean, m2 = merge_moments(gather(local, group))
         # All rows are one or none only if every rank holds at most one: then all of them
         # (and only they) read the count and raise together, after the gather.
@@ -276,19 +277,18 @@ class _Synchronized(torch.autograd.Function):
             rvar.copy_(rvar * (1 - f) + (var * count / (count - 1)).to(rvar.dtype) * f)
         invstd = torch.rsqrt(var + eps)
         a = s * invstd if gamma is None else gamma.double() * s * invstd
-        u = zb - mean.to(acc)
-        out = u * a.to(acc) if beta is None else torch.addcmul(beta.to(acc), u, a.to(acc))
+        cb = torch.zeros_like(a) if beta is None else beta.double()
+        out = _apply(zb, *(v.to(acc) for v in (a, mean, cb)))
         ctx.precision, ctx.group = precision, group
-        ctx.save_for_backward(x, weight, scale, gamma, u, mean, invstd, a, count, local)
-        return out.to(x.dtype)
+        ctx.save_for_backward(x, weight, scale, gamma, zb, mean, invstd, a, count, local)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        x, weight, scale, gamma, u, mean, invstd, a, count, local = ctx.saved_tensors
-        want, dt, acc = ctx.needs_input_grad, x.dtype, u.dtype
-        ga = g.to(acc)
-        l1, l2 = ga.sum(0).double(), (ga * u).sum(0).double()  # this rank's: sum g, sum g u
+        x, weight, scale, gamma, zb, mean, invstd, a, count, local = ctx.saved_tensors
+        want, dt = ctx.needs_input_grad, x.dtype
+        l1, l2 = _column_sums(g, zb, mean)  # this rank's: sum g, sum g u (u = z + b - mean)
         s = scale.double()
         n_l, m_l = local[0], local[1:len(s) + 1]  # this rank's count and mean of z + b
         su = n_l * (m_l - mean)  # sum u over this rank's rows
@@ -298,8 +298,9 @@ class _Synchronized(torch.autograd.Function):
             s1, s2 = sum_in_order(gather(torch.stack([l1, l2]), ctx.group))
             # dy (of y = (z + b) s) = p g + q0 + q1 u, with p = gamma invstd
             p = invstd if gamma is None else gamma.double() * invstd
-            q0, q1 = -p * s1 / count, -p * s * s * invstd * invstd * s2 / count
-            d = torch.addcmul((s * q0).to(acc), ga, a.to(acc)).addcmul_(u, (s * q1).to(acc)).to(dt)
+            k = torch.stack([a, s1 / count, s * s * invstd * invstd * s2 / count])
+            d = _dz(g, zb, k, mean)  # = a g + s (q0 + q1 u), with q0, q1 below
+            q0, q1 = -p * k[1], -p * k[2]
             if want[0]:
                 dx = mm_op(d, weight, ctx.precision) if len(d) else torch.zeros_like(x)
             if want[1]:
@@ -311,6 +312,35 @@ class _Synchronized(torch.autograd.Function):
         dgamma = (s * invstd * l2).to(dt) if want[4] else None
         dbeta = l1.to(dt) if want[5] else None
         return (dx, dw, db, ds, dgamma, dbeta) + (None,) * 7
+
+
+# The synchronized path's passes over (B, N): our BatchNorm kernels on CUDA, PyTorch ops
+# on the CPU (and for an empty batch). zb = z + b in x's dtype; vectors in its
+# accumulation type (apply) or float64.
+
+def _apply(zb, ca, cm, cb):
+    """out = ca * (zb - cm) + cb, column by column, in zb's dtype."""
+    if zb.is_cuda and zb.numel():
+        return apply_coefficients(zb, ca, cm, cb)
+    return torch.addcmul(cb, zb.to(ca.dtype) - cm, ca).to(zb.dtype)
+
+
+def _column_sums(g, zb, center):
+    """float64 (sum g, sum g (zb - center)) over the rows."""
+    if zb.is_cuda and zb.numel():
+        return grad_partials(g, zb, center.to(_acc(zb))).double().sum(0)
+    acc = _acc(zb)
+    ga = g.to(acc)
+    return ga.sum(0).double(), (ga * (zb.to(acc) - center.to(acc))).sum(0).double()
+
+
+def _dz(g, zb, k, center):
+    """k[0] * (g - k[1] - k[2] * (zb - center)) in zb's dtype (k: (3, N) float64)."""
+    acc = _acc(zb)
+    if zb.is_cuda and zb.numel():
+        return grad_dz(g, zb, k.to(acc), center.to(acc))
+    k0, k1, k2 = k.to(acc)
+    return (k0 * (g.to(acc) - k1 - k2 * (zb.to(acc) - center.to(acc)))).to(zb.dtype)
 
 
 @torch.compiler.disable  # (collectives in an autograd.Function: a graph break, not a crash)
