@@ -62,6 +62,7 @@ def _worker(rank, check, world, path, backend, device):
 def _check_synchronized(rank, world, device):
     for sizes, momentum, how in CASES:
         _check_case(rank, world, device, (sizes * world)[:world], momentum, how)
+    _check_overflow(rank, world, device)
     model = GemmScaleBatchNorm(K, N, (N,), process_group=dist.group.WORLD).to(device)
     x = torch.randn(1 if rank == 0 else 0, K, device=device)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):  # 1 row in all
@@ -69,6 +70,30 @@ def _check_synchronized(rank, world, device):
     model.bn = nn.SyncBatchNorm(N, process_group=dist.new_group(list(range(world))))
     with pytest.raises(ValueError, match="process_group: GemmScaleBatchNorm was given one"):
         model(torch.randn(4, K, device=device))
+
+
+def _check_overflow(rank, world, device):
+    """float16 columns whose y = (z + b) * scale overflows in some row: nan outputs and
+    inf/nan running statistics where the reference on the whole batch has them."""
+    models = []
+    for cls in (GemmScaleBatchNorm, GemmScaleBatchNormReference):
+        torch.manual_seed(0)
+        m = cls(K, N, (N,)).half()
+        with torch.no_grad():
+            m.scale[:3] = torch.tensor([65000.0, -40000.0, 3e4])
+        models.append(m.to(device))
+    models[0].process_group = dist.group.WORLD
+    x_all = (torch.randn(4 * world, K, generator=torch.Generator().manual_seed(3)) * 4).half()
+    ours, ref = models[0](x_all[4 * rank:4 * rank + 4].to(device)), models[1](x_all.to(device))
+    ref = ref[4 * rank:4 * rank + 4]
+    assert ref[:, :3].isnan().any(), "the case must overflow"
+    for got, want, what in ((ours, ref, "output"), *((a, b, n) for (n, a), b in zip(
+            models[0].bn.named_buffers(), models[1].bn.buffers()) if n != "num_batches_tracked")):
+        got, want = got.detach().float().cpu(), want.detach().float().cpu()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), what
+        fin = want.isfinite()
+        torch.testing.assert_close(got[fin], want[fin], rtol=2e-3, atol=2e-3 * want[fin].abs().max().item(),
+                                   msg=lambda m: f"{what}: {m}")
 
 
 def _close(ours, ref, what, scale=None):

@@ -23,17 +23,21 @@ def gather(t: torch.Tensor, group) -> list:
     return parts
 
 
-def moments(y: torch.Tensor) -> torch.Tensor:
+def moments(y: torch.Tensor):
     """This rank's per-column [count, mean (N), M2 (N)] of y (B, N), float64 (zeros for
-    an empty batch), as :func:`cupykern._stats.merge_moments` takes them."""
+    an empty batch), as :func:`cupykern._stats.merge_moments` takes them, and its
+    [min (N), max (N)] (+inf, -inf for an empty batch)."""
     b, n = y.shape
     out = y.new_zeros((2 * n + 1,), dtype=torch.float64)
+    extremes = torch.tensor([float("inf"), float("-inf")], dtype=torch.float64,
+                            device=y.device).repeat_interleave(n)
     if b:
         var, mean = torch.var_mean(y, 0, correction=0)
         out[0] = b
         out[1:n + 1] = mean
         out[n + 1:] = var.double() * b
-    return out
+        extremes = torch.cat(torch.aminmax(y, dim=0)).double()
+    return out, extremes
 
 
 def sum_in_order(parts: list) -> torch.Tensor:

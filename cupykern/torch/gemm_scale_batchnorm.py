@@ -259,21 +259,24 @@ class _Synchronized(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, momentum, eps,
                 precision, group):
-        acc = _acc(x)
+        acc, n = _acc(x), weight.shape[0]
         zb = linear_op(x, weight, bias, precision)
-        local = moments(zb.to(acc))
-        count, mean, m2 = merge_moments(gather(local, group))
+        local, extremes = moments(zb.to(acc))
+        parts = gather(torch.cat([local, extremes]), group)
+        count, mean, m2 = merge_moments([p[:2 * n + 1] for p in parts])
+        lo = torch.stack([p[2 * n + 1:3 * n + 1] for p in parts]).amin(0)
+        hi = torch.stack([p[3 * n + 1:] for p in parts]).amax(0)
         # All rows are one or none only if every rank holds at most one: then all of them
         # (and only they) read the count and raise together, after the gather.
         if len(x) <= 1 and count.item() <= 1:
-            raise batch_size_error(torch.Size([int(count.item()), weight.shape[0]]))
+            raise batch_size_error(torch.Size([int(count.item()), n]))
         s = scale.double()
-        var = s * s * m2 / count  # y's (biased) variance
+        mean_y, var = _overflowed(s * mean, s * s * m2 / count, lo, hi, scale)
         if rmean is not None:  # nn.BatchNorm1d's update, with the unbiased variance of all rows
             if nbt is not None:
                 nbt.add_(1)
             f = momentum if momentum is not None else 1.0 / float(nbt)
-            rmean.copy_(rmean * (1 - f) + (s * mean).to(rmean.dtype) * f)
+            rmean.copy_(rmean * (1 - f) + mean_y.to(rmean.dtype) * f)
             rvar.copy_(rvar * (1 - f) + (var * count / (count - 1)).to(rvar.dtype) * f)
         invstd = torch.rsqrt(var + eps)
         a = s * invstd if gamma is None else gamma.double() * s * invstd
@@ -312,6 +315,20 @@ class _Synchronized(torch.autograd.Function):
         dgamma = (s * invstd * l2).to(dt) if want[4] else None
         dbeta = l1.to(dt) if want[5] else None
         return (dx, dw, db, ds, dgamma, dbeta) + (None,) * 7
+
+
+def _overflowed(mean_y, var, lo, hi, scale):
+    """y's batch (mean, variance) as the reference finds them: it forms y = scale * (z + b)
+    in the parameters' dtype, so where that overflows in some row (checked at the
+    column's extreme z + b, y being monotonic in it) the mean is +-inf (nan for both
+    signs) and the variance nan, as the single-process kernel has it too."""
+    sa = scale.to(_acc(scale))
+    ends = [(sa * v.to(sa.dtype)).to(scale.dtype) for v in (lo, hi)]
+    up = torch.isposinf(ends[0]) | torch.isposinf(ends[1])
+    down = torch.isneginf(ends[0]) | torch.isneginf(ends[1])
+    inf, nan = float("inf"), float("nan")
+    mean_y = torch.where(up, inf, torch.where(down, -inf, mean_y))
+    return torch.where(up & down, nan, mean_y), torch.where(up | down, nan, var)
 
 
 # The synchronized path's passes over (B, N): our BatchNorm kernels on CUDA, PyTorch ops
