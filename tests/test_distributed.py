@@ -73,8 +73,10 @@ def _check_synchronized(rank, world, device):
 
 
 def _check_overflow(rank, world, device):
-    """float16 columns whose y = (z + b) * scale overflows in some row: nan outputs and
-    inf/nan running statistics where the reference on the whole batch has them."""
+    """float16 columns whose y = (z + b) * scale overflows in some row: non-finite outputs
+    and running statistics where the reference on the whole batch has them (whether a
+    mean is inf or nan there is the backend's: PyTorch's CPU sums, its CUDA kernels
+    run Welford updates)."""
     models = []
     for cls in (GemmScaleBatchNorm, GemmScaleBatchNormReference):
         torch.manual_seed(0)
@@ -90,8 +92,8 @@ def _check_overflow(rank, world, device):
     for got, want, what in ((ours, ref, "output"), *((a, b, n) for (n, a), b in zip(
             models[0].bn.named_buffers(), models[1].bn.buffers()) if n != "num_batches_tracked")):
         got, want = got.detach().float().cpu(), want.detach().float().cpu()
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), what
         fin = want.isfinite()
+        assert torch.equal(got.isfinite(), fin), what
         torch.testing.assert_close(got[fin], want[fin], rtol=2e-3, atol=2e-3 * want[fin].abs().max().item(),
                                    msg=lambda m: f"{what}: {m}")
 
