@@ -28,8 +28,8 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call, gemm_kernel,
-                   linear_core, mm, workspace)
+from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
+                   gemm_kernel, linear_core, mm, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -402,6 +402,25 @@ def _checked_z(z, name="z"):
         raise ValueError(f"{name}: expected a contiguous, 16-byte aligned, non-empty 2-D GPU "
                          "array")
     return zo, Place(zo), zo.shape
+
+
+def gemm_statistics(x, weight, precision):
+    """``(z, part, bm)``: z = x @ W.T (x: (M > 0, K), weight: (N > 0, K) GPU arrays) and the
+    GEMM epilogue's per-M-tile (mean, M2, min, max) of z's columns, ``part`` of shape
+    (tiles, PART_ROWS, N) in the accumulation type, for tiles of ``bm`` rows (the last
+    one holds the rest): a training forward's first pass, for statistics merged
+    elsewhere."""
+    xo, wo = check_inputs(x, weight)
+    prec = check_precision(precision)
+    if xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]):
+        raise ValueError("x, weight: expected GPU arrays with rows and out_features > 0")
+    a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
+    (M, _), N, place = a.shape, b.shape[0], Place(a)
+    bm = gemm_kernel(a, b, prec).bm
+    z = empty(place, (M, N))
+    part = empty(place, (cdiv(M, bm), PART_ROWS, N), acc_dtype(a.dtype))
+    gemm(a, b, operand(z, "z"), prec, part=place.ptr(part))
+    return z, part, bm
 
 
 def apply_coefficients(z, ca, cm, cb):

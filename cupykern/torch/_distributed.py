@@ -29,8 +29,9 @@ def moments(y: torch.Tensor):
     [min (N), max (N)] (+inf, -inf for an empty batch)."""
     b, n = y.shape
     out = y.new_zeros((2 * n + 1,), dtype=torch.float64)
-    extremes = torch.tensor([float("inf"), float("-inf")], dtype=torch.float64,
-                            device=y.device).repeat_interleave(n)
+    # (new_full, not torch.tensor: a host-to-device copy would wait for the GPU)
+    extremes = torch.cat([y.new_full((n,), float("inf"), dtype=torch.float64),
+                          y.new_full((n,), float("-inf"), dtype=torch.float64)])
     if b:
         var, mean = torch.var_mean(y, 0, correction=0)
         out[0] = b

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..gemm_scale_batchnorm import (apply_coefficients, backward_train, batch_size_error, check,
                                     check_inputs, check_real, gemm_scale_batchnorm_core,
-                                    grad_dz, grad_partials, planned_run)
+                                    gemm_statistics, grad_dz, grad_partials, planned_run)
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
@@ -260,8 +260,8 @@ class _Synchronized(torch.autograd.Function):
     def forward(ctx, x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, momentum, eps,
                 precision, group):
         acc, n = _acc(x), weight.shape[0]
-        zb = linear_op(x, weight, bias, precision)
-        local, extremes = moments(zb.to(acc))
+        # z, and the moments and extremes of z + b (center: the mean z is taken about)
+        z, local, extremes, offset = _forward_statistics(x, weight, bias, precision)
         parts = gather(torch.cat([local, extremes]), group)
         count, mean, m2 = merge_moments([p[:2 * n + 1] for p in parts])
         lo = torch.stack([p[2 * n + 1:3 * n + 1] for p in parts]).amin(0)
@@ -281,17 +281,18 @@ class _Synchronized(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         a = s * invstd if gamma is None else gamma.double() * s * invstd
         cb = torch.zeros_like(a) if beta is None else beta.double()
-        out = _apply(zb, *(v.to(acc) for v in (a, mean, cb)))
+        center = mean - offset  # u = z + b - mean = z - center
+        out = _apply(z, *(v.to(acc) for v in (a, center, cb)))
         ctx.precision, ctx.group = precision, group
-        ctx.save_for_backward(x, weight, scale, gamma, zb, mean, invstd, a, count, local)
+        ctx.save_for_backward(x, weight, scale, gamma, z, mean, center, invstd, a, count, local)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        x, weight, scale, gamma, zb, mean, invstd, a, count, local = ctx.saved_tensors
+        x, weight, scale, gamma, z, mean, center, invstd, a, count, local = ctx.saved_tensors
         want, dt = ctx.needs_input_grad, x.dtype
-        l1, l2 = _column_sums(g, zb, mean)  # this rank's: sum g, sum g u (u = z + b - mean)
+        l1, l2 = _column_sums(g, z, center)  # this rank's: sum g, sum g u (u = z + b - mean)
         s = scale.double()
         n_l, m_l = local[0], local[1:len(s) + 1]  # this rank's count and mean of z + b
         su = n_l * (m_l - mean)  # sum u over this rank's rows
@@ -302,7 +303,7 @@ class _Synchronized(torch.autograd.Function):
             # dy (of y = (z + b) s) = p g + q0 + q1 u, with p = gamma invstd
             p = invstd if gamma is None else gamma.double() * invstd
             k = torch.stack([a, s1 / count, s * s * invstd * invstd * s2 / count])
-            d = _dz(g, zb, k, mean)  # = a g + s (q0 + q1 u), with q0, q1 below
+            d = _dz(g, z, k, center)  # = a g + s (q0 + q1 u), with q0, q1 below
             q0, q1 = -p * k[1], -p * k[2]
             if want[0]:
                 dx = mm_op(d, weight, ctx.precision) if len(d) else torch.zeros_like(x)
@@ -331,33 +332,52 @@ def _overflowed(mean_y, var, lo, hi, scale):
     return torch.where(up & down, nan, mean_y), torch.where(up | down, nan, var)
 
 
-# The synchronized path's passes over (B, N): our BatchNorm kernels on CUDA, PyTorch ops
-# on the CPU (and for an empty batch). zb = z + b in x's dtype; vectors in its
-# accumulation type (apply) or float64.
+# The synchronized path's passes over (B, N): our kernels on CUDA, PyTorch ops on the CPU
+# (and for an empty batch). z in x's dtype (on CUDA x @ W.T, elsewhere with the bias);
+# vectors in its accumulation type (apply) or float64.
 
-def _apply(zb, ca, cm, cb):
-    """out = ca * (zb - cm) + cb, column by column, in zb's dtype."""
-    if zb.is_cuda and zb.numel():
-        return apply_coefficients(zb, ca, cm, cb)
-    return torch.addcmul(cb, zb.to(ca.dtype) - cm, ca).to(zb.dtype)
+def _forward_statistics(x, weight, bias, precision):
+    """``(z, moments, extremes, offset)``: z (x @ W.T + offset), this rank's [count,
+    mean, M2] and [min, max] of z + b (float64), offset b or 0. On CUDA the GEMM's
+    epilogue gives them per row tile (merged here); elsewhere a pass over z + b."""
+    n = weight.shape[0]
+    if not (x.is_cuda and len(x) and n):
+        zb = linear_op(x, weight, bias, precision)
+        return (zb, *moments(zb.to(_acc(zb))), 0)
+    z, part, bm = gemm_statistics(x, weight, precision)
+    p = part.double()
+    counts = torch.full((len(p), 1), float(bm), dtype=torch.float64, device=p.device)
+    counts[-1] = len(x) - bm * (len(p) - 1)
+    b = torch.zeros(n, dtype=torch.float64, device=p.device) if bias is None else bias.double()
+    mean_z = (counts * p[:, 0]).sum(0) / len(x)
+    m2 = (p[:, 1] + counts * (p[:, 0] - mean_z) ** 2).sum(0)
+    local = torch.cat([m2.new_full((1,), float(len(x))), mean_z + b, m2])
+    return z, local, torch.cat([p[:, 2].amin(0) + b, p[:, 3].amax(0) + b]), b
 
 
-def _column_sums(g, zb, center):
-    """float64 (sum g, sum g (zb - center)) over the rows."""
-    if zb.is_cuda and zb.numel():
-        return grad_partials(g, zb, center.to(_acc(zb))).double().sum(0)
-    acc = _acc(zb)
+def _apply(z, ca, cm, cb):
+    """out = ca * (z - cm) + cb, column by column, in z's dtype."""
+    if z.is_cuda and z.numel():
+        return apply_coefficients(z, ca, cm, cb)
+    return torch.addcmul(cb, z.to(ca.dtype) - cm, ca).to(z.dtype)
+
+
+def _column_sums(g, z, center):
+    """float64 (sum g, sum g (z - center)) over the rows."""
+    if z.is_cuda and z.numel():
+        return grad_partials(g, z, center.to(_acc(z))).double().sum(0)
+    acc = _acc(z)
     ga = g.to(acc)
-    return ga.sum(0).double(), (ga * (zb.to(acc) - center.to(acc))).sum(0).double()
+    return ga.sum(0).double(), (ga * (z.to(acc) - center.to(acc))).sum(0).double()
 
 
-def _dz(g, zb, k, center):
-    """k[0] * (g - k[1] - k[2] * (zb - center)) in zb's dtype (k: (3, N) float64)."""
-    acc = _acc(zb)
-    if zb.is_cuda and zb.numel():
-        return grad_dz(g, zb, k.to(acc), center.to(acc))
+def _dz(g, z, k, center):
+    """k[0] * (g - k[1] - k[2] * (z - center)) in z's dtype (k: (3, N) float64)."""
+    acc = _acc(z)
+    if z.is_cuda and z.numel():
+        return grad_dz(g, z, k.to(acc), center.to(acc))
     k0, k1, k2 = k.to(acc)
-    return (k0 * (g.to(acc) - k1 - k2 * (zb.to(acc) - center.to(acc)))).to(zb.dtype)
+    return (k0 * (g.to(acc) - k1 - k2 * (z.to(acc) - center.to(acc)))).to(z.dtype)
 
 
 @torch.compiler.disable  # (collectives in an autograd.Function: a graph break, not a crash)
