@@ -1,4 +1,6 @@
 """GemmScaleBatchNorm: outputs, running statistics, eval, errors, against PyTorch."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -386,3 +388,17 @@ def test_planned_calls_follow_every_change():
             high = [new(x) for _ in range(2)]
     assert torch.equal(*highest) and torch.equal(*high)
     assert not torch.equal(highest[0], high[0])  # the planned call follows the precision
+
+
+def test_passes_for_statistics_from_elsewhere_take_gpu_arrays_only():
+    """The synchronized path's entry points (GEMM with epilogue statistics, apply, column
+    sums, dz) name what they expect when given host arrays."""
+    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    x, w, v = np.ones((4, 3), np.float32), np.ones((5, 3), np.float32), np.ones(5, np.float32)
+    with pytest.raises(ValueError, match="x, weight: expected GPU arrays"):
+        gs.gemm_statistics(x, w, "highest")
+    z = np.ones((4, 5), np.float32)
+    for call in (lambda: gs.apply_coefficients(z, v, v, v), lambda: gs.grad_partials(z, z, v),
+                 lambda: gs.grad_dz(z, z, np.ones((3, 5), np.float32), v)):
+        with pytest.raises(ValueError, match="z: expected a contiguous, 16-byte aligned"):
+            call()
