@@ -27,7 +27,7 @@ from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan
                                               check_weights, check_x, planned_run)
 from .._array import UNPLANNED, operand, signature
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._op import _PLAIN, Op, _direct, _eager
+from ._op import _PLAIN, Op, _direct, _eager, wants_grad
 
 
 def _tail(s: torch.Tensor) -> torch.Tensor:
@@ -260,9 +260,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
             c.runs[sx] = run
         if run is None:
             return None
-        grad = torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
-                                            or (b is not None and b.requires_grad))
-        return matmul_sum_op.call_planned(run, grad, x, w, b, c.plan)
+        return matmul_sum_op.call_planned(run, wants_grad((x, w, b)), x, w, b, c.plan)
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .half(): free the old plan now
         self._cache = None
