@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _loader
 from ._geometry import byte_extent, extents_meet, row_stride, self_overlapping
+from ._tma import TensorMap
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CTYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
@@ -289,75 +290,87 @@ def launch(a, fn, grid, block, args, shared_mem: int = 0) -> None:
     launch_all(a, ((fn, grid, block, args, shared_mem),))
 
 
-# Kernel arguments are packed by struct into 8-byte slots of a per-thread buffer whose
-# slot addresses are the cuLaunchKernel parameter array (the driver copies the values
-# before it returns): half the host time of CuPy's per-argument conversion.
-_SLOT = {int: "q", np.int32: "i4x", np.float64: "d"}  # see scalar()
+# Kernel arguments are packed by struct into a per-thread buffer whose argument
+# addresses are the cuLaunchKernel parameter array (the driver copies the values before
+# it returns): half the host time of CuPy's per-argument conversion. Scalars take 8-byte
+# slots, tensor maps 128 bytes on a 64-byte boundary.
+_SLOT = {int: "q", np.int32: "i4x", np.float64: "d", TensorMap: "128s"}  # see scalar()
 _KERNEL_FORMATS: dict = {}  # kernel function -> struct format of its arguments
-_MAX_ARGS = 32
+_OFFSETS: dict = {}  # struct format -> each argument's byte offset in it
+_MAX_ARGS, _ARENA_BYTES = 32, 1024
 _ARENA = threading.local()
 _PAD = ((), (1, 1), (1,), ())  # the missing dimensions of a 1-, 2- or 3-d grid or block
 
 
 def _format(types) -> str:
-    """The struct format of kernel arguments of these types (TypeError for others)."""
+    """The struct format of kernel arguments of these types (TypeError for others),
+    its argument offsets recorded in _OFFSETS."""
     bad = [t.__name__ for t in types if t not in _SLOT]
     if bad or len(types) > _MAX_ARGS:
         raise TypeError(f"kernel arguments: expected at most {_MAX_ARGS} of int "
-                        f"(pointer, long long), numpy.int32 or numpy.float64, got {bad}")
-    return "=" + "".join(_SLOT[t] for t in types)
+                        f"(pointer, long long), numpy.int32, numpy.float64 or TensorMap, got {bad}")
+    fmt, offsets = "=", []
+    for t in types:
+        size = struct.calcsize("=" + _SLOT[t])
+        pad = -struct.calcsize(fmt) % (64 if size > 8 else 8)
+        fmt += f"{pad}x" * (pad > 0)
+        offsets.append(struct.calcsize(fmt))
+        fmt += _SLOT[t]
+    if struct.calcsize(fmt) > _ARENA_BYTES:
+        raise TypeError(f"kernel arguments: more than {_ARENA_BYTES} bytes")
+    _OFFSETS[fmt] = offsets
+    return fmt
 
 
 def _arena():
-    """This thread's argument buffer: (writable bytes, address of the parameter array)."""
+    """This thread's argument buffer: (writable bytes on a 64-byte boundary, {format:
+    address of its parameter array})."""
     arena = getattr(_ARENA, "arena", None)
     if arena is None:
-        slots = np.zeros(_MAX_ARGS, np.uint64)
-        params = slots.ctypes.data + 8 * np.arange(_MAX_ARGS, dtype=np.uint64)
-        _ARENA.keep = (slots, params)
-        arena = _ARENA.arena = (memoryview(slots).cast("B"), params.ctypes.data)
+        raw = np.zeros(_ARENA_BYTES + 64, np.uint8)
+        base = -raw.ctypes.data % 64
+        _ARENA.keep = [raw]  # (and each format's parameter array)
+        arena = _ARENA.arena = (memoryview(raw)[base:base + _ARENA_BYTES], {}, raw.ctypes.data + base)
     return arena
 
 
-_API = None  # CuPy's getDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
+def _param_array(arena, fmt: str) -> int:
+    """The parameter array of arguments packed as ``fmt`` in this thread's buffer."""
+    params = arena[2] + np.array(_OFFSETS[fmt], np.uint64)
+    _ARENA.keep.append(params)
+    arena[1][fmt] = params.ctypes.data
+    return params.ctypes.data
+
+
+_API = None  # CuPy's getDevice, setDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
 
 
 def _api():
     global _API
     if _API is None:  # (one assignment: threads racing here bind the same tuple)
         cuda = _loader.cupy().cuda
-        _API = (cuda.runtime.getDevice, cuda.driver.ctxGetCurrent, cuda.driver.launchKernel,
-                cuda.runtime.memsetAsync)
+        _API = (cuda.runtime.getDevice, cuda.runtime.setDevice, cuda.driver.ctxGetCurrent,
+                cuda.driver.launchKernel, cuda.runtime.memsetAsync)
     return _API
 
 
 def _launch_calls(calls, stream: int, zero=()) -> None:
-    _, ctx_current, launch, memset = _API
+    get_device, set_device, ctx_current, launch, memset = _API
+    if not ctx_current():  # a thread's first launch: make the device's primary context current
+        set_device(get_device())
     for ptr, nbytes in zero:
         memset(ptr, 0, nbytes, stream)
-    if not ctx_current():  # a thread's first launch: CuPy makes the context
-        for fn, grid, block, args, smem in calls:
-            fn(grid, block, args, shared_mem=smem, stream=_RawStream(stream))
-        return
-    buf, params = _arena()
+    arena = _arena()
+    buf, by_format = arena[0], arena[1]
     pack = struct.pack_into
     for fn, grid, block, args, smem in calls:
-        # A kernel's argument types are its signature's: checked on its first launch here
-        # (a thread's very first launches go through CuPy's launcher, which checks them).
+        # A kernel's argument types are its signature's: checked on its first launch.
         fmt = _KERNEL_FORMATS.get(fn)
         if fmt is None:
             fmt = _KERNEL_FORMATS[fn] = _format(tuple(map(type, args)))
+        params = by_format.get(fmt) or _param_array(arena, fmt)
         pack(fmt, buf, 0, *args)
         launch(fn.ptr, *grid, *_PAD[len(grid)], *block, *_PAD[len(block)], smem, stream, params, 0)
-
-
-class _RawStream:
-    """What CuPy's launcher needs of a stream: ``.ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
 
 
 def launch_all(a, calls, zero=()) -> None:

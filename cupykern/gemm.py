@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _dask, _loader
+from . import _dask, _loader, _tma
 from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
                      row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
@@ -49,6 +49,11 @@ for _m, _bn in ((0, 128), (1, 256)):
     _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4}
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
+# The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
+# rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
+# TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
+# cuBLAS's error on mixed-sign data); 3xTF32 splits the raw fp32 bits itself.
+_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
@@ -73,10 +78,10 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
             f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
-def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False) -> str:
+def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False) -> str:
     c = _WGMMA[mode]
-    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {c['BM']}, {c['BN']}, "
-            f"{c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
+    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tma)}, {c['BM']}, "
+            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -106,8 +111,9 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-_loader.register(_FILE, [_wgmma_expr(m, ta, tb) for m in _WGMMA for ta, tb in _TRANSPOSES],
-                 min_cc=90, max_cc=90)
+# K-major operands are loaded by bulk tensor copies (TMA), transposed ones by cp.async.
+_loader.register(_FILE, [_wgmma_expr(m, ta, tb, not (ta or tb)) for m in _WGMMA
+                         for ta, tb in _TRANSPOSES], min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
 
@@ -192,6 +198,7 @@ class Gemm(NamedTuple):
     workspace: int
     lda: int
     ldb: int
+    maps: object = None  # gemm_wgmma: maps(a_ptr, b_ptr) -> its two tensor-map arguments
 
 
 def gemm_kernel(a, b, precision: str) -> Gemm:
@@ -214,13 +221,26 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
+    maps = None
     if mode in _WGMMA and hopper:
-        cfg, expr = _WGMMA[mode], _wgmma_expr(mode, ta, tb)
+        cfg = _WGMMA[mode]
+        tma = not (ta or tb) and _tma.fits(M, K, lda, isz) and _tma.fits(N, K, ldb, isz)
+        expr, maps = _wgmma_expr(mode, ta, tb, tma), _tensor_maps(tma, mode, cfg, M, N, K, lda, ldb)
     else:
         cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
-    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb)
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb)._replace(maps=maps)
+
+
+def _tensor_maps(tma: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
+    """gemm_wgmma's ``maps(a_ptr, b_ptr)``: the tensor maps of A (M x K) and B (N x K) in
+    boxes of one 32-float K slice of a tile's rows, or two unused ones without TMA."""
+    if not tma:
+        return lambda ap, bp: (_tma.NONE, _tma.NONE)
+    dt = _MAP_DTYPE[mode]
+    ma, mb = _tma.Rows2D(M, K, lda, cfg["BM"], 32, dt), _tma.Rows2D(N, K, ldb, cfg["BN"], 32, dt)
+    return lambda ap, bp: (ma(ap), mb(bp))
 
 
 def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
@@ -248,13 +268,14 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
     m_, n_ = scalar(M, "int"), scalar(N, "int")
     sizes = (m_, n_, scalar(K, "int"), scalar(kernel.kchunk, "int"), kernel.lda, kernel.ldb)
     gemm_ = (kernel.fn, kernel.grid, kernel.block)
+    maps = kernel.maps or (lambda ap, bp: ())
     if kernel.splits == 1:
         return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
-            (*gemm_, (ap, bp, cp) + sizes + (ldc, bias, alpha, beta, part), kernel.smem),)
+            (*gemm_, (ap, bp, cp) + sizes + (ldc, bias, alpha, beta, part) + maps(ap, bp), kernel.smem),)
     reduce_ = (kernel.reduce, (cdiv(N, _SPLIT["COLS"]), cdiv(M, _SPLIT["BM"])), (_SPLIT["THREADS"],))
     s_ = scalar(kernel.splits, "int")
     return lambda ap, bp, cp, bias, alpha, beta, part, ws: (
-        (*gemm_, (ap, bp, ws) + sizes + (N, 0, 0, 0, 0), kernel.smem),
+        (*gemm_, (ap, bp, ws) + sizes + (N, 0, 0, 0, 0) + maps(ap, bp), kernel.smem),
         (*reduce_, (ws, s_, m_, n_, cp, ldc, bias, alpha, beta, part), 0))
 
 

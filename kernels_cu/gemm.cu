@@ -646,7 +646,8 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 // swizzled K-major layout: TF32 wgmma reads K-major operands only.)
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers, each
 // owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, operands in smem).
-// The producer streams 32-float K slices of A and B with cp.async into a ring of
+// The producer streams 32-float K slices of A and B (bulk tensor copies by one thread
+// where both are K-major, TMA; else cp.async) into a ring of
 // STAGES stages in the wgmma 128-byte-swizzle K-major layout (16-byte chunk c of row r
 // at r*128 + (c ^ r%8)*16, 8-row groups 1024 B apart); full/empty mbarriers hand the
 // stages over, so loads, the 3xTF32 split and the tensor cores overlap without any
@@ -719,10 +720,36 @@ __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t
   }
 }
 
-// ---- mbarriers and wgmma (PTX, sm_90) ----------------------------------------------
+// ---- mbarriers, bulk tensor copies and wgmma (PTX, sm_90) ----------------------------
 __device__ __forceinline__ void mbar_init(unsigned bar, int count) {
 #if CK_WGMMA
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Make initialized mbarriers visible to the copy engine (async proxy).
+__device__ __forceinline__ void mbar_init_fence() {
+#if CK_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Arrive, and expect `bytes` more from bulk copies before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+#if CK_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+// A CUtensorMap, encoded by the driver on the host (cupykern/_tma.py) and passed by value.
+struct alignas(64) TmaMap {
+  unsigned long long w[16];
+};
+// The box of map `m` at (column k, row r) into smem at dst (128-byte swizzle: the
+// layout swz_off describes); its bytes complete on mbarrier `bar`. Outside the tensor
+// the box is zero-filled.
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaMap& m, int k, int r, unsigned bar) {
+#if CK_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&m)), "r"(k), "r"(r), "r"(bar) : "memory");
 #endif
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
@@ -905,11 +932,15 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 
 // SMEM == STAGES * STAGE + 3 * STAGES * 8 + 1024 with
 // STAGE == BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0) (wg_cfg::Cfg::SMEM).
-template <int MODE, bool TA, bool TB, int BM, int BN, int THREADS, int STAGES, int SMEM>
+// TMA: one producer thread loads each slice of A and B by bulk tensor copies through
+// the tensor maps ma (M x K, boxes of 32 x BM) and mb (N x K, 32 x BN) instead of the
+// loaders' cp.async (a and b are then unused); the maps are ignored otherwise.
+template <int MODE, bool TA, bool TB, bool TMA, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
-           const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part) {
+           const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
+           const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
   // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
   static_assert(CK_WGMMA || MODE < 0, "gemm_wgmma needs sm_90a (wgmma, setmaxnreg)");
@@ -921,6 +952,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(BM == 128, "gemm_wgmma: two consumer warpgroups of 64 rows (BM == 128)");
   static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
+  static_assert(!TMA || (!TA && !TB), "gemm_wgmma: TMA loads K-major (untransposed) operands only");
   static_assert(SMEM == C::SMEM,
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
@@ -934,24 +966,39 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
+  const int kbase = blockIdx.z * kchunk;  // (split K: TMA addresses the whole tensor)
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   int m0, n0;
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const int ktiles = (K + 31) / 32;
   if (tid == 0) {
+    const int landers = TMA ? 1 : C::LOADERS;  // arrivals that mark a slice landed
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : C::LOADERS);
+      mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : landers);
       // MODE 0: every consumer thread (each reads A from smem itself); MODE 1: every
       // consumer warp (only its wgmma read the stage, complete at wgmma.wait_group).
       mbar_init(empty0 + 8 * s, MODE == 0 ? THREADS - 128 : 8);
-      mbar_init(loaded0 + 8 * s, C::LOADERS);
+      mbar_init(loaded0 + 8 * s, landers);
     }
+    mbar_init_fence();
   }
   __syncthreads();
 
   if (warp < 4) {  // ---- producer warpgroup
     set_max_regs<56>();
-    if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
+    if (TMA && tid < C::LOADERS) {  // one thread: stage s free -> bulk copies -> `loaded` or `full`
+      if (tid == 0) {
+        const unsigned landed0 = MODE == 0 ? loaded0 : full0;
+        for (int kt = 0; kt < ktiles; ++kt) {
+          const int s = kt % STAGES;
+          if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
+          const unsigned st = s0 + s * C::STAGE, bar = landed0 + 8 * s;
+          mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
+          tma_load(st, ma, kbase + kt * 32, m0, bar);
+          tma_load(st + C::A_BYTES, mb, kbase + kt * 32, n0, bar);
+        }
+      }
+    } else if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
       const float* ga = a + (TA ? m0 : (long long)m0 * lda);
       const float* gb = b + (TB ? n0 : (long long)n0 * ldb);
       const unsigned landed0 = MODE == 0 ? loaded0 : full0;
@@ -968,7 +1015,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       }
       cp_async_commit();  // exit only once this thread's copies (and their arrivals) are done
       cp_async_wait<0>();
-    } else if (MODE == 0) {  // splitters: slice landed -> remainders written -> `full`
+    } else if constexpr (MODE == 0) {  // splitters: slice landed -> remainders written -> `full`
       const int t = tid - C::LOADERS;
       for (int kt = 0; kt < ktiles; ++kt) {
         const int s = kt % STAGES;

@@ -111,6 +111,32 @@ def test_reduced_precision(shape, precision):
     assert err <= REL_BOUND[precision] * mag
 
 
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the copy engine's TF32 rounding: Hopper's wgmma path "
+                    "(mma.sync elsewhere feeds raw fp32 bits, which the tensor cores truncate)")
+@pytest.mark.parametrize("shape", [(512, 1024, 3000), (256, 384, 1024), (1100, 1030, 260)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_high_rounds_like_cublas_tf32(shape):
+    """"high" with K-major 16-byte aligned rows rounds both operands to TF32 as cuBLAS's
+    TF32 GEMM does: on mixed-sign data its error against float64 is cuBLAS TF32's, not
+    the 2.7x of operands truncated by the tensor cores (256x384x1024: K split 8 ways)."""
+    x, w, _ = (t.cuda() for t in _data(*shape, torch.float32))
+    ref = x.double() @ w.double().T
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        theirs = (x @ w.T).double()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    ours = cupykern.linear(x, w, precision="high").double()
+    e_ours, e_theirs = ((o - ref).abs().mean().item() for o in (ours, theirs))
+    assert e_ours <= 1.2 * e_theirs, (e_ours, e_theirs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", SHAPES[:7], ids=lambda s: "x".join(map(str, s)))

@@ -10,7 +10,7 @@ import torch
 
 import cupykern
 import cupykern.torch.matmul_sum_max_mean_logsumexp
-from cupykern import _array, _loader
+from cupykern import _array, _loader, _tma
 
 MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
     "normalize", "gemm", "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp",
@@ -62,6 +62,9 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    # a tensor map as what it encodes (the driver's encoder needs a GPU)
+    monkeypatch.setattr(_tma.Rows2D, "_encode",
+                        lambda self, ptr: ("tensor map", ptr, *map(list, self._args[2:5])))
     for m in MODULES:
         for name in _plan_caches(m):
             monkeypatch.setattr(m, name, {})
@@ -87,6 +90,8 @@ def _named(launches, arrays):
              if isinstance(a, torch.Tensor)]
 
     def name(v):
+        if type(v) is tuple:  # a faked tensor map
+            return tuple(map(name, v))
         if type(v) is not int:
             return v
         if v in names:
@@ -150,22 +155,31 @@ def test_cached_plan_launches_with_the_new_arrays(launches, label, call, make, p
     assert _named(launches, second) == planned
 
 
-def test_kernel_arguments_fill_8_byte_slots():
-    """Each kernel argument fills one 8-byte cuLaunchKernel parameter slot, typed as
-    :func:`cupykern._array.scalar` documents: ints as long long, int32, float64; any
-    other type is a TypeError, never a misread argument."""
+def test_kernel_arguments_fill_their_slots():
+    """Each scalar kernel argument fills one 8-byte cuLaunchKernel parameter slot, typed
+    as :func:`cupykern._array.scalar` documents: ints as long long, int32, float64; a
+    tensor map its 128 bytes on a 64-byte boundary; the parameter array points at each.
+    Any other type is a TypeError, never a misread argument."""
+    import ctypes
     import struct
 
     import numpy as np
 
-    args = (0x7F0012345678, -3, np.int32(-7), np.float64(0.5))
-    buf = bytearray(8 * len(args))
-    struct.pack_into(_array._format(tuple(map(type, args))), buf, 0, *args)
-    slots = np.frombuffer(bytes(buf), np.int64)
+    tmap = _tma.TensorMap(bytes(range(128)))
+    args = (0x7F0012345678, -3, np.int32(-7), tmap, np.float64(0.5))
+    fmt = _array._format(tuple(map(type, args)))
+    assert _array._OFFSETS[fmt] == [0, 8, 16, 64, 192]
+    buf = bytearray(struct.calcsize(fmt))
+    struct.pack_into(fmt, buf, 0, *args)
+    slots = np.frombuffer(bytes(buf[:16]), np.int64)
     assert slots[0] == 0x7F0012345678 and slots[1] == -3
     assert np.frombuffer(bytes(buf[16:20]), np.int32)[0] == -7
-    assert np.frombuffer(bytes(buf[24:32]), np.float64)[0] == 0.5
-    for bad in (float, np.float32, bool):
+    assert bytes(buf[64:192]) == tmap
+    assert np.frombuffer(bytes(buf[192:200]), np.float64)[0] == 0.5
+    arena = _array._arena()
+    params = np.ctypeslib.as_array((ctypes.c_uint64 * 5).from_address(_array._param_array(arena, fmt)))
+    assert list(params - arena[2]) == [0, 8, 16, 64, 192] and arena[2] % 64 == 0
+    for bad in (float, np.float32, bool, bytes):
         with pytest.raises(TypeError, match="kernel arguments"):
             _array._format((int, bad))
 

@@ -1,0 +1,83 @@
+"""Tensor maps for Hopper's bulk tensor copy engine (TMA), encoded by the CUDA driver.
+
+A kernel that loads tiles with ``cp.async.bulk.tensor`` takes the 128-byte
+``CUtensorMap`` of each operand by value (a ``const __grid_constant__`` parameter).
+``cuTensorMapEncodeTiled`` builds it on the host; it is a libcuda function, so it is
+called through ctypes on the driver CuPy already runs on (no new dependency).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ._geometry import cdiv
+
+# CUtensorMapDataType / Swizzle / L2promotion values (cuda.h)
+FLOAT32, TFLOAT32 = 7, 11
+_SWIZZLE_128B = 3
+_L2_256B = 3
+_MAP_BYTES = 128
+_MAX_DIM, _MAX_STRIDE = 2**32, 2**40  # globalDim / globalStrides bounds (bytes for strides)
+_encode = None
+_lock = threading.Lock()
+
+
+class TensorMap(bytes):
+    """The opaque 128 bytes of one CUtensorMap: a kernel argument passed by value."""
+
+
+NONE = TensorMap(bytes(_MAP_BYTES))  # the argument of launches that use no tensor map
+
+
+def _encoder():
+    global _encode
+    if _encode is None:
+        with _lock:
+            if _encode is None:
+                f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+                u32, u64p, u32p = ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+                f.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                f.restype = ctypes.c_int
+                _encode = f
+    return _encode
+
+
+def fits(rows: int, cols: int, ld: int, itemsize: int) -> bool:
+    """Whether rows x cols at row stride ``ld`` (elements; rows 16-byte aligned) can be
+    a 2-D tensor map: not empty, positive strides no shorter than a row (one row: any),
+    within the driver's bounds."""
+    return 0 < rows < _MAX_DIM and 0 < cols < _MAX_DIM and (rows == 1 or ld >= cols) and \
+        ld * itemsize < _MAX_STRIDE
+
+
+class Rows2D:
+    """Tensor maps of rows x cols row views (row stride ``ld`` elements, 4-byte elements
+    of ``dtype``) read in boxes of ``box_rows`` x ``box_cols`` with 128-byte swizzle,
+    zero-filled outside the view; one per data pointer, kept (a map depends on the
+    pointer and these sizes only, never on the contents)."""
+
+    def __init__(self, rows: int, cols: int, ld: int, box_rows: int, box_cols: int,
+                 dtype: int = FLOAT32):
+        stride = ld if rows > 1 else cdiv(cols, 4) * 4  # (one row: any valid stride)
+        self._args = (dtype, 2, (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(stride * 4),
+                      (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1))
+        self._maps: dict[int, TensorMap] = {}
+
+    def __call__(self, ptr: int) -> TensorMap:
+        m = self._maps.get(ptr)
+        if m is None:
+            if len(self._maps) >= 64:  # bound what a stream of fresh pointers keeps
+                self._maps.clear()
+            m = self._maps[ptr] = self._encode(ptr)
+        return m
+
+    def _encode(self, ptr: int) -> TensorMap:
+        buf = ctypes.create_string_buffer(_MAP_BYTES + 64)
+        at = cdiv(ctypes.addressof(buf), 64) * 64  # the map must be 64-byte aligned
+        dtype, rank, dims, strides, box, elem = self._args
+        err = _encoder()(at, dtype, rank, ptr, dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_256B, 0)
+        if err:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for rows "
+                               f"{dims[1]}, cols {dims[0]}, stride {strides[0]} bytes, pointer {ptr:#x}")
+        return TensorMap(ctypes.string_at(at, _MAP_BYTES))
