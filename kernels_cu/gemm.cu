@@ -489,6 +489,16 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
               mma_tf32(acc[i][j], fa[i], fb[j][0], fb[j][1]);
             }
         } else {
+          if (MODE == 1) {  // round to TF32 as cuBLAS does (the tensor core would truncate)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) fa[i][e] = to_tf32(__uint_as_float(fa[i][e]));
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) fb[j][e] = to_tf32(__uint_as_float(fb[j][e]));
+          }
 #pragma unroll
           for (int i = 0; i < 4; ++i)
 #pragma unroll

@@ -111,20 +111,27 @@ def test_reduced_precision(shape, precision):
     assert err <= REL_BOUND[precision] * mag
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# (shape, how x's rows sit): 16-byte aligned; a C-contiguous view 4 bytes past alignment;
+# rows of stride K + 1. 256x384x1024 splits K 8 ways. A misaligned x is read in place by
+# mma.sync where N < gemm._COPY_WORK, else (on Hopper) copied aligned for wgmma.
+ROUNDING_CASES = [((512, 1024, 3000), "aligned"), ((256, 384, 1024), "aligned"),
+                  ((1100, 1030, 260), "aligned"), ((512, 1024, 3000), "offset"),
+                  ((2048, 96, 3000), "offset"), ((2048, 96, 3000), "strided")]
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the copy engine's TF32 rounding: Hopper's wgmma path "
-                    "(mma.sync elsewhere feeds raw fp32 bits, which the tensor cores truncate)")
-@pytest.mark.parametrize("shape", [(512, 1024, 3000), (256, 384, 1024), (1100, 1030, 260)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_high_rounds_like_cublas_tf32(shape):
-    """"high" with K-major 16-byte aligned rows rounds both operands to TF32 as cuBLAS's
-    TF32 GEMM does: on mixed-sign data its error against float64 is cuBLAS TF32's, not
-    the 2.7x of operands truncated by the tensor cores (256x384x1024: K split 8 ways)."""
-    x, w, _ = (t.cuda() for t in _data(*shape, torch.float32))
+@pytest.mark.parametrize("shape, rows", ROUNDING_CASES, ids=lambda v: "x".join(map(str, v))
+                         if isinstance(v, tuple) else v)
+def test_high_rounds_like_cublas_tf32(shape, rows):
+    """"high" rounds both operands to TF32 as cuBLAS's TF32 GEMM does (the copy engine on
+    Hopper's wgmma path, cvt.rna on mma.sync's): on mixed-sign data its error against
+    float64 is cuBLAS TF32's, not the 2.7x of operands truncated by the tensor cores."""
+    m, n, k = shape
+    x, w, _ = (t.cuda() for t in _data(m, n, k, torch.float32))
+    if rows == "offset":
+        x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(m, k)
+    elif rows == "strided":
+        x = torch.nn.functional.pad(x, (1, 0))[:, 1:]
     ref = x.double() @ w.double().T
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -299,3 +306,26 @@ def test_linear_gradients_on_our_gemm(shape, precision, bound):
     for name, ours, ref in (("x", x.grad, x64.grad), ("w", w.grad, w64.grad), ("b", b.grad, b64.grad)):
         assert ours.dtype == torch.float32
         assert_grad_close(ours, ref, bound, what=name)
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+def test_misaligned_rows_copied_for_wgmma_where_it_pays(monkeypatch, cc):
+    """GPU-free: float32 rows that miss 16-byte alignment (start or stride) are copied for
+    Hopper's wgmma kernels when the product is big against them; read in place by
+    mma.sync elsewhere, for small products, or when K is not a multiple of 4."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def mode(ptr, ld, k, work, dtype="float32"):
+        o = _array.Operand(None, "torch", dtype, (64, k), (ld, 1), ptr, 0, "x", True)
+        return gemm._read_mode(o, work)[0]
+
+    big, small = 64 * 64 * gemm._COPY_WORK, 64 * 64 * (gemm._COPY_WORK - 1)
+    copied = "copy" if cc == 90 else "view"
+    assert mode(0x1004, 64, 64, big) == copied       # starts 4 bytes past alignment
+    assert mode(0x1000, 65, 64, big) == copied       # stride of 65 floats
+    assert mode(0x1000, 64, 64, big) == "view"       # aligned
+    assert mode(0x1004, 64, 64, small) == "view"     # copying does not pay
+    assert mode(0x1004, 63, 63, big * 2) == "view"   # K % 4: no copy aligns it
+    assert mode(0x1002, 64, 64, big, "float16") == "view"
