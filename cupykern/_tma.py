@@ -15,7 +15,7 @@ from ._geometry import cdiv
 # CUtensorMapDataType / Swizzle / L2promotion values (cuda.h)
 FLOAT32, TFLOAT32 = 7, 11
 _SWIZZLE_128B = 3
-_L2_256B = 3
+_L2_128B = 2  # the L2 sector promotion (H100: 128 B ahead of 256 B and none, 16384x4096x4096)
 _MAP_BYTES = 128
 _MAX_DIM, _MAX_STRIDE = 2**32, 2**40  # globalDim / globalStrides bounds (bytes for strides)
 _encode = None
@@ -76,7 +76,7 @@ class Rows2D:
         buf = ctypes.create_string_buffer(_MAP_BYTES + 64)
         at = cdiv(ctypes.addressof(buf), 64) * 64  # the map must be 64-byte aligned
         dtype, rank, dims, strides, box, elem = self._args
-        err = _encoder()(at, dtype, rank, ptr, dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_256B, 0)
+        err = _encoder()(at, dtype, rank, ptr, dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_128B, 0)
         if err:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for rows "
                                f"{dims[1]}, cols {dims[0]}, stride {strides[0]} bytes, pointer {ptr:#x}")

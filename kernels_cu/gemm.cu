@@ -942,10 +942,10 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 
 // SMEM == STAGES * STAGE + 3 * STAGES * 8 + 1024 with
 // STAGE == BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0) (wg_cfg::Cfg::SMEM).
-// TMA: one producer thread loads each slice of A and B by bulk tensor copies through
-// the tensor maps ma (M x K, boxes of 32 x BM) and mb (N x K, 32 x BN) instead of the
-// loaders' cp.async (a and b are then unused); the maps are ignored otherwise.
-template <int MODE, bool TA, bool TB, bool TMA, int BM, int BN, int THREADS, int STAGES, int SMEM>
+// BOX > 0 (TMA): one producer thread loads each slice of A and B by bulk tensor copies
+// of BOX rows x 32 floats through the tensor maps ma (M x K) and mb (N x K) instead of
+// the loaders' cp.async (a and b are then unused); BOX == 0: the maps are ignored.
+template <int MODE, bool TA, bool TB, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
@@ -962,7 +962,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(BM == 128, "gemm_wgmma: two consumer warpgroups of 64 rows (BM == 128)");
   static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
+  constexpr bool TMA = BOX > 0;
   static_assert(!TMA || (!TA && !TB), "gemm_wgmma: TMA loads K-major (untransposed) operands only");
+  static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
+                "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
   static_assert(SMEM == C::SMEM,
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
@@ -1004,8 +1007,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
           if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
           const unsigned st = s0 + s * C::STAGE, bar = landed0 + 8 * s;
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
-          tma_load(st, ma, kbase + kt * 32, m0, bar);
-          tma_load(st + C::A_BYTES, mb, kbase + kt * 32, n0, bar);
+#pragma unroll
+          for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * 32, m0 + r, bar);
+#pragma unroll
+          for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar);
         }
       }
     } else if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
