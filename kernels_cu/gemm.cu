@@ -752,6 +752,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned byt
 struct alignas(64) TmaMap {
   unsigned long long w[16];
 };
+// Fetch map `m` into the copy engine's cache ahead of its first use.
+__device__ __forceinline__ void tma_prefetch(const TmaMap& m) {
+#if CK_WGMMA
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&m)) : "memory");
+#endif
+}
 // The box of map `m` at (column k, row r) into smem at dst (128-byte swizzle: the
 // layout swz_off describes); its bytes complete on mbarrier `bar`. Outside the tensor
 // the box is zero-filled.
@@ -985,6 +991,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const int ktiles = (K + 31) / 32;
   if (tid == 0) {
+    if constexpr (TMA) {
+      tma_prefetch(ma);
+      tma_prefetch(mb);
+    }
     const int landers = TMA ? 1 : C::LOADERS;  // arrivals that mark a slice landed
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : landers);
