@@ -8,6 +8,7 @@ called through ctypes on the driver CuPy already runs on (no new dependency).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 from ._geometry import cdiv
@@ -49,6 +50,13 @@ def fits(rows: int, cols: int, ld: int, itemsize: int) -> bool:
     within the driver's bounds."""
     return 0 < rows < _MAX_DIM and 0 < cols < _MAX_DIM and (rows == 1 or ld >= cols) and \
         ld * itemsize < _MAX_STRIDE
+
+
+@functools.lru_cache(maxsize=256)
+def row_maps(rows: int, cols: int, ld: int, box_rows: int, box_cols: int, dtype: int = FLOAT32):
+    """The :class:`Rows2D` of this geometry, shared by every plan and unplanned call that
+    reads it (each keeps the maps it encoded)."""
+    return Rows2D(rows, cols, ld, box_rows, box_cols, dtype)
 
 
 class Rows2D:

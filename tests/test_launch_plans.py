@@ -62,9 +62,11 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
-    # a tensor map as what it encodes (the driver's encoder needs a GPU)
+    # a tensor map as what it encodes (the driver's encoder needs a GPU), kept apart from
+    # the maps real launches share
     monkeypatch.setattr(_tma.Rows2D, "_encode",
                         lambda self, ptr: ("tensor map", ptr, *map(list, self._args[2:5])))
+    monkeypatch.setattr(_tma, "row_maps", lambda *geometry: _tma.Rows2D(*geometry))
     for m in MODULES:
         for name in _plan_caches(m):
             monkeypatch.setattr(m, name, {})
