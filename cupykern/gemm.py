@@ -399,7 +399,7 @@ def _misaligned_rows(o, ld: int) -> bool:
     16-byte aligned copy then pays for a big product (H200, 1024x8192 @ (8192x8192)^T
     "high": 4.29 ms on mma.sync, 0.32 ms on wgmma)."""
     K = o.shape[1]
-    return (o.dtype == "float32" and o.kind != "cpu" and K % 4 == 0
+    return (o.dtype == "float32" and o.kind != "cpu" and o.size > 0 and K % 4 == 0
             and not vector_aligned(o.ptr, ld, K, 4) and _loader.device_cc(o.device) == 90)
 
 
@@ -434,7 +434,7 @@ def matrix(o, work: int):
         launch_all(o, launches)
         return operand(held[0], o.name)
     if mode == "copy":  # (a new array: also where a C-contiguous view starts misaligned)
-        return operand(contiguous(o, copy=True), o.name)
+        return operand(contiguous(o, copy=True).reshape(o.shape), o.name)
     return o
 
 

@@ -111,12 +111,13 @@ def test_reduced_precision(shape, precision):
     assert err <= REL_BOUND[precision] * mag
 
 
-# (shape, how x's rows sit): 16-byte aligned; a C-contiguous view 4 bytes past alignment;
-# rows of stride K + 1. 256x384x1024 splits K 8 ways. A misaligned x is read in place by
-# mma.sync where N < gemm._COPY_WORK, else (on Hopper) copied aligned for wgmma.
+# (shape, how x's rows sit): 16-byte aligned; a C-contiguous view 4 bytes past alignment
+# (2-D or 3-D); rows of stride K + 1. 256x384x1024 splits K 8 ways. A misaligned x is read
+# in place by mma.sync where N < gemm._COPY_WORK, else (on Hopper) copied aligned for wgmma.
 ROUNDING_CASES = [((512, 1024, 3000), "aligned"), ((256, 384, 1024), "aligned"),
                   ((1100, 1030, 260), "aligned"), ((512, 1024, 3000), "offset"),
-                  ((2048, 96, 3000), "offset"), ((2048, 96, 3000), "strided")]
+                  ((2048, 96, 3000), "offset"), ((2048, 96, 3000), "strided"),
+                  ((64, 256, 3000), "offset 3-D")]
 
 
 @pytest.mark.gpu
@@ -128,8 +129,10 @@ def test_high_rounds_like_cublas_tf32(shape, rows):
     float64 is cuBLAS TF32's, not the 2.7x of operands truncated by the tensor cores."""
     m, n, k = shape
     x, w, _ = (t.cuda() for t in _data(m, n, k, torch.float32))
-    if rows == "offset":
+    if rows.startswith("offset"):
         x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(m, k)
+        if rows.endswith("3-D"):  # rows of a batch (rows_2d, then copied aligned)
+            x = x.view(2, m // 2, k)
     elif rows == "strided":
         x = torch.nn.functional.pad(x, (1, 0))[:, 1:]
     ref = x.double() @ w.double().T
@@ -329,3 +332,4 @@ def test_misaligned_rows_copied_for_wgmma_where_it_pays(monkeypatch, cc):
     assert mode(0x1004, 64, 64, small) == "view"     # copying does not pay
     assert mode(0x1004, 63, 63, big * 2) == "view"   # K % 4: no copy aligns it
     assert mode(0x1002, 64, 64, big, "float16") == "view"
+    assert mode(0x1004, 64, 0, 0) == "view"          # K = 0: nothing to read
