@@ -6,7 +6,9 @@ Precision of float32 inputs follows PyTorch's names:
   remainder; three tensor-core products) with the tensor-core sum promoted into an
   fp32 register accumulator every 32 of K: about as accurate as SGEMM (README: Known
   limitations).
-* ``"high"``: TF32 tensor cores.
+* ``"high"``: TF32 tensor cores, both operands rounded to TF32 to nearest as cuBLAS
+  does (by the copy engine on Hopper's wgmma path, ``cvt.rna`` on mma.sync's; README:
+  Known limitations names the one path that truncates).
 * ``"medium"``: operands rounded to bf16, fp32 accumulation; on Hopper with aligned
   rows, TF32 instead, which is faster there and more accurate (PyTorch's "medium"
   likewise allows any algorithm at least as accurate as bf16).

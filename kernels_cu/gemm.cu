@@ -662,10 +662,12 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 // at r*128 + (c ^ r%8)*16, 8-row groups 1024 B apart); full/empty mbarriers hand the
 // stages over, so loads, the 3xTF32 split and the tensor cores overlap without any
 // block-wide barrier. setmaxnreg gives the consumers the registers.
-//   MODE 1 (TF32), BN = 256: all 128 producer threads copy; cp.async.mbarrier.arrive
-//     marks a stage full as soon as its copies land; each consumer keeps one slice of
-//     wgmma in flight.
-//   MODE 0 (3xTF32), BN = 128: two producer warps copy (marking the stage `loaded`),
+//   MODE 1 (TF32), BN = 256: the bulk copies' bytes (TMA: maps of TF32 elements, so the
+//     copy engine rounds each operand to TF32) or all 128 producer threads' cp.async
+//     arrivals (cp.async.mbarrier.arrive) mark a stage full as soon as it lands; each
+//     consumer keeps one slice of wgmma in flight.
+//   MODE 0 (3xTF32), BN = 128: two producer warps copy, or one thread (TMA, maps of
+//     FP32 elements: the split needs the raw bits), marking the stage `loaded`;
 //     the other two write the rounded TF32 remainders of each landed B slice behind it
 //     and mark the stage full, so copies run up to STAGES slices ahead of the split.
 //     Consumers take A from registers: each loads its warp's fragments of the slice and
