@@ -323,8 +323,8 @@ def _format(types) -> str:
 
 
 def _arena():
-    """This thread's argument buffer: (writable bytes on a 64-byte boundary, {format:
-    address of its parameter array})."""
+    """This thread's argument buffer: (its writable bytes, {format: address of that
+    format's parameter array}, its address: a 64-byte boundary)."""
     arena = getattr(_ARENA, "arena", None)
     if arena is None:
         raw = np.zeros(_ARENA_BYTES + 64, np.uint8)
@@ -364,7 +364,8 @@ def _launch_calls(calls, stream: int, zero=()) -> None:
     buf, by_format = arena[0], arena[1]
     pack = struct.pack_into
     for fn, grid, block, args, smem in calls:
-        # A kernel's argument types are its signature's: checked on its first launch.
+        # Each kernel's argument types are fixed at its first launch (_format checks them
+        # against _SLOT; the ops' tests check them against the kernels' signatures).
         fmt = _KERNEL_FORMATS.get(fn)
         if fmt is None:
             fmt = _KERNEL_FORMATS[fn] = _format(tuple(map(type, args)))

@@ -18,7 +18,9 @@ FLOAT32, TFLOAT32 = 7, 11
 _SWIZZLE_128B = 3
 _L2_128B = 2  # the L2 sector promotion (H100: 128 B ahead of 256 B and none, 16384x4096x4096)
 _MAP_BYTES = 128
-_MAX_DIM, _MAX_STRIDE = 2**32, 2**40  # globalDim / globalStrides bounds (bytes for strides)
+# Sizes the kernels address with int32 coordinates (a box past them included); the
+# driver's stride bound (bytes).
+_MAX_DIM, _MAX_STRIDE = 2**31 - 256, 2**40
 _encode = None
 _lock = threading.Lock()
 
@@ -45,9 +47,10 @@ def _encoder():
 
 
 def fits(rows: int, cols: int, ld: int, itemsize: int) -> bool:
-    """Whether rows x cols at row stride ``ld`` (elements; rows 16-byte aligned) can be
-    a 2-D tensor map: not empty, positive strides no shorter than a row (one row: any),
-    within the driver's bounds."""
+    """Whether rows x cols at row stride ``ld`` (elements) can be a 2-D tensor map: not
+    empty, positive strides no shorter than a row (one row: any), within int32
+    coordinates and the driver's stride bound. The caller has checked that the rows
+    start on 16-byte boundaries (the driver requires it)."""
     return 0 < rows < _MAX_DIM and 0 < cols < _MAX_DIM and (rows == 1 or ld >= cols) and \
         ld * itemsize < _MAX_STRIDE
 
@@ -62,8 +65,8 @@ def row_maps(rows: int, cols: int, ld: int, box_rows: int, box_cols: int, dtype:
 class Rows2D:
     """Tensor maps of rows x cols row views (row stride ``ld`` elements, 4-byte elements
     of ``dtype``) read in boxes of ``box_rows`` x ``box_cols`` with 128-byte swizzle,
-    zero-filled outside the view; one per data pointer, kept (a map depends on the
-    pointer and these sizes only, never on the contents)."""
+    zero-filled outside the view; one per data pointer, the 64 latest kept (a map
+    depends on the pointer and these sizes only, never on the contents)."""
 
     def __init__(self, rows: int, cols: int, ld: int, box_rows: int, box_cols: int,
                  dtype: int = FLOAT32):
@@ -76,7 +79,7 @@ class Rows2D:
         m = self._maps.get(ptr)
         if m is None:
             if len(self._maps) >= 64:  # bound what a stream of fresh pointers keeps
-                self._maps.clear()
+                del self._maps[next(iter(self._maps))]  # (the oldest)
             m = self._maps[ptr] = self._encode(ptr)
         return m
 

@@ -256,6 +256,8 @@ def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
     if dt not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
+    # whole 32-float K slices per chunk: the TMA loads address the whole tensor, so a
+    # slice crossing into the next chunk would be added twice
     kchunk = cdiv(cdiv(K, splits), _SPLIT["ALIGN"]) * _SPLIT["ALIGN"]
     splits = cdiv(K, kchunk)
     reduce = _loader.function(_FILE, _reduce_expr(dt), a.device)
@@ -392,6 +394,7 @@ def check_mm(a, b, precision):
 # against 400 TFLOP/s, 3xTF32 32 against 114), while a copy costs about as much as 100
 # multiply-adds per element at those rates: small operands of big products (dW's dy and
 # x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
+# The same bound decides whether misaligned float32 rows are copied for Hopper's wgmma.
 _COPY_WORK = 128
 
 

@@ -987,7 +987,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  const int kbase = blockIdx.z * kchunk;  // (split K: TMA addresses the whole tensor)
+  // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
+  // 32-float slice (gemm.py, _SPLIT["ALIGN"]), so no slice reaches the next chunk.
+  const int kbase = blockIdx.z * kchunk;
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   int m0, n0;
   grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
@@ -1068,7 +1070,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   for (int kt = 0; kt < ktiles; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
-    fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads (TMA's need none)
     const unsigned st = s0 + s * C::STAGE;
     const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
     unsigned ab[MODE == 0 ? 4 : 1][4], as[MODE == 0 ? 4 : 1][4];  // MODE 0: A fragments, split
