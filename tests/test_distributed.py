@@ -16,6 +16,8 @@ the reference under the same wrapper.
 * Several GPUs, NCCL, a rank per GPU (up to 4): skipped where fewer than two are present.
 """
 import functools
+import os
+import sys
 import tempfile
 
 import pytest
@@ -57,6 +59,13 @@ def _worker(rank, check, world, path, backend, device):
         dist.barrier()  # (no rank tears its group down while another still uses it)
     finally:
         dist.destroy_process_group()
+    # The check passed: leave without interpreter finalization, where gloo's worker
+    # threads may still hold tensors of groups that FSDP's device mesh keeps alive and
+    # destroying them aborts the process (seen once in CI, cpu-gloo-fsdp: "terminate called
+    # without an active exception"; pytorch/pytorch#179291). spawn reads exit code 0.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_synchronized(rank, world, device):
