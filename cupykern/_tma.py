@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 from ._geometry import cdiv
 
@@ -22,7 +21,6 @@ _MAP_BYTES = 128
 # driver's stride bound (bytes).
 _MAX_DIM, _MAX_STRIDE = 2**31 - 256, 2**40
 _encode = None
-_lock = threading.Lock()
 
 
 class TensorMap(bytes):
@@ -33,16 +31,15 @@ NONE = TensorMap(bytes(_MAP_BYTES))  # the argument of launches that use no tens
 
 
 def _encoder():
+    """libcuda's cuTensorMapEncodeTiled, bound once (threads racing here bind the same)."""
     global _encode
     if _encode is None:
-        with _lock:
-            if _encode is None:
-                f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-                u32, u64p, u32p = ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-                f.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-                f.restype = ctypes.c_int
-                _encode = f
+        f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        u32, u64p, u32p = ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        f.restype = ctypes.c_int
+        _encode = f
     return _encode
 
 

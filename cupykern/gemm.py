@@ -244,7 +244,8 @@ def _tensor_maps(tma: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ld
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
     dt = _MAP_DTYPE[mode]
-    ma, mb = _tma.row_maps(M, K, lda, cfg["BOX"], 32, dt), _tma.row_maps(N, K, ldb, cfg["BOX"], 32, dt)
+    k = _SPLIT["ALIGN"]  # the kernel's K slice
+    ma, mb = _tma.row_maps(M, K, lda, cfg["BOX"], k, dt), _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp))
 
 

@@ -28,7 +28,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
+from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call,
                    gemm_kernel, linear_core, mm, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
@@ -416,11 +416,12 @@ def gemm_statistics(x, weight, precision):
         raise ValueError("x, weight: expected GPU arrays with rows and out_features > 0")
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
     (M, _), N, place = a.shape, b.shape[0], Place(a)
-    bm = gemm_kernel(a, b, prec).bm
+    kernel = gemm_kernel(a, b, prec)
     z = empty(place, (M, N))
-    part = empty(place, (cdiv(M, bm), PART_ROWS, N), acc_dtype(a.dtype))
-    gemm(a, b, operand(z, "z"), prec, part=place.ptr(part))
-    return z, part, bm
+    part = empty(place, (cdiv(M, kernel.bm), PART_ROWS, N), acc_dtype(a.dtype))
+    ws, ptr = workspace(place, kernel), place.ptr
+    launch_all(place, gemm_call(kernel, a, b, N)(a.ptr, b.ptr, ptr(z), 0, 0, 0, ptr(part), ptr(ws)))
+    return z, part, kernel.bm
 
 
 def apply_coefficients(z, ca, cm, cb):
@@ -432,6 +433,12 @@ def apply_coefficients(z, ca, cm, cb):
     return out
 
 
+def _grad_geometry(M: int, N: int):
+    """(grid, block) of bn_grad_partials / bn_grad_dz: a row tile of _GRAD["ROWS"] rows per
+    grid row."""
+    return (cdiv(N, _GRAD["THREADS"]), cdiv(M, _GRAD["ROWS"])), (_GRAD["THREADS"],)
+
+
 def _grad_launch(zo, place, g):
     """(g's row Operand, grid, block, (M, N) arguments) of bn_grad_partials / bn_grad_dz."""
     M, N = zo.shape
@@ -439,8 +446,7 @@ def _grad_launch(zo, place, g):
     if go.shape != (M, N) or go.dtype != zo.dtype:
         raise ValueError(f"g: expected a ({M}, {N}) {zo.dtype} array, got {go.shape} {go.dtype}")
     same_place(zo, go)
-    grid = (cdiv(N, _GRAD["THREADS"]), cdiv(M, _GRAD["ROWS"]))
-    return go, grid, (_GRAD["THREADS"],), (scalar(M, "int"), scalar(N, "int"))
+    return (go, *_grad_geometry(M, N), (scalar(M, "int"), scalar(N, "int")))
 
 
 def grad_partials(g, z, cm):
@@ -536,8 +542,8 @@ def _backward_plan(go, zo, co, so, gmo, eps, precision, input_grad, weight_grad)
     acc = acc_dtype(zo.dtype)
     step = N * ITEMSIZE[acc]
     partials, coef, dz_fn = (_loader.function(_FILE, e, zo.device) for e in _grad_exprs(t))
-    tiles = cdiv(M, _GRAD["ROWS"])
-    grid, block = (cdiv(N, _GRAD["THREADS"]), tiles), (_GRAD["THREADS"],)
+    grid, block = _grad_geometry(M, N)
+    tiles = grid[1]
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
     m_, n_, tiles_, eps_ = scalar(M, "int"), scalar(N, "int"), scalar(tiles, "int"), scalar(eps, "double")
     ld, scratch, ptr = go.strides[0], 3 * N + 2 * tiles * N, place.ptr

@@ -125,6 +125,9 @@ def _calls():
                lambda a, t=training: gs.gemm_scale_batchnorm_core(*a, t, 0.1, 1e-5, "highest"),
                lambda: [r(9, 24), r(8, 24), r(8), r(8), r(8), r(8), r(8), r(8).abs(),
                         torch.zeros((), dtype=torch.int64)], 1)
+    # the synchronized path's first pass (no plan: every call builds its launches)
+    yield ("gemm_statistics", lambda a: gs.gemm_statistics(*a, "high"),
+           lambda: [r(300, 24), r(40, 24)], 0)
     # the fused backward, its dx and dW GEMMs (each an mm plan of its own)
     yield ("gemm_scale_batchnorm backward",
            lambda a: gs.backward_train(*a, 1e-5, "highest"),
