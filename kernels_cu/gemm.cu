@@ -64,25 +64,26 @@ __device__ __forceinline__ void local_range(const A (&v)[V], const bool (&valid)
 
 // Threads with col in 0..COLS-1 merge the SLOTS partials of that column in slot order:
 // (mean, M2) into rows 0, 1 of the tile's PART_ROWS ...
-template <typename A, int SLOTS, int COLS>
+// LD: the slots' row stride (COLS, or more where padding spreads the slot writes over banks).
+template <typename A, int SLOTS, int COLS, int LD = COLS>
 __device__ __forceinline__ void merge_slots(const A* s_mean, const A* s_m2, const A* s_cnt,
                                             A* part, int col, int mt, int n0, int N) {
   if (col >= COLS || n0 + col >= N) return;
   A n = 0, mean = 0, m2 = 0;
-  for (int s = 0; s < SLOTS; ++s) chan_merge(n, mean, m2, s_cnt[s], s_mean[s * COLS + col], s_m2[s * COLS + col]);
+  for (int s = 0; s < SLOTS; ++s) chan_merge(n, mean, m2, s_cnt[s], s_mean[s * LD + col], s_m2[s * LD + col]);
   part[((long long)PART_ROWS * mt) * N + n0 + col] = mean;
   part[((long long)PART_ROWS * mt + 1) * N + n0 + col] = m2;
 }
 
 // ... and (min, max) into rows 2, 3.
-template <typename A, int SLOTS, int COLS>
+template <typename A, int SLOTS, int COLS, int LD = COLS>
 __device__ __forceinline__ void merge_range(const A* s_lo, const A* s_hi, A* part, int col,
                                             int mt, int n0, int N) {
   if (col >= COLS || n0 + col >= N) return;
   A lo = infinity<A>(), hi = -infinity<A>();
   for (int s = 0; s < SLOTS; ++s) {
-    lo = fmin(lo, s_lo[s * COLS + col]);
-    hi = fmax(hi, s_hi[s * COLS + col]);
+    lo = fmin(lo, s_lo[s * LD + col]);
+    hi = fmax(hi, s_hi[s * LD + col]);
   }
   part[((long long)PART_ROWS * mt + 2) * N + n0 + col] = lo;
   part[((long long)PART_ROWS * mt + 3) * N + n0 + col] = hi;
@@ -362,7 +363,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   static_assert(BM == 128 && BN == 128, "gemm_mma: the 2 x 4 warps of 64 x 32 cover BM == BN == 128");
   static_assert(STAGES >= 2, "gemm_mma: the cp.async ring needs STAGES >= 2");
   static_assert(SMEM == STAGES * TILE, "gemm_mma: SMEM must be STAGES * (BM + BN) * (128 + 16)");
-  static_assert((2 * 16 * BN + 16) * 4 <= SMEM, "gemm_mma: the statistics slots reuse the ring");
+  static_assert((2 * 16 * (BN + 8) + 16) * 4 <= SMEM, "gemm_mma: the statistics slots reuse the ring");
   static_assert(MODE >= 0 && MODE <= 3, "gemm_mma: MODE is 0..3");
   static_assert((MODE == 3) == (sizeof(T) == 2), "gemm_mma: MODE 3 is for 16-bit T, 0..2 for float");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -538,9 +539,10 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   if (part) {
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's smem is free: reuse it for 16 slots x BN partials
+    constexpr int LD = BN + 8;  // padded slot rows and float2 stores: no bank conflicts (see wg_store)
     float* s_mean = reinterpret_cast<float*>(smem);
-    float* s_m2 = s_mean + 16 * BN;
-    float* s_cnt = s_m2 + 16 * BN;
+    float* s_m2 = s_mean + 16 * LD;
+    float* s_cnt = s_m2 + 16 * LD;
     const int slot = wm * 8 + g;
     bool valid[8];
 #pragma unroll
@@ -549,24 +551,26 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
       for (int h = 0; h < 2; ++h) valid[2 * i + h] = r0 + i * 16 + h * 8 < M;
     for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j) {
+        float n, a[2], b[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float v[8], n, a, b;
+          float v[8];
 #pragma unroll
           for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) v[2 * i + h] = to_acc(from_acc<T>(res[i][j][2 * h + e]));
-          if (range) local_range(v, valid, a, b);
-          else local_stats(v, valid, n, a, b);
-          const int col = wn * 32 + j * 8 + 2 * t + e;
-          s_mean[slot * BN + col] = a;
-          s_m2[slot * BN + col] = b;
-          if (!range && wn == 0 && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
+          if (range) local_range(v, valid, a[e], b[e]);
+          else local_stats(v, valid, n, a[e], b[e]);
         }
+        const int col = wn * 32 + j * 8 + 2 * t;
+        *reinterpret_cast<float2*>(s_mean + slot * LD + col) = make_float2(a[0], a[1]);
+        *reinterpret_cast<float2*>(s_m2 + slot * LD + col) = make_float2(b[0], b[1]);
+        if (!range && wn == 0 && t == 0 && j == 0) s_cnt[slot] = n;
+      }
       __syncthreads();
-      if (range) merge_range<float, 16, BN>(s_mean, s_m2, part, threadIdx.x, m0 / BM, n0, N);
-      else merge_slots<float, 16, BN>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
+      if (range) merge_range<float, 16, BN, LD>(s_mean, s_m2, part, threadIdx.x, m0 / BM, n0, N);
+      else merge_slots<float, 16, BN, LD>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
       __syncthreads();
     }
   }
@@ -887,64 +891,79 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
     }
 }
 
-// Consumer epilogue: c = epilogue(res) and, if `part`, the tile's per-column (mean, M2,
-// min, max) over 64 slots (one per consumer thread row pair), merged in slot order.
+// Consumer epilogue, through shared memory (the ring is free once every consumer is past
+// its last wgmma): the accumulators go to a BM x BN tile, from which rows leave as whole
+// 16-byte vectors, c = epilogue(tile); and, if `part`, one thread per column takes two
+// passes down it for the tile's (mean, M2, min, max) of the raw sums. Unrolled per-fragment
+// stores and per-slot statistics took ~10x the instructions and missed the instruction
+// cache (a third of the GEMM's time at 16384x4096 @ 4096x4096, H200).
 template <int BM, int BN>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
                                          const float* __restrict__ bias, const float* __restrict__ alpha,
                                          const float* __restrict__ beta, float* __restrict__ part) {
-  constexpr int R = BN / 2;
-  const int tid = threadIdx.x, lane = tid & 31, cw = (tid >> 5) - 4, cwg = cw >> 2;
-  // Accumulator (j, 2h+e): row (cw%4)*16 + g + 8h of this warpgroup's 64, column 8j + 2t + e.
-  const int g = lane >> 2, t = lane & 3;
-  const int r0 = m0 + cwg * 64 + (cw & 3) * 16 + g;
-  const bool pairs = (ldc & 1) == 0 && (reinterpret_cast<size_t>(c) & 7) == 0;
+  constexpr int LD = BN + 8;        // padded rows: a half-warp's float2 writes hit 32 distinct banks
+  constexpr int TPR = BN / 4;       // threads per row of float4 stores
+  constexpr int RPP = 256 / TPR;    // rows per pass of the 256 consumer threads
+  static_assert(256 % TPR == 0 && BN <= 256, "wg_store: whole rows per pass, a column per thread");
+  float* tile = reinterpret_cast<float*>(smem);
+  const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5;
+  {  // accumulator (j, 2h+e): row (cw/4)*64 + (cw%4)*16 + g + 8h, column 8j + 2t + e
+    const int g = lane >> 2, t = lane & 3, r0 = (cw >> 2) * 64 + (cw & 3) * 16 + g;
+    consumer_sync();
 #pragma unroll
-  for (int j = 0; j < R / 4; ++j) {
-    const int col = n0 + 8 * j + 2 * t;
-    if (col >= N) continue;
+    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r0 + 8 * h;
-      if (row >= M) continue;
-      float* p = c + (long long)row * ldc + col;
-      const float v0 = epilogue(res[4 * j + 2 * h], col, bias, alpha, beta);
-      if (col + 1 < N) {
-        const float v1 = epilogue(res[4 * j + 2 * h + 1], col + 1, bias, alpha, beta);
-        if (pairs) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-        else { p[0] = v0; p[1] = v1; }
-      } else {
-        p[0] = v0;
-      }
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(tile + (r0 + 8 * h) * LD + 8 * j + 2 * t) =
+            make_float2(res[4 * j + 2 * h], res[4 * j + 2 * h + 1]);
+    consumer_sync();
+  }
+
+  const int rows = min(BM, M - m0), c4 = 4 * (ct % TPR), col = n0 + c4;
+  float ea[4], eb[4];  // epilogue(v) = ea * v + eb per column (ea == 1, eb == 0: v itself)
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const bool in = col + e < N;
+    ea[e] = alpha && in ? alpha[col + e] : 1.f;
+    eb[e] = !in ? 0.f : alpha ? beta[col + e] : bias ? bias[col + e] : 0.f;
+  }
+  const bool scaled = alpha || bias;  // (without either, v is stored as is: -0 stays -0)
+  const bool vec = col + 3 < N && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
+  for (int r = ct / TPR; r < rows; r += RPP) {
+    const float4 v4 = *reinterpret_cast<const float4*>(tile + r * LD + c4);
+    float o[4] = {v4.x, v4.y, v4.z, v4.w};
+    if (scaled) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = alpha ? ea[e] * o[e] + eb[e] : o[e] + eb[e];
+    }
+    float* p = c + (long long)(m0 + r) * ldc + col;
+    if (vec) {
+      *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (col + e < N) p[e] = o[e];
     }
   }
 
-  if (part) {
-    consumer_sync();  // every consumer is done reading the ring: reuse it for 64 slots x BN partials
-    float* s_mean = reinterpret_cast<float*>(smem);
-    float* s_m2 = s_mean + 64 * BN;
-    float* s_cnt = s_m2 + 64 * BN;
-    const int slot = cw * 8 + g;
-    const bool valid[2] = {r0 < M, r0 + 8 < M};
-    for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
-#pragma unroll
-      for (int j = 0; j < R / 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float v[2] = {res[4 * j + e], res[4 * j + 2 + e]};
-          float n, a, b;
-          if (range) local_range(v, valid, a, b);
-          else local_stats(v, valid, n, a, b);
-          s_mean[slot * BN + 8 * j + 2 * t + e] = a;
-          s_m2[slot * BN + 8 * j + 2 * t + e] = b;
-          if (!range && t == 0 && j == 0 && e == 0) s_cnt[slot] = n;
-        }
-      consumer_sync();
-      if (range) merge_range<float, 64, BN>(s_mean, s_m2, part, tid - 128, m0 / BM, n0, N);
-      else merge_slots<float, 64, BN>(s_mean, s_m2, s_cnt, part, tid - 128, m0 / BM, n0, N);
-      consumer_sync();
+  if (part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
+    const float* q = tile + ct;          // min / max skip it, as fmin / fmax do)
+    float s = 0.f;
+    for (int r = 0; r < rows; ++r) s += q[r * LD];
+    const float mean = s / (float)rows;
+    float m2 = 0.f, lo = infinity<float>(), hi = -infinity<float>();
+    for (int r = 0; r < rows; ++r) {
+      const float v = q[r * LD], d = v - mean;
+      m2 += d * d;
+      lo = fminf(lo, v);
+      hi = fmaxf(hi, v);
     }
+    float* out = part + (long long)PART_ROWS * (m0 / BM) * N + n0 + ct;
+    out[0] = mean;
+    out[N] = m2;
+    out[2 * (long long)N] = lo;
+    out[3 * (long long)N] = hi;
   }
 }
 
@@ -978,7 +997,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
   static_assert(SMEM <= 227 * 1024, "gemm_wgmma: more dynamic smem than an SM has (227 KB)");
-  static_assert((2 * 64 * BN + 64) * 4 <= STAGES * C::STAGE, "gemm_wgmma: the statistics slots reuse the ring");
+  static_assert(BM * (BN + 8) * 4 <= STAGES * C::STAGE, "gemm_wgmma: the epilogue's tile reuses the ring");
   constexpr int R = BN / 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern is anchored to 1024-byte boundaries of the address.
