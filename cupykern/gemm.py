@@ -116,9 +116,16 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-# K-major operands are loaded by bulk tensor copies (TMA), transposed ones by cp.async.
-_loader.register(_FILE, [_wgmma_expr(m, ta, tb, not (ta or tb)) for m in _WGMMA
-                         for ta, tb in _TRANSPOSES], min_cc=90, max_cc=90)
+# K-major operands are loaded by bulk tensor copies (TMA), transposed ones by cp.async;
+# for TF32 a transposed A (alone) by TMA too, its fragments taken to registers.
+def _tma_layout(mode: int, ta: bool, tb: bool) -> bool:
+    """Whether gemm_wgmma can load this layout's operands by TMA."""
+    return not tb and (not ta or mode == _MODE["high"])
+
+
+_loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma) for m in _WGMMA for ta, tb in _TRANSPOSES
+                         for tma in {False, _tma_layout(m, ta, tb)} if tma or ta or tb],
+                 min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
 
@@ -204,6 +211,7 @@ class Gemm(NamedTuple):
     lda: int
     ldb: int
     maps: object = None  # gemm_wgmma: maps(a_ptr, b_ptr) -> its two tensor-map arguments
+    a_mn: bool = False  # gemm_wgmma loads a transposed A by TMA (M-major boxes)
 
 
 def gemm_kernel(a, b, precision: str) -> Gemm:
@@ -226,26 +234,32 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
-    maps = None
+    maps, tma = None, False
     if mode in _WGMMA and hopper:
         cfg = _WGMMA[mode]
-        tma = not (ta or tb) and _tma.fits(M, K, lda, isz) and _tma.fits(N, K, ldb, isz)
-        expr, maps = _wgmma_expr(mode, ta, tb, tma), _tensor_maps(tma, mode, cfg, M, N, K, lda, ldb)
+        # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
+        a_rows = (K, M) if ta else (M, K)
+        tma = (_tma_layout(mode, ta, tb) and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
+               and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
+        expr, maps = _wgmma_expr(mode, ta, tb, tma), _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb)
     else:
         cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
     fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
-    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb)._replace(maps=maps)
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
+                  ldb)._replace(maps=maps, a_mn=tma and ta)
 
 
-def _tensor_maps(tma: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
+def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: the tensor maps of A (M x K) and B (N x K) in
-    boxes of BOX rows of one 32-float K slice, or two unused ones without TMA."""
+    boxes of BOX rows of one 32-float K slice (a transposed A: its K x M storage in boxes
+    of one K slice x 32 columns), or two unused ones without TMA."""
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
     dt = _MAP_DTYPE[mode]
     k = _SPLIT["ALIGN"]  # the kernel's K slice
-    ma, mb = _tma.row_maps(M, K, lda, cfg["BOX"], k, dt), _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
+    ma = _tma.row_maps(K, M, lda, k, 32, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
+    mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp))
 
 
@@ -343,7 +357,11 @@ def _mm_fresh(checked, a, b, precision):
     (M, K), N = ao.shape, bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
-    run = _planned_gemm(ao, operand(b.T, "b"), M * N * K, prec, (M, N))
+    bt, work = operand(b.T, "b"), M * N * K
+    if _swap_pays(ao, bt, work, prec):
+        run = _planned_swapped(ao, bt, prec)
+    else:
+        run = _planned_gemm(ao, bt, work, prec, (M, N))
     if run is None:
         return None
     ptr = run.place.ptr
@@ -371,6 +389,38 @@ def _planned_gemm(a, b, work: int, precision: str, shape):
             bp = copy_b(bp, launches, held)
         out, ws = empty(place, shape), workspace(place, kernel)
         launch_all(place, (*launches, *call(ap, bp, ptr(out), bias, 0, 0, 0, ptr(ws))))
+        return out
+
+    run.place = place
+    return run
+
+
+def _swap_pays(a, b, work: int, precision: str) -> bool:
+    """Whether ``a @ b.T`` (2-D Operands, ``a`` read in place) with ``b`` column-major and
+    worth a transposed copy (:func:`_read_mode`) is better computed as ``(b @ a.T).T``:
+    where the GEMM then reads ``b`` in place as a transposed A (Hopper TF32: TMA boxes,
+    fragments from registers). dx = dy @ W at 1024x8192 @ 8192x8192 otherwise copies W's
+    transpose first (0.25 ms against the GEMM's 0.33)."""
+    lb = layout(b)
+    return (lb is not None and lb[0] and _read_mode(b, work)[0] == "transpose"
+            and _read_mode(a, work)[0] == "view" and not layout(a)[0]
+            and gemm_kernel(b, a, precision).a_mn)
+
+
+def _planned_swapped(a, b, precision: str):
+    """:func:`_planned_gemm`'s ``run`` (without bias) for ``a @ b.T`` computed as
+    ``(b @ a.T).T``: the GEMM writes the (N, M) product, the tiled transpose copies it
+    into the (M, N) output (an M x N copy, against the K x N one of b)."""
+    M, N = a.shape[0], b.shape[0]
+    kernel, place = gemm_kernel(b, a, precision), Place(a)
+    call, ptr = gemm_call(kernel, b, a, M), place.ptr
+    fn = _loader.function(_FILE, _transpose_expr(a.dtype), a.device)
+    grid = (cdiv(M, _TRANSPOSE["TILE"]) * cdiv(N, _TRANSPOSE["TILE"]),)
+
+    def run(ap, bp, bias):
+        tmp, ws, out = empty(place, (N, M)), workspace(place, kernel), empty(place, (M, N))
+        launch_all(place, (*call(bp, ap, ptr(tmp), 0, 0, 0, 0, ptr(ws)),
+                           (fn, grid, (_TRANSPOSE["THREADS"],), (ptr(tmp), ptr(out), M, N, M), 0)))
         return out
 
     run.place = place

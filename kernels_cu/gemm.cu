@@ -868,6 +868,16 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], const unsigned (&a)[4
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 #endif
 }
+// d (+)= A(64x8, registers, as above) * B(256x8, smem)^T.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[128], const unsigned (&a)[4], unsigned long long db,
+                                           int scale_d) {
+#if CK_WGMMA
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {" CK_R128 "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+               : CK_D64(0), CK_D64(64)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+#endif
+}
 #undef CK_D8
 #undef CK_D64
 #undef CK_R64
@@ -889,6 +899,29 @@ __device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], 
       big[ks][q] = v;
       small[ks][q] = to_tf32(__uint_as_float(v) - __uint_as_float(v & 0xffffe000u));
     }
+}
+
+// The same fragments from an M-major A slice (transposed A through TMA): the stage holds
+// BM / 32 boxes of 32 K rows x 32 M floats, 4096 bytes each, every K row 128 bytes in the
+// 128-byte swizzle (16-byte chunk c of row k at chunk c ^ (k % 8)); `row0` is this warp's
+// first row of the tile. The TF32 tensor map has rounded the elements already.
+__device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int m = row0 + g + 8 * (q & 1), k = 8 * ks + t + 4 * (q >> 1);
+      const unsigned addr = a + (m >> 5) * 4096 + k * 128 + ((((m & 31) >> 2) ^ (k & 7)) << 4) + (m & 3) * 4;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(f[ks][q]) : "r"(addr));
+    }
+}
+
+// Keep fragment registers live (and unmoved) up to this point.
+__device__ __forceinline__ void keep_regs(unsigned (&f)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3]));
 }
 
 // Consumer epilogue, through shared memory (the ring is free once every consumer is past
@@ -972,6 +1005,10 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // BOX > 0 (TMA): one producer thread loads each slice of A and B by bulk tensor copies
 // of BOX rows x 32 floats through the tensor maps ma (M x K) and mb (N x K) instead of
 // the loaders' cp.async (a and b are then unused); BOX == 0: the maps are ignored.
+// TF32 with TA and TMA: ma maps A's storage (K rows x M columns), loaded in boxes of 32
+// x 32; the consumers take A's fragments from shared memory into registers (wgmma reads
+// only K-major TF32 operands from shared memory), so dx = dy @ W runs without a copy of
+// W's transpose (gemm.py computes its transpose, W^T dy^T, with W^T as A).
 template <int MODE, bool TA, bool TB, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
@@ -990,7 +1027,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
   constexpr bool TMA = BOX > 0;
-  static_assert(!TMA || (!TA && !TB), "gemm_wgmma: TMA loads K-major (untransposed) operands only");
+  static_assert(!TMA || (!TB && (!TA || MODE == 1)),
+                "gemm_wgmma: TMA loads K-major operands, and a transposed A only for TF32 (from registers)");
+  constexpr bool A_MN = TMA && TA;  // A: M-major boxes by TMA, fragments loaded to registers
   static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
                 "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
   static_assert(SMEM == C::SMEM,
@@ -1040,8 +1079,13 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
           if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
           const unsigned st = s0 + s * C::STAGE, bar = landed0 + 8 * s;
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
+          if constexpr (A_MN) {  // boxes of 32 M (the map's columns) x the slice's 32 K rows
 #pragma unroll
-          for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * 32, m0 + r, bar);
+            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, kbase + kt * 32, bar);
+          } else {
+#pragma unroll
+            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * 32, m0 + r, bar);
+          }
 #pragma unroll
           for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar);
         }
@@ -1086,14 +1130,20 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
 #pragma unroll
   for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
 
-  for (int kt = 0; kt < ktiles; ++kt) {
+  constexpr int AF = MODE == 0 || A_MN ? 4 : 1;  // A fragments in registers, per K step
+  // One K slice. A_MN: the slice's wgmma read its A fragments `ab` until the next slice's
+  // wait<1>, so slices alternate between two register sets, and each slice keeps the
+  // previous one's (`prev`) alive past its wait: the compiler cannot give them the same
+  // registers (it does not know that wgmma reads them asynchronously).
+  auto slice = [&](int kt, unsigned (&ab)[AF][4], unsigned (&prev)[AF][4]) {
     const int s = kt % STAGES;
     mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
     fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads (TMA's need none)
     const unsigned st = s0 + s * C::STAGE;
     const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
-    unsigned ab[MODE == 0 ? 4 : 1][4], as[MODE == 0 ? 4 : 1][4];  // MODE 0: A fragments, split
+    unsigned as[MODE == 0 ? 4 : 1][4];  // MODE 0: the fragments' small parts
     if constexpr (MODE == 0) load_split_a(a_big, ab, as);
+    if constexpr (A_MN) load_a_mn(st, cwg * 64 + (cw & 3) * 16, ab);
     wg_fence_regs(acc);
     wg_arrive();
     // 4 K steps of 8 floats = 32 bytes of the swizzled row. 3xTF32 sums the slice's
@@ -1111,6 +1161,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma_tf32(acc, ab[ks], wg_desc(b_big + ks * 32), 1);
+    } else if constexpr (A_MN) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma_tf32(acc, ab[ks], wg_desc(b_big + ks * 32), kt > 0 || ks > 0);
     } else {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
@@ -1124,8 +1177,21 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
 #pragma unroll
       for (int i = 0; i < R; ++i) pro[i] += acc[i];  // promotion; the next slice overwrites acc
     } else {
-      wg_wait<1>();  // slice kt-1 is done: its stage may be refilled
+      wg_wait<1>();  // slice kt-1 is done: its stage (and A_MN: its fragments) may be reused
+      if constexpr (A_MN) keep_regs(prev);
       if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+    }
+  };
+  if constexpr (A_MN) {
+    unsigned f0[AF][4], f1[AF][4] = {};
+    for (int kt = 0; kt < ktiles; kt += 2) {
+      slice(kt, f0, f1);
+      if (kt + 1 < ktiles) slice(kt + 1, f1, f0);
+    }
+  } else {
+    for (int kt = 0; kt < ktiles; ++kt) {
+      unsigned ab[AF][4];
+      slice(kt, ab, ab);
     }
   }
   wg_wait<0>();
