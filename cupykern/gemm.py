@@ -399,10 +399,13 @@ def _swap_pays(a, b, work: int, precision: str) -> bool:
     """Whether ``a @ b.T`` (2-D Operands, ``a`` read in place) with ``b`` column-major and
     worth a transposed copy (:func:`_read_mode`) is better computed as ``(b @ a.T).T``:
     where the GEMM then reads ``b`` in place as a transposed A (Hopper TF32: TMA boxes,
-    fragments from registers). dx = dy @ W at 1024x8192 @ 8192x8192 otherwise copies W's
-    transpose first (0.25 ms against the GEMM's 0.33)."""
+    fragments from registers) and the (M, N) product is transposed instead of b (N, K):
+    when M is at most half of K. dx = dy @ W at 1024x8192 @ 8192x8192 otherwise copies W's
+    transpose first (0.25 ms against the GEMM's 0.33); at 16384x4096 @ 4096x4096 the
+    product's transpose would cost more than W's."""
     lb = layout(b)
-    return (lb is not None and lb[0] and _read_mode(b, work)[0] == "transpose"
+    return (2 * a.shape[0] <= b.shape[1] and lb is not None and lb[0]
+            and _read_mode(b, work)[0] == "transpose"
             and _read_mode(a, work)[0] == "view" and not layout(a)[0]
             and gemm_kernel(b, a, precision).a_mn)
 

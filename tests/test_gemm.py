@@ -264,7 +264,9 @@ def _check_mm(a, b, precision, bound):
 def test_mm_either_layout(shape, dtype, precision, bound):
     """The backward's GEMM: a @ b with each operand row- or column-major, against float64
     (every tile edge, K = 1, unaligned rows and columns; column-major operands read in
-    place by the small products and the last two, copied by the others)."""
+    place by the small products and the last two, copied by the others, or, for a
+    column-major b and a batch of at most half of K on Hopper TF32, read in place by the
+    swapped product (b^T a^T)^T)."""
     m, n, k = shape
     a, bt, _ = (t.cuda() for t in _data(m, n, k, dtype))
     _check_mm(a, bt.t(), precision, bound)

@@ -121,7 +121,7 @@ def _calls():
     yield ("mm transposed a", lambda a: cupykern.gemm.mm(*a, "highest"),
            lambda: [r(24, 5).t(), r(24, 130)], 1)
     # dx = dy @ W where W's transposed copy pays: on Hopper "high" read in place (below)
-    yield "mm dy @ W", lambda a: cupykern.gemm.mm(*a, "high"), lambda: [r(130, 24), r(24, 40)], 1
+    yield "mm dy @ W", lambda a: cupykern.gemm.mm(*a, "high"), lambda: [r(130, 300), r(300, 40)], 1
     for training in (True, False):
         yield (f"gemm_scale_batchnorm training={training}",
                lambda a, t=training: gs.gemm_scale_batchnorm_core(*a, t, 0.1, 1e-5, "highest"),
@@ -192,23 +192,28 @@ def test_kernel_arguments_fill_their_slots():
 
 
 def test_dx_reads_w_in_place_on_hopper(launches):
-    """mm(dy, W) "high" at a batch where copying W's transpose pays (130 rows): on Hopper
-    the GEMM reads W's own storage as its transposed A (TMA boxes of 32 x 32 of the 24 x
-    40 rows) and writes W^T @ dy^T (40, 130), which one transpose turns into the (130, 40)
-    result; elsewhere W's transpose is copied first."""
-    dy, w = torch.randn(130, 24), torch.randn(24, 40)
+    """mm(dy, W) "high" at a batch where copying W's transpose pays (130 rows) and the
+    product is smaller than W (130 <= 300 / 2): on Hopper the GEMM reads W's own storage
+    as its transposed A (TMA boxes of 32 x 32 of the 300 x 40 rows) and writes W^T @ dy^T
+    (40, 130), which one transpose turns into the (130, 40) result; elsewhere, or with
+    the batch past half of K, W's transpose is copied first."""
+    dy, w = torch.randn(130, 300), torch.randn(300, 40)
     cupykern.gemm.mm(dy, w, "high")
     log = _named(launches, [dy, w])
     names = [fn.split("<")[0] for fn, *_ in log]
     if _loader.device_cc(0) == 90:
-        assert names == ["gemm_wgmma", "transpose_copy"]
-        gemm, transpose = log
+        assert names in (["gemm_wgmma", "transpose_copy"],  # (K split or not)
+                         ["gemm_wgmma", "splitk_reduce", "transpose_copy"])
+        gemm, transpose = log[0], log[-1]
         assert gemm[0].startswith("gemm_wgmma<1, true, false, 64,")
         assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the (40, 130) product
-        assert gemm[3][-2] == ("tensor map", 1, [40, 24], [160], [32, 32])
+        assert gemm[3][-2] == ("tensor map", 1, [40, 300], [160], [32, 32])
         assert transpose[3] == (("new", 0), ("new", 0), 130, 40, 130)
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
+    cupykern.gemm.mm(torch.randn(151, 300), w, "high")  # 2 * 151 > 300: W's transpose copied
+    log = _named(launches, [w])
+    assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 0
 
 
 def test_backward_copies_once_a_call(launches, monkeypatch):
