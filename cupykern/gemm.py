@@ -229,7 +229,7 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
         return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts, a, b,
                       lda, ldb)
     mode = _MODE[precision] if dt == "float32" else _HALF
-    # 16-byte K-contiguous rows (a transposed operand is copied 4 bytes at a time)
+    # 16-byte K-contiguous rows (a transposed operand is read 4 bytes at a time, or by TMA)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
@@ -358,10 +358,8 @@ def _mm_fresh(checked, a, b, precision):
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
     bt, work = operand(b.T, "b"), M * N * K
-    if _swap_pays(ao, bt, work, prec):
-        run = _planned_swapped(ao, bt, prec)
-    else:
-        run = _planned_gemm(ao, bt, work, prec, (M, N))
+    swapped = _swapped_kernel(ao, bt, work, prec)
+    run = _planned_swapped(ao, bt, swapped) if swapped else _planned_gemm(ao, bt, work, prec, (M, N))
     if run is None:
         return None
     ptr = run.place.ptr
@@ -395,32 +393,34 @@ def _planned_gemm(a, b, work: int, precision: str, shape):
     return run
 
 
-def _swap_pays(a, b, work: int, precision: str) -> bool:
-    """Whether ``a @ b.T`` (2-D Operands, ``a`` read in place) with ``b`` column-major and
-    worth a transposed copy (:func:`_read_mode`) is better computed as ``(b @ a.T).T``:
-    where the GEMM then reads ``b`` in place as a transposed A (Hopper TF32: TMA boxes,
-    fragments from registers) and the (M, N) product is transposed instead of b (N, K):
-    when M is at most half of K. dx = dy @ W at 1024x8192 @ 8192x8192 otherwise copies W's
-    transpose first (0.25 ms against the GEMM's 0.33); at 16384x4096 @ 4096x4096 the
-    product's transpose would cost more than W's."""
-    lb = layout(b)
-    return (2 * a.shape[0] <= b.shape[1] and lb is not None and lb[0]
-            and _read_mode(b, work)[0] == "transpose"
-            and _read_mode(a, work)[0] == "view" and not layout(a)[0]
-            and gemm_kernel(b, a, precision).a_mn)
+def _swapped_kernel(a, b, work: int, precision: str):
+    """The :class:`Gemm` computing ``b @ a.T`` when ``a @ b.T`` (2-D Operands, ``a`` read in
+    place) is better computed as ``(b @ a.T).T``, else None. That is when ``b``'s rows are
+    not K-contiguous (``b`` is ``W.T`` for mm's row-major ``W``, as in dx = dy @ W) and
+    worth a transposed copy (:func:`_read_mode`), the GEMM can read ``b`` in place as a
+    transposed A (Hopper TF32: TMA boxes, fragments in registers), and the (M, N) product
+    it then transposes is at most half of ``b`` (M <= K / 2). dx = dy @ W at 1024x8192 @
+    8192x8192 otherwise copies W's transpose first (0.25 ms against the GEMM's 0.33); at
+    16384x4096 @ 4096x4096 the product's transpose would cost more than W's."""
+    if (2 * a.shape[0] > b.shape[1] or _read_mode(b, work)[0] != "transpose"
+            or _read_mode(a, work)[0] != "view" or layout(a)[0]):
+        return None
+    kernel = gemm_kernel(b, a, precision)
+    return kernel if kernel.a_mn else None
 
 
-def _planned_swapped(a, b, precision: str):
-    """:func:`_planned_gemm`'s ``run`` (without bias) for ``a @ b.T`` computed as
-    ``(b @ a.T).T``: the GEMM writes the (N, M) product, the tiled transpose copies it
-    into the (M, N) output (an M x N copy, against the K x N one of b)."""
+def _planned_swapped(a, b, kernel):
+    """:func:`_planned_gemm`'s ``run`` for ``a @ b.T`` computed as ``(b @ a.T).T`` by
+    ``kernel`` (:func:`_swapped_kernel`): the GEMM writes the (N, M) product, the tiled
+    transpose copies it into the (M, N) output. mm's products have no bias."""
     M, N = a.shape[0], b.shape[0]
-    kernel, place = gemm_kernel(b, a, precision), Place(a)
+    place = Place(a)
     call, ptr = gemm_call(kernel, b, a, M), place.ptr
     fn = _loader.function(_FILE, _transpose_expr(a.dtype), a.device)
     grid = (cdiv(M, _TRANSPOSE["TILE"]) * cdiv(N, _TRANSPOSE["TILE"]),)
 
     def run(ap, bp, bias):
+        assert not bias, "a swapped product has no bias"
         tmp, ws, out = empty(place, (N, M)), workspace(place, kernel), empty(place, (M, N))
         launch_all(place, (*call(bp, ap, ptr(tmp), 0, 0, 0, 0, ptr(ws)),
                            (fn, grid, (_TRANSPOSE["THREADS"],), (ptr(tmp), ptr(out), M, N, M), 0)))
@@ -449,6 +449,8 @@ def check_mm(a, b, precision):
 # multiply-adds per element at those rates: small operands of big products (dW's dy and
 # x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
 # The same bound decides whether misaligned float32 rows are copied for Hopper's wgmma.
+# (Hopper TF32 reads a transposed A at full rate by TMA; mm uses that for a row-major b,
+# see _swapped_kernel, while other transposed operands still follow this bound.)
 _COPY_WORK = 128
 
 

@@ -27,10 +27,11 @@
 // Epilogue (all kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
 // M tile mt and every column n, the (mean, M2, min, max) over the tile's valid rows of the
-// values as stored in C (rounded to T, so that they agree with what BatchNorm then
-// normalises: a batch of two amplifies any mismatch up to 1/sqrt(eps)-fold), in rows
-// PART_ROWS*mt + 0..3 of part (stats.cuh). Partials are merged in a fixed order (Chan's
-// formula), so the statistics are deterministic.
+// sums before the epilogue, rounded to T (so that for 16-bit T they agree with what
+// BatchNorm then normalises: a batch of two amplifies any mismatch up to
+// 1/sqrt(eps)-fold), in rows PART_ROWS*mt + 0..3 of part (stats.cuh). Within a tile they
+// are merged in a fixed order (gemm_mma, gemm_simple: slots by Chan's formula;
+// gemm_wgmma: two exact passes down each column), so the statistics are deterministic.
 #include "common.cuh"
 #include "stats.cuh"
 
@@ -657,11 +658,13 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 
 // ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32, aligned rows ----
 // (TA / TB: A / B transposed, as in gemm_mma, copied by 4-byte cp.async into the same
-// swizzled K-major layout: TF32 wgmma reads K-major operands only.)
+// swizzled K-major layout: TF32 wgmma reads K-major operands only from smem. Exception:
+// TF32 with a transposed A and TMA, whose M-major boxes the consumers turn into register
+// fragments, see the kernel's comment.)
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers, each
-// owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, operands in smem).
-// The producer streams 32-float K slices of A and B (bulk tensor copies by one thread
-// where both are K-major, TMA; else cp.async) into a ring of
+// owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, B and mostly A in smem).
+// The producer streams 32-float K slices of A and B (bulk tensor copies by one thread,
+// TMA, where the layout allows; else cp.async) into a ring of
 // STAGES stages in the wgmma 128-byte-swizzle K-major layout (16-byte chunk c of row r
 // at r*128 + (c ^ r%8)*16, 8-row groups 1024 B apart); full/empty mbarriers hand the
 // stages over, so loads, the 3xTF32 split and the tensor cores overlap without any
@@ -1134,7 +1137,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   // One K slice. A_MN: the slice's wgmma read its A fragments `ab` until the next slice's
   // wait<1>, so slices alternate between two register sets, and each slice keeps the
   // previous one's (`prev`) alive past its wait: the compiler cannot give them the same
-  // registers (it does not know that wgmma reads them asynchronously).
+  // registers (it does not know that wgmma reads them asynchronously). ptxas still
+  // serialises these wgmma (C7513): 0.84x cuBLAS TF32 for dx = dy @ W (README).
   auto slice = [&](int kt, unsigned (&ab)[AF][4], unsigned (&prev)[AF][4]) {
     const int s = kt % STAGES;
     mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);

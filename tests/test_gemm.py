@@ -273,6 +273,31 @@ def test_mm_either_layout(shape, dtype, precision, bound):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("high", REL_BOUND["high"]), ("highest", 1e-6)])
+@pytest.mark.parametrize("shape", [(128, 136, 300), (200, 64, 1024), (256, 384, 1024),
+                                   (130, 257, 4100)], ids=lambda s: "x".join(map(str, s)))
+def test_mm_row_major_b(shape, precision, bound):
+    """mm(a, b) with b row-major, as dx = dy @ W: on Hopper "high", at a batch of 128 to
+    K / 2 with 16-byte aligned rows, the product runs swapped, (b^T a^T)^T, reading b in
+    place (130x257x4100: b's rows not aligned, b's transpose copied); against float64."""
+    from cupykern import gemm
+    from cupykern._array import operand
+    from cupykern.torch.gemm import mm_op as mm
+    m, n, k = shape
+    a, bt, _ = (t.cuda() for t in _data(m, n, k, torch.float32))
+    b = bt.t().contiguous()
+    swapped = gemm._swapped_kernel(operand(a, "a"), operand(b.T, "b"), m * n * k, precision)
+    expect_swap = (precision == "high" and n % 4 == 0
+                   and torch.cuda.get_device_capability() == (9, 0))
+    assert (swapped is not None) == expect_swap
+    ref = a.double() @ b.double()
+    mag = (a.double().abs() @ b.double().abs()).max().item()
+    out = mm(a, b, precision)
+    assert out.shape == (m, n) and out.is_contiguous()
+    assert (out.double() - ref).abs().max().item() <= bound * mag
+
+
+@pytest.mark.gpu
 def test_mm_strided_views_and_copies():
     a, bt, _ = (t.cuda() for t in _data(70, 50, 90, torch.float32))
     big = torch.randn(200, 200, device="cuda")
