@@ -257,8 +257,9 @@ def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, ld
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
     dt = _MAP_DTYPE[mode]
-    k = _SPLIT["ALIGN"]  # the kernel's K slice
-    ma = _tma.row_maps(K, M, lda, k, 32, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
+    k = _SPLIT["ALIGN"]  # the kernel's K slice: one 128-byte swizzled row of floats
+    # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
+    ma = _tma.row_maps(K, M, lda, k, k, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
     mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp))
 
