@@ -76,7 +76,10 @@ class Rows2D:
         m = self._maps.get(ptr)
         if m is None:
             if len(self._maps) >= 64:  # bound what a stream of fresh pointers keeps
-                del self._maps[next(iter(self._maps))]  # (the oldest)
+                try:  # the oldest; another thread may be evicting or adding at once
+                    self._maps.pop(next(iter(self._maps)), None)
+                except (StopIteration, RuntimeError):
+                    pass
             m = self._maps[ptr] = self._encode(ptr)
         return m
 

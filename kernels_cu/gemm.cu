@@ -971,7 +971,7 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
     float o[4] = {v4.x, v4.y, v4.z, v4.w};
     if (scaled) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] = alpha ? ea[e] * o[e] + eb[e] : o[e] + eb[e];
+      for (int e = 0; e < 4; ++e) o[e] = ea[e] * o[e] + eb[e];  // (ea == 1: exactly v + eb)
     }
     float* p = c + (long long)(m0 + r) * ldc + col;
     if (vec) {
