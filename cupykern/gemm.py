@@ -116,15 +116,10 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-# K-major operands are loaded by bulk tensor copies (TMA), transposed ones by cp.async;
-# for TF32 a transposed A (alone) by TMA too, its fragments taken to registers.
-def _tma_layout(mode: int, ta: bool, tb: bool) -> bool:
-    """Whether gemm_wgmma can load this layout's operands by TMA."""
-    return not tb and (not ta or mode == _MODE["high"])
-
-
+# K-major operands are loaded by bulk tensor copies (TMA), a transposed B by cp.async;
+# a transposed A by TMA too, its fragments taken to registers.
 _loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma) for m in _WGMMA for ta, tb in _TRANSPOSES
-                         for tma in {False, _tma_layout(m, ta, tb)} if tma or ta or tb],
+                         for tma in {False, not tb} if tma or ta or tb],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
@@ -239,7 +234,7 @@ def gemm_kernel(a, b, precision: str) -> Gemm:
         cfg = _WGMMA[mode]
         # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
         a_rows = (K, M) if ta else (M, K)
-        tma = (_tma_layout(mode, ta, tb) and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
+        tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
                and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
         expr, maps = _wgmma_expr(mode, ta, tb, tma), _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb)
     else:
@@ -399,7 +394,7 @@ def _swapped_kernel(a, b, work: int, precision: str):
     place) is better computed as ``(b @ a.T).T``, else None. That is when ``b``'s rows are
     not K-contiguous (``b`` is ``W.T`` for mm's row-major ``W``, as in dx = dy @ W) and
     worth a transposed copy (:func:`_read_mode`), the GEMM can read ``b`` in place as a
-    transposed A (Hopper TF32: TMA boxes, fragments in registers), and the (M, N) product
+    transposed A (Hopper TF32 / 3xTF32: TMA boxes, fragments in registers), and the (M, N) product
     it then transposes is at most half of ``b`` (M <= K / 2). dx = dy @ W at 1024x8192 @
     8192x8192 otherwise copies W's transpose first (0.25 ms against the GEMM's 0.33); at
     16384x4096 @ 4096x4096 the product's transpose would cost more than W's."""

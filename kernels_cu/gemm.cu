@@ -659,7 +659,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 // ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32, aligned rows ----
 // (TA / TB: A / B transposed, as in gemm_mma, copied by 4-byte cp.async into the same
 // swizzled K-major layout: TF32 wgmma reads K-major operands only from smem. Exception:
-// TF32 with a transposed A and TMA, whose M-major boxes the consumers turn into register
+// a transposed A loaded by TMA, whose M-major boxes the consumers turn into register
 // fragments, see the kernel's comment.)
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers, each
 // owning 64 rows of the BM x BN tile (m64nBNk8 TF32 wgmma, B and mostly A in smem).
@@ -887,27 +887,32 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[128], const unsigned (&a)[
 #undef CK_R128
 
 // This warp's 16 rows of a consumer's 64-row A slice (swizzled smem at `a`) as wgmma
-// register fragments for the 4 K steps: element (row g + 8*(q&1), k 8*ks + t + 4*(q>>1)),
-// big = raw fp32 bits, small = rounded TF32 remainder. Rows g and g+8 share the
-// swizzle phase g, so a warp's 32 loads hit 32 different banks.
-__device__ __forceinline__ void load_split_a(unsigned a, unsigned (&big)[4][4], unsigned (&small)[4][4]) {
+// register fragments for the 4 K steps: element (row g + 8*(q&1), k 8*ks + t + 4*(q>>1)).
+// Rows g and g+8 share the swizzle phase g, so a warp's 32 loads hit 32 different banks.
+__device__ __forceinline__ void load_a(unsigned a, unsigned (&f)[4][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const unsigned row = a + ((threadIdx.x >> 5) & 3) * 16 * 128 + g * 128 + t * 4;
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      unsigned v;
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
-      big[ks][q] = v;
-      small[ks][q] = to_tf32(__uint_as_float(v) - __uint_as_float(v & 0xffffe000u));
-    }
+    for (int q = 0; q < 4; ++q)
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(f[ks][q]) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
+}
+// 3xTF32's split of raw fp32 fragments: big = the raw bits (the tensor core truncates
+// them), small = the remainder rounded to TF32.
+__device__ __forceinline__ void split_a(const unsigned (&big)[4][4], unsigned (&small)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      small[ks][q] = to_tf32(__uint_as_float(big[ks][q]) - __uint_as_float(big[ks][q] & 0xffffe000u));
 }
 
 // The same fragments from an M-major A slice (transposed A through TMA): the stage holds
 // BM / 32 boxes of 32 K rows x 32 M floats, 4096 bytes each, every K row 128 bytes in the
 // 128-byte swizzle (16-byte chunk c of row k at chunk c ^ (k % 8)); `row0` is this warp's
-// first row of the tile. The TF32 tensor map has rounded the elements already.
+// first row of the tile. TF32's tensor map has rounded the elements already; 3xTF32's
+// holds the raw bits.
 __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -1008,10 +1013,11 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // BOX > 0 (TMA): one producer thread loads each slice of A and B by bulk tensor copies
 // of BOX rows x 32 floats through the tensor maps ma (M x K) and mb (N x K) instead of
 // the loaders' cp.async (a and b are then unused); BOX == 0: the maps are ignored.
-// TF32 with TA and TMA: ma maps A's storage (K rows x M columns), loaded in boxes of 32
-// x 32; the consumers take A's fragments from shared memory into registers (wgmma reads
-// only K-major TF32 operands from shared memory), so dx = dy @ W runs without a copy of
-// W's transpose (gemm.py computes its transpose, W^T dy^T, with W^T as A).
+// TA with TMA: ma maps A's storage (K rows x M columns), loaded in boxes of 32 x 32; the
+// consumers take A's fragments from shared memory into registers (wgmma reads only
+// K-major TF32 operands from shared memory; 3xTF32 takes A from registers anyway), so
+// dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
+// W^T dy^T, with W^T as A).
 template <int MODE, bool TA, bool TB, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
@@ -1030,8 +1036,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
   constexpr bool TMA = BOX > 0;
-  static_assert(!TMA || (!TB && (!TA || MODE == 1)),
-                "gemm_wgmma: TMA loads K-major operands, and a transposed A only for TF32 (from registers)");
+  static_assert(!TMA || !TB, "gemm_wgmma: TMA loads a K-major B (and A either way: a transposed one from registers)");
   constexpr bool A_MN = TMA && TA;  // A: M-major boxes by TMA, fragments loaded to registers
   static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
                 "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
@@ -1134,7 +1139,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
 
   constexpr int AF = MODE == 0 || A_MN ? 4 : 1;  // A fragments in registers, per K step
-  // One K slice. A_MN: the slice's wgmma read its A fragments `ab` until the next slice's
+  // One K slice. TF32 A_MN: the slice's wgmma read its A fragments `ab` until the next slice's
   // wait<1>, so slices alternate between two register sets, and each slice keeps the
   // previous one's (`prev`) alive past its wait: the compiler cannot give them the same
   // registers (it does not know that wgmma reads them asynchronously). ptxas still
@@ -1149,8 +1154,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     const unsigned st = s0 + s * C::STAGE;
     const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
     unsigned as[MODE == 0 ? 4 : 1][4];  // MODE 0: the fragments' small parts
-    if constexpr (MODE == 0) load_split_a(a_big, ab, as);
     if constexpr (A_MN) load_a_mn(st, cwg * 64 + (cw & 3) * 16, ab);
+    else if constexpr (MODE == 0) load_a(a_big, ab);
+    if constexpr (MODE == 0) split_a(ab, as);
     wg_fence_regs(acc);
     wg_arrive();
     // 4 K steps of 8 floats = 32 bytes of the swizzled row. 3xTF32 sums the slice's
@@ -1189,7 +1195,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
     }
   };
-  if constexpr (A_MN) {
+  if constexpr (A_MN && MODE == 1) {
     unsigned f0[AF][4], f1[AF][4] = {};
     for (int kt = 0; kt < ktiles; kt += 2) {
       slice(kt, f0, f1);
