@@ -209,40 +209,57 @@ class Gemm(NamedTuple):
     a_mn: bool = False  # gemm_wgmma loads a transposed A by TMA (M-major boxes)
 
 
-def gemm_kernel(a, b, precision: str) -> Gemm:
-    """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
-    place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
-    16-byte alignment and the device."""
+class _Choice(NamedTuple):
+    """The kernel :func:`gemm_kernel` launches, chosen without compiling it: its template
+    instantiation, configuration (tiles, threads, shared memory), tensor maps (see
+    :class:`Gemm`) and whether it loads a transposed A by TMA."""
+    expr: str
+    cfg: dict
+    maps: object
+    a_mn: bool
+
+
+def _choose(a, b, precision: str) -> _Choice:
+    """The :class:`_Choice` for ``a @ b.T`` (as :func:`gemm_kernel`)."""
     M, K = a.shape
     N = b.shape[0]
-    dt, isz, dev = a.dtype, ITEMSIZE[a.dtype], a.device
-    cc = _loader.device_cc(dev)
+    dt, isz = a.dtype, ITEMSIZE[a.dtype]
+    cc = _loader.device_cc(a.device)
     (ta, lda), (tb, ldb) = layout(a), layout(b)
     if dt == "float64" or cc < 80:
-        ts = _SIMPLE["TILE"]
-        fn = _loader.function(_FILE, _simple_expr(dt, ta, tb), dev)
-        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (_SIMPLE["THREADS"],), 0, ts, a, b,
-                      lda, ldb)
+        return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False)
     mode = _MODE[precision] if dt == "float32" else _HALF
     # 16-byte K-contiguous rows (a transposed operand is read 4 bytes at a time, or by TMA)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
-    maps, tma = None, False
-    if mode in _WGMMA and hopper:
-        cfg = _WGMMA[mode]
-        # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
-        a_rows = (K, M) if ta else (M, K)
-        tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
-               and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
-        expr, maps = _wgmma_expr(mode, ta, tb, tma), _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb)
-    else:
-        cfg, expr = _MMA, _mma_expr(dt, mode, aligned and not (ta and tb), ta, tb)
-    fn = _loader.function(_FILE, expr, dev, cfg["SMEM"])
+    if not (mode in _WGMMA and hopper):
+        return _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False)
+    cfg = _WGMMA[mode]
+    # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
+    a_rows = (K, M) if ta else (M, K)
+    tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
+           and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
+    return _Choice(_wgmma_expr(mode, ta, tb, tma), cfg,
+                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta)
+
+
+def gemm_kernel(a, b, precision: str) -> Gemm:
+    """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
+    place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
+    16-byte alignment and the device."""
+    (M, _), N = a.shape, b.shape[0]
+    expr, cfg, maps, a_mn = _choose(a, b, precision)
+    lda, ldb = layout(a)[1], layout(b)[1]
+    if cfg is _SIMPLE:  # (2-D grid, registers only)
+        ts = cfg["TILE"]
+        fn = _loader.function(_FILE, expr, a.device)
+        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb)
+    fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
     grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
     return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
-                  ldb)._replace(maps=maps, a_mn=tma and ta)
+                  ldb)._replace(maps=maps, a_mn=a_mn)
 
 
 def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
@@ -303,17 +320,17 @@ def workspace(place, kernel: Gemm):
     return empty(place, (kernel.workspace,)) if kernel.workspace else None
 
 
-def gemm(a, b, c, precision: str, bias=None, alpha: int = 0, beta: int = 0, part: int = 0) -> int:
-    """Launch ``c = epilogue(a @ b.T)`` on 2-D Operands (a: M x K and b: N x K as
-    :func:`layout` reads them; c: M x N, rows contiguous, row stride in ``strides[0]``). ``bias`` (T) is an Operand or None;
-    ``alpha`` / ``beta`` / ``part`` (accumulation type) are raw device pointers or 0.
-    Returns the M-tile height of ``part``'s partial statistics."""
-    kernel = gemm_kernel(a, b, precision)
+def gemm(a, b, c, precision: str, bias=None, part=None, kernel=None) -> None:
+    """Launch ``c = a @ b.T (+ bias)`` on 2-D Operands (a: M x K and b: N x K as
+    :func:`layout` reads them; c: M x N, rows contiguous, row stride in ``strides[0]``);
+    ``bias`` (T) an Operand or None; ``part`` None or an array for the epilogue's partial
+    statistics of c's columns (per M tile of ``kernel.bm`` rows, in the accumulation
+    type); ``kernel``: :func:`gemm_kernel`'s, if the caller has it already."""
+    kernel = kernel or gemm_kernel(a, b, precision)
     call = gemm_call(kernel, a, b, c.strides[0])
     ws = workspace(a, kernel)
-    launch_all(a, call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, alpha, beta, part,
-                       data_ptr(ws) if ws is not None else 0))
-    return kernel.bm
+    launch_all(a, call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, 0, 0,
+                       0 if part is None else data_ptr(part), data_ptr(ws) if ws is not None else 0))
 
 
 _mm_plans: dict = {}  # (signatures, precision) -> run(a, b), or None
@@ -354,8 +371,8 @@ def _mm_fresh(checked, a, b, precision):
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
     bt, work = operand(b.T, "b"), M * N * K
-    swapped = _swapped_kernel(ao, bt, work, prec)
-    run = _planned_swapped(ao, bt, swapped) if swapped else _planned_gemm(ao, bt, work, prec, (M, N))
+    swap = _swaps(ao, bt, work, prec)
+    run = _planned_swapped(ao, bt, prec) if swap else _planned_gemm(ao, bt, work, prec, (M, N))
     if run is None:
         return None
     ptr = run.place.ptr
@@ -389,38 +406,38 @@ def _planned_gemm(a, b, work: int, precision: str, shape):
     return run
 
 
-def _swapped_kernel(a, b, work: int, precision: str):
-    """The :class:`Gemm` computing ``b @ a.T`` when ``a @ b.T`` (2-D Operands, ``a`` read in
-    place) is better computed as ``(b @ a.T).T``, else None. That is when ``b``'s rows are
+def _swaps(a, b, work: int, precision: str) -> bool:
+    """Whether ``a @ b.T`` (2-D Operands, ``a`` read in place) is better computed as
+    ``(b @ a.T).T``. That is when ``b``'s rows are
     not K-contiguous (``b`` is ``W.T`` for mm's row-major ``W``, as in dx = dy @ W) and
     worth a transposed copy (:func:`_read_mode`), the GEMM can read ``b`` in place as a
     transposed A (Hopper TF32 / 3xTF32: TMA boxes, fragments in registers), and the (M, N) product
     it then transposes is at most half of ``b`` (M <= K / 2). dx = dy @ W at 1024x8192 @
     8192x8192 otherwise copies W's transpose first (0.25 ms against the GEMM's 0.33); at
     16384x4096 @ 4096x4096 the product's transpose would cost more than W's."""
-    if (2 * a.shape[0] > b.shape[1] or _read_mode(b, work)[0] != "transpose"
-            or _read_mode(a, work)[0] != "view" or layout(a)[0]):
-        return None
-    kernel = gemm_kernel(b, a, precision)
-    return kernel if kernel.a_mn else None
+    return (2 * a.shape[0] <= b.shape[1] and _read_mode(b, work)[0] == "transpose"
+            and _read_mode(a, work)[0] == "view" and not layout(a)[0]
+            and _choose(b, a, precision).a_mn)
 
 
-def _planned_swapped(a, b, kernel):
-    """:func:`_planned_gemm`'s ``run`` for ``a @ b.T`` computed as ``(b @ a.T).T`` by
-    ``kernel`` (:func:`_swapped_kernel`): the GEMM writes the (N, M) product, the tiled
-    transpose copies it into the (M, N) output. mm's products have no bias."""
+def _planned_swapped(a, b, precision: str):
+    """:func:`_planned_gemm`'s ``run`` for ``a @ b.T`` computed as ``(b @ a.T).T``
+    (:func:`_swaps`): the GEMM writes the (N, M) product, whose transpose (columns
+    contiguous) the tiled transpose copies into the (M, N) output. mm's products have no
+    bias."""
     M, N = a.shape[0], b.shape[0]
-    place = Place(a)
+    kernel, place = gemm_kernel(b, a, precision), Place(a)
     call, ptr = gemm_call(kernel, b, a, M), place.ptr
-    fn = _loader.function(_FILE, _transpose_expr(a.dtype), a.device)
-    grid = (cdiv(M, _TRANSPOSE["TILE"]) * cdiv(N, _TRANSPOSE["TILE"]),)
+    product_t = Operand(a.obj, a.kind, a.dtype, (M, N), (1, M), 0, a.device, "out", a.torch)
+    copy = _transpose_plan(product_t, M)[1]
 
     def run(ap, bp, bias):
         assert not bias, "a swapped product has no bias"
-        tmp, ws, out = empty(place, (N, M)), workspace(place, kernel), empty(place, (M, N))
-        launch_all(place, (*call(bp, ap, ptr(tmp), 0, 0, 0, 0, ptr(ws)),
-                           (fn, grid, (_TRANSPOSE["THREADS"],), (ptr(tmp), ptr(out), M, N, M), 0)))
-        return out
+        tmp, ws, held = empty(place, (N, M)), workspace(place, kernel), []
+        launches = list(call(bp, ap, ptr(tmp), 0, 0, 0, 0, ptr(ws)))
+        copy(ptr(tmp), launches, held)
+        launch_all(place, launches)
+        return held[0]
 
     run.place = place
     return run
@@ -446,7 +463,7 @@ def check_mm(a, b, precision):
 # x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
 # The same bound decides whether misaligned float32 rows are copied for Hopper's wgmma.
 # (Hopper TF32 reads a transposed A at full rate by TMA; mm uses that for a row-major b,
-# see _swapped_kernel, while other transposed operands still follow this bound.)
+# see _swaps, while other transposed operands still follow this bound.)
 _COPY_WORK = 128
 
 

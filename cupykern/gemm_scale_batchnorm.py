@@ -28,7 +28,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm_call,
+from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
                    gemm_kernel, linear_core, mm, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
@@ -415,13 +415,12 @@ def gemm_statistics(x, weight, precision):
     if xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]):
         raise ValueError("x, weight: expected GPU arrays with rows and out_features > 0")
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")
-    (M, _), N, place = a.shape, b.shape[0], Place(a)
+    (M, _), N = a.shape, b.shape[0]
     kernel = gemm_kernel(a, b, prec)
-    z = empty(place, (M, N))
-    part = empty(place, (cdiv(M, kernel.bm), PART_ROWS, N), acc_dtype(a.dtype))
-    ws, ptr = workspace(place, kernel), place.ptr
-    launch_all(place, gemm_call(kernel, a, b, N)(a.ptr, b.ptr, ptr(z), 0, 0, 0, ptr(part), ptr(ws)))
-    return z, part, kernel.bm
+    z = operand(empty(a, (M, N)), "z")
+    part = empty(a, (cdiv(M, kernel.bm), PART_ROWS, N), acc_dtype(a.dtype))
+    gemm(a, b, z, prec, part=part, kernel=kernel)
+    return z.obj, part, kernel.bm
 
 
 def apply_coefficients(z, ca, cm, cb):
