@@ -925,13 +925,6 @@ __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4]
     }
 }
 
-// Keep fragment registers live (and unmoved) up to this point.
-__device__ __forceinline__ void keep_regs(unsigned (&f)[4][4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    asm volatile("" : "+r"(f[i][0]), "+r"(f[i][1]), "+r"(f[i][2]), "+r"(f[i][3]));
-}
-
 // Consumer epilogue, through shared memory (the ring is free once every consumer is past
 // its last wgmma): the accumulators go to a BM x BN tile, from which rows leave as whole
 // 16-byte vectors, c = epilogue(tile); and, if `part`, one thread per column takes two
@@ -1139,12 +1132,12 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
 
   constexpr int AF = MODE == 0 || A_MN ? 4 : 1;  // A fragments in registers, per K step
-  // One K slice. TF32 A_MN: the slice's wgmma read its A fragments `ab` until the next slice's
-  // wait<1>, so slices alternate between two register sets, and each slice keeps the
-  // previous one's (`prev`) alive past its wait: the compiler cannot give them the same
-  // registers (it does not know that wgmma reads them asynchronously). ptxas still
-  // serialises these wgmma (C7513): 0.84x cuBLAS TF32 for dx = dy @ W (README).
-  auto slice = [&](int kt, unsigned (&ab)[AF][4], unsigned (&prev)[AF][4]) {
+  // One K slice. Where A comes from registers, each slice waits for its own wgmma
+  // (wait<0>) before the next slice loads fragments: ptxas serialises every wgmma of a
+  // kernel that writes a wgmma's register operands while any wgmma is in flight (C7513;
+  // dx = dy @ W "high" ran at 0.84x cuBLAS TF32 so, with two alternating register sets).
+  // The other consumer warpgroup's wgmma keep the tensor core busy meanwhile.
+  auto slice = [&](int kt) {
     const int s = kt % STAGES;
     mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
     // cp.async (generic proxy) writes -> wgmma (async proxy) reads. TF32's TMA writes need
@@ -1153,7 +1146,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     if constexpr (!TMA || MODE == 0) fence_proxy_async();
     const unsigned st = s0 + s * C::STAGE;
     const unsigned a_big = st + cwg * 64 * 128, b_big = st + C::A_BYTES;
-    unsigned as[MODE == 0 ? 4 : 1][4];  // MODE 0: the fragments' small parts
+    unsigned ab[AF][4], as[MODE == 0 ? 4 : 1][4];  // A's fragments; MODE 0: their small parts
     if constexpr (A_MN) load_a_mn(st, cwg * 64 + (cw & 3) * 16, ab);
     else if constexpr (MODE == 0) load_a(a_big, ab);
     if constexpr (MODE == 0) split_a(ab, as);
@@ -1189,24 +1182,15 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       mbar_arrive(empty0 + 8 * s);  // after this thread's own reads of the stage
 #pragma unroll
       for (int i = 0; i < R; ++i) pro[i] += acc[i];  // promotion; the next slice overwrites acc
+    } else if (A_MN) {
+      wg_wait<0>();  // (see above)
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
     } else {
-      wg_wait<1>();  // slice kt-1 is done: its stage (and A_MN: its fragments) may be reused
-      if constexpr (A_MN) keep_regs(prev);
+      wg_wait<1>();  // slice kt-1 is done: its stage may be reused
       if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
     }
   };
-  if constexpr (A_MN && MODE == 1) {
-    unsigned f0[AF][4], f1[AF][4] = {};
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      slice(kt, f0, f1);
-      if (kt + 1 < ktiles) slice(kt + 1, f1, f0);
-    }
-  } else {
-    for (int kt = 0; kt < ktiles; ++kt) {
-      unsigned ab[AF][4];
-      slice(kt, ab, ab);
-    }
-  }
+  for (int kt = 0; kt < ktiles; ++kt) slice(kt);
   wg_wait<0>();
   wg_fence_regs(acc);
   if constexpr (MODE == 0) wg_store<BM, BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
