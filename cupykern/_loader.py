@@ -132,14 +132,26 @@ def _build(filename, expr, device, dynamic_smem):
         return rk.kernel
 
 
+# What ptxas says when it serialises a kernel's wgmma (C7513-C7515...): a silent slowdown
+# of the tensor-core kernels, so the compile check treats it as an error.
+_PTXAS_SERIALISED = "Potential Performance Loss"
+
+
 def compile_nvrtc(filename: str, names, cc: int) -> None:
     """Compile instantiations ``names`` of ``filename`` for compute capability ``cc``
-    with NVRTC and CuPy's flags (no GPU needed); raises on a compile error."""
+    with NVRTC and CuPy's flags (no GPU needed); raises on a compile error, and a
+    RuntimeError where ptxas reports a performance loss (serialised wgmma)."""
+    import io
+
     from cupy.cuda.compiler import _NVRTCProgram
 
     opts = arch_options(cc) + _CUPY_IMPLICIT + (f"-arch=sm_{cc}",)
+    log = io.StringIO()
     _NVRTCProgram(source(filename), filename, name_expressions=list(names),
-                  method="cubin").compile(opts)
+                  method="cubin").compile(opts, log)
+    lost = [line for line in log.getvalue().splitlines() if _PTXAS_SERIALISED in line]
+    if lost:
+        raise RuntimeError("ptxas: " + "; ".join(lost))
 
 
 def compile_check(ccs=CHECKED_CCS) -> list[str]:

@@ -83,9 +83,10 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
             f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
-def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False) -> str:
+def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
+                tc: bool = False) -> str:
     c = _WGMMA[mode]
-    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {c['BOX'] if tma else 0}, {c['BM']}, "
+    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {c['BM']}, "
             f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
@@ -117,9 +118,11 @@ _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOS
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
 # K-major operands are loaded by bulk tensor copies (TMA), a transposed B by cp.async;
-# a transposed A by TMA too, its fragments taken to registers.
+# a transposed A by TMA too, its fragments taken to registers, and then the product may
+# be stored transposed (mm's swapped product, see _swaps).
 _loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma) for m in _WGMMA for ta, tb in _TRANSPOSES
-                         for tma in {False, not tb} if tma or ta or tb],
+                         for tma in {False, not tb} if tma or ta or tb]
+                 + [_wgmma_expr(m, True, False, True, True) for m in _WGMMA],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
@@ -219,7 +222,7 @@ class _Choice(NamedTuple):
     a_mn: bool
 
 
-def _choose(a, b, precision: str) -> _Choice:
+def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     """The :class:`_Choice` for ``a @ b.T`` (as :func:`gemm_kernel`)."""
     M, K = a.shape
     N = b.shape[0]
@@ -241,23 +244,25 @@ def _choose(a, b, precision: str) -> _Choice:
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
-    return _Choice(_wgmma_expr(mode, ta, tb, tma), cfg,
+    return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta), cfg,
                    _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta)
 
 
-def gemm_kernel(a, b, precision: str) -> Gemm:
+def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
     place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
-    16-byte alignment and the device."""
+    16-byte alignment and the device. With ``transposed_c`` it stores the product's
+    transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
-    expr, cfg, maps, a_mn = _choose(a, b, precision)
+    expr, cfg, maps, a_mn = _choose(a, b, precision, transposed_c)
+    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg)) == 1), "no transposed store"
     lda, ldb = layout(a)[1], layout(b)[1]
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
         return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb)
     fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
-    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
+    grid = (_tiles(M, N, cfg),)
     return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
                   ldb)._replace(maps=maps, a_mn=a_mn)
 
@@ -276,13 +281,26 @@ def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, ld
     return lambda ap, bp: (ma(ap), mb(bp))
 
 
-def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
-    """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K where the grid fills
-    at most a quarter of the SMs and the dtype is float32 / float64 (_SPLIT)."""
-    (M, K), N, dt = a.shape, b.shape[0], a.dtype
-    tiles, sms = int(np.prod(grid)), _loader.sm_count(a.device)
+def _splits(a, tiles: int) -> int:
+    """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
+    splits: where the tiles fill at most a quarter of the SMs and the dtype is float32 /
+    float64 (_SPLIT)."""
+    K, sms = a.shape[1], _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
-    if dt not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
+    if a.dtype not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
+        return 1
+    return splits
+
+
+def _tiles(M: int, N: int, cfg) -> int:
+    return cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
+
+
+def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
+    """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K as :func:`_splits` says."""
+    (M, K), N, dt = a.shape, b.shape[0], a.dtype
+    splits = _splits(a, int(np.prod(grid)))
+    if splits == 1:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
     # whole 32-float K slices per chunk: the TMA loads address the whole tensor, so a
     # slice crossing into the next chunk would be added twice
@@ -408,36 +426,32 @@ def _planned_gemm(a, b, work: int, precision: str, shape):
 
 def _swaps(a, b, work: int, precision: str) -> bool:
     """Whether ``a @ b.T`` (2-D Operands, ``a`` read in place) is better computed as
-    ``(b @ a.T).T``. That is when ``b``'s rows are
-    not K-contiguous (``b`` is ``W.T`` for mm's row-major ``W``, as in dx = dy @ W) and
-    worth a transposed copy (:func:`_read_mode`), the GEMM can read ``b`` in place as a
-    transposed A (Hopper TF32 / 3xTF32: TMA boxes, fragments in registers), and the (M, N) product
-    it then transposes is at most half of ``b`` (M <= K / 2). dx = dy @ W at 1024x8192 @
-    8192x8192 otherwise copies W's transpose first (0.25 ms against the GEMM's 0.33); at
-    16384x4096 @ 4096x4096 the product's transpose would cost more than W's."""
-    return (2 * a.shape[0] <= b.shape[1] and _read_mode(b, work)[0] == "transpose"
-            and _read_mode(a, work)[0] == "view" and not layout(a)[0]
-            and _choose(b, a, precision).a_mn)
+    ``(b @ a.T).T``: where ``b``'s rows are not K-contiguous (``b`` is ``W.T`` for mm's
+    row-major ``W``, as in dx = dy @ W) and worth a transposed copy (:func:`_read_mode`),
+    and the GEMM can read ``b`` in place as a transposed A (Hopper TF32 / 3xTF32: TMA
+    boxes, fragments in registers) and store the product transposed (enough tiles not to
+    split K). H200, dx = dy @ W "high" against copying W's transpose first: 0.331 / 0.546
+    ms at 1024x8192 @ 8192x8192, 1.429 / 1.570 at 16384x4096 @ 4096x4096, 0.351 / 0.430
+    at 4096x4096 @ 4096x4096 (3xTF32: 1.147 / 1.430, 4.991 / 4.989, 1.316 / 1.327)."""
+    if _read_mode(b, work)[0] != "transpose" or _read_mode(a, work)[0] != "view" or layout(a)[0]:
+        return False
+    choice = _choose(b, a, precision, True)
+    return choice.a_mn and _splits(b, _tiles(b.shape[0], a.shape[0], choice.cfg)) == 1
 
 
 def _planned_swapped(a, b, precision: str):
     """:func:`_planned_gemm`'s ``run`` for ``a @ b.T`` computed as ``(b @ a.T).T``
-    (:func:`_swaps`): the GEMM writes the (N, M) product, whose transpose (columns
-    contiguous) the tiled transpose copies into the (M, N) output. mm's products have no
-    bias."""
+    (:func:`_swaps`): the GEMM stores the (N, M) product transposed, into the (M, N)
+    output. mm's products have no bias."""
     M, N = a.shape[0], b.shape[0]
-    kernel, place = gemm_kernel(b, a, precision), Place(a)
-    call, ptr = gemm_call(kernel, b, a, M), place.ptr
-    product_t = Operand(a.obj, a.kind, a.dtype, (M, N), (1, M), 0, a.device, "out", a.torch)
-    copy = _transpose_plan(product_t, M)[1]
+    kernel, place = gemm_kernel(b, a, precision, transposed_c=True), Place(a)
+    call, ptr = gemm_call(kernel, b, a, N), place.ptr
 
     def run(ap, bp, bias):
         assert not bias, "a swapped product has no bias"
-        tmp, ws, held = empty(place, (N, M)), workspace(place, kernel), []
-        launches = list(call(bp, ap, ptr(tmp), 0, 0, 0, 0, ptr(ws)))
-        copy(ptr(tmp), launches, held)
-        launch_all(place, launches)
-        return held[0]
+        out = empty(place, (M, N))
+        launch_all(place, call(bp, ap, ptr(out), 0, 0, 0, 0, 0))
+        return out
 
     run.place = place
     return run

@@ -931,7 +931,9 @@ __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4]
 // passes down it for the tile's (mean, M2, min, max) of the raw sums. Unrolled per-fragment
 // stores and per-slot statistics took ~10x the instructions and missed the instruction
 // cache (a third of the GEMM's time at 16384x4096 @ 4096x4096, H200).
-template <int BM, int BN>
+// TC: c is the tile's transpose instead (element (m, n) at c[n * ldc + m]), stored
+// without any epilogue (mm's swapped product: bias, alpha, beta and part unused).
+template <int BM, int BN, bool TC>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
                                          const float* __restrict__ bias, const float* __restrict__ alpha,
@@ -942,6 +944,35 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
   static_assert(256 % TPR == 0 && BN <= 256, "wg_store: whole rows per pass, a column per thread");
   float* tile = reinterpret_cast<float*>(smem);
   const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5;
+  if constexpr (TC) {  // the tile transposed in smem (BN rows of BM), stored by rows
+    // padded rows: a warp's scalar writes (columns 2t + e, rows g) hit 32 distinct banks
+    constexpr int LDT = BM + 4, TPRT = BM / 4, RPPT = 256 / TPRT;
+    static_assert(256 % TPRT == 0 && BM <= 256, "wg_store: whole transposed rows per pass");
+    const int g = lane >> 2, t = lane & 3, r0 = (cw >> 2) * 64 + (cw & 3) * 16 + g;
+    consumer_sync();
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) tile[(8 * j + 2 * t + e) * LDT + r0 + 8 * h] = res[4 * j + 2 * h + e];
+    consumer_sync();
+    const int rows = min(BN, N - n0), c4 = 4 * (ct % TPRT), col = m0 + c4;
+    const bool vec = col + 3 < M && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
+    for (int r = ct / TPRT; r < rows; r += RPPT) {
+      const float4 v = *reinterpret_cast<const float4*>(tile + r * LDT + c4);
+      float* p = c + (long long)(n0 + r) * ldc + col;
+      if (vec) {
+        *reinterpret_cast<float4*>(p) = v;
+      } else {
+        const float o[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (col + e < M) p[e] = o[e];
+      }
+    }
+    return;
+  }
   {  // accumulator (j, 2h+e): row (cw/4)*64 + (cw%4)*16 + g + 8h, column 8j + 2t + e
     const int g = lane >> 2, t = lane & 3, r0 = (cw >> 2) * 64 + (cw & 3) * 16 + g;
     consumer_sync();
@@ -1010,8 +1041,9 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // consumers take A's fragments from shared memory into registers (wgmma reads only
 // K-major TF32 operands from shared memory; 3xTF32 takes A from registers anyway), so
 // dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
-// W^T dy^T, with W^T as A).
-template <int MODE, bool TA, bool TB, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
+// W^T dy^T, with W^T as A, and with TC stores that product's transpose: c (N x M) gets
+// element (m, n) at c[n * ldc + m]; no epilogue, no split K).
+template <int MODE, bool TA, bool TB, bool TC, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
@@ -1037,7 +1069,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
   static_assert(SMEM <= 227 * 1024, "gemm_wgmma: more dynamic smem than an SM has (227 KB)");
-  static_assert(BM * (BN + 8) * 4 <= STAGES * C::STAGE, "gemm_wgmma: the epilogue's tile reuses the ring");
+  static_assert(BM * (BN + 8) * 4 <= STAGES * C::STAGE && BN * (BM + 4) * 4 <= STAGES * C::STAGE,
+                "gemm_wgmma: the epilogue's tile reuses the ring");
   constexpr int R = BN / 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern is anchored to 1024-byte boundaries of the address.
@@ -1193,8 +1226,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   for (int kt = 0; kt < ktiles; ++kt) slice(kt);
   wg_wait<0>();
   wg_fence_regs(acc);
-  if constexpr (MODE == 0) wg_store<BM, BN>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
-  else wg_store<BM, BN>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  if constexpr (MODE == 0) wg_store<BM, BN, TC>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  else wg_store<BM, BN, TC>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
 }
 
 // ---- transposed operand -> K-contiguous copy -----------------------------------------

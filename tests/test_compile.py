@@ -1,5 +1,5 @@
 """Every registered kernel instantiation compiles with NVRTC for sm_75 to sm_120 (sm_90 as
-sm_90a), no GPU needed."""
+sm_90a), without ptxas serialising any wgmma; no GPU needed."""
 import pathlib
 
 import pytest
@@ -53,3 +53,30 @@ def test_a_wrong_launch_constant_does_not_compile():
     _loader.compile_nvrtc("gemm.cu", [expr], 80)
     with pytest.raises(Exception):
         _loader.compile_nvrtc("gemm.cu", [wrong], 80)
+
+
+# Two wgmma on one accumulator with an ordinary write to it between them: ptxas
+# serialises them (reported as C7511 by CUDA 12/13's ptxas).
+_SERIALISED = """
+extern "C" __global__ void serialised_wgmma(float* out, const unsigned* f, unsigned long long db) {
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  const unsigned a[4] = {f[0], f[1], f[2], f[3]};
+  wg_arrive();
+  wgmma_tf32(d, a, db, 1);
+  wg_commit();
+  d[0] += 1.f;
+  wg_arrive();
+  wgmma_tf32(d, a, db, 1);
+  wg_commit();
+  wg_wait<0>();
+  for (int i = 0; i < 64; ++i) out[i * 128 + threadIdx.x] = d[i];
+}
+"""
+
+
+def test_serialised_wgmma_fails_the_compile_check(monkeypatch):
+    source = _loader.source("gemm.cu")
+    monkeypatch.setattr(_loader, "source", lambda name: source + _SERIALISED)
+    with pytest.raises(RuntimeError, match="Potential Performance Loss"):
+        _loader.compile_nvrtc("gemm.cu", ["serialised_wgmma"], 90)

@@ -265,8 +265,8 @@ def test_mm_either_layout(shape, dtype, precision, bound):
     """The backward's GEMM: a @ b with each operand row- or column-major, against float64
     (every tile edge, K = 1, unaligned rows and columns; column-major operands read in
     place by the small products and the last two, copied by the others, or, for a
-    column-major b and a batch of at most half of K on Hopper (3x)TF32, read in place by the
-    swapped product (b^T a^T)^T)."""
+    column-major b on Hopper (3x)TF32 with enough tiles, read in place by the swapped
+    product (b^T a^T)^T)."""
     m, n, k = shape
     a, bt, _ = (t.cuda() for t in _data(m, n, k, dtype))
     _check_mm(a, bt.t(), precision, bound)
@@ -274,22 +274,25 @@ def test_mm_either_layout(shape, dtype, precision, bound):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, bound", [("high", REL_BOUND["high"]), ("highest", 1e-6)])
-@pytest.mark.parametrize("shape", [(128, 136, 300), (200, 64, 1024), (256, 384, 1024),
-                                   (130, 257, 4100)], ids=lambda s: "x".join(map(str, s)))
-def test_mm_row_major_b(shape, precision, bound):
-    """mm(a, b) with b row-major, as dx = dy @ W: on Hopper float32, at a batch of 128 to
-    K / 2 with 16-byte aligned rows, the product runs swapped, (b^T a^T)^T, reading b in
-    place (130x257x4100: b's rows not aligned, b's transpose copied); against float64."""
+@pytest.mark.parametrize("shape, cols, swap", [
+    ((128, 5120, 512), None, True), ((136, 4228, 600), None, True),  # partial tiles, K slice
+    ((136, 4229, 600), 4232, True),  # a column slice: b's rows aligned, the output's not
+    ((128, 136, 300), None, False), ((256, 384, 1024), None, False),  # few tiles: split K
+    ((130, 257, 4100), None, False)],  # b's rows not aligned
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_mm_row_major_b(shape, cols, swap, precision, bound):
+    """mm(a, b) with b row-major (``cols`` wide, sliced to n columns), as dx = dy @ W: on
+    Hopper float32, at a batch of at least 128 with 16-byte aligned rows of b and enough
+    output tiles not to split K, the product runs swapped, (b^T a^T)^T, reading b in place
+    and storing the product transposed; otherwise b's transpose is copied. Against float64."""
     from cupykern import gemm
     from cupykern._array import operand
     from cupykern.torch.gemm import mm_op as mm
     m, n, k = shape
-    a, bt, _ = (t.cuda() for t in _data(m, n, k, torch.float32))
-    b = bt.t().contiguous()
+    a, bt, _ = (t.cuda() for t in _data(m, cols or n, k, torch.float32))
+    b = bt.t().contiguous()[:, :n]
     swapped = gemm._swaps(operand(a, "a"), operand(b.T, "b"), m * n * k, precision)
-    expect_swap = (n % 4 == 0
-                   and torch.cuda.get_device_capability() == (9, 0))
-    assert swapped == expect_swap
+    assert swapped == (swap and torch.cuda.get_device_capability() == (9, 0))
     ref = a.double() @ b.double()
     mag = (a.double().abs() @ b.double().abs()).max().item()
     out = mm(a, b, precision)

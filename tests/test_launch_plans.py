@@ -192,26 +192,25 @@ def test_kernel_arguments_fill_their_slots():
 
 
 def test_dx_reads_w_in_place_on_hopper(launches):
-    """mm(dy, W) "high" at a batch where copying W's transpose pays (130 rows) and the
-    product is smaller than W (130 <= 300 / 2): on Hopper the GEMM reads W's own storage
-    as its transposed A (TMA boxes of 32 x 32 of the 300 x 40 rows) and writes W^T @ dy^T
-    (40, 130), which one transpose turns into the (130, 40) result; elsewhere, or with
-    the batch past half of K, W's transpose is copied first."""
-    dy, w = torch.randn(130, 300), torch.randn(300, 40)
+    """mm(dy, W) "high" at a batch where copying W's transpose pays (130 rows) and with
+    enough tiles not to split K (34 of 128 rows of W^T): on Hopper the GEMM reads W's own
+    storage as its transposed A (TMA boxes of 32 x 32 of the 300 x 4352 rows) and stores
+    W^T @ dy^T (4352, 130) transposed, straight into the (130, 4352) result; elsewhere,
+    at a batch below 128, or with K split (a small W), W's transpose is copied first."""
+    dy, w = torch.randn(130, 300), torch.randn(300, 4352)
     cupykern.gemm.mm(dy, w, "high")
     log = _named(launches, [dy, w])
     names = [fn.split("<")[0] for fn, *_ in log]
     if _loader.device_cc(0) == 90:
-        assert names in (["gemm_wgmma", "transpose_copy"],  # (K split or not)
-                         ["gemm_wgmma", "splitk_reduce", "transpose_copy"])
-        gemm, transpose = log[0], log[-1]
-        assert gemm[0].startswith("gemm_wgmma<1, true, false, 64,")
-        assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the (40, 130) product
-        assert gemm[3][-2] == ("tensor map", 1, [40, 300], [160], [32, 32])
-        assert transpose[3] == (("new", 0), ("new", 0), 130, 40, 130)
+        assert names == ["gemm_wgmma"]
+        gemm = log[0]
+        assert gemm[0].startswith("gemm_wgmma<1, true, false, true, 64,")  # TA, TC
+        assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the result
+        assert gemm[3][3:6] == (4352, 130, 300) and gemm[3][9] == 4352  # M, N, K; ldc
+        assert gemm[3][-2] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
-    cupykern.gemm.mm(torch.randn(151, 300), w, "high")  # 2 * 151 > 300: W's transpose copied
+    cupykern.gemm.mm(dy, w[:, :40], "high")  # 1 tile: K split
     log = _named(launches, [w])
     assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 0
 
