@@ -931,70 +931,52 @@ __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4]
 // passes down it for the tile's (mean, M2, min, max) of the raw sums. Unrolled per-fragment
 // stores and per-slot statistics took ~10x the instructions and missed the instruction
 // cache (a third of the GEMM's time at 16384x4096 @ 4096x4096, H200).
-// TC: c is the tile's transpose instead (element (m, n) at c[n * ldc + m]), stored
-// without any epilogue (mm's swapped product: bias, alpha, beta and part unused).
+// TC: the tile is kept transposed (BN x BM) and c is the product's transpose (element
+// (m, n) at c[n * ldc + m]), with no epilogue (mm's swapped product: bias, alpha, beta
+// and part are null).
 template <int BM, int BN, bool TC>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
                                          const float* __restrict__ bias, const float* __restrict__ alpha,
                                          const float* __restrict__ beta, float* __restrict__ part) {
-  constexpr int LD = BN + 8;        // padded rows: a half-warp's float2 writes hit 32 distinct banks
-  constexpr int TPR = BN / 4;       // threads per row of float4 stores
-  constexpr int RPP = 256 / TPR;    // rows per pass of the 256 consumer threads
-  static_assert(256 % TPR == 0 && BN <= 256, "wg_store: whole rows per pass, a column per thread");
+  constexpr int COLS = TC ? BM : BN;  // the stored tile's row length
+  // padded rows: a warp's float2 writes (or TC's scalar writes) hit 32 distinct banks
+  constexpr int LD = COLS + (TC ? 4 : 8);
+  constexpr int TPR = COLS / 4;       // threads per row of float4 stores
+  constexpr int RPP = 256 / TPR;      // rows per pass of the 256 consumer threads
+  static_assert(256 % TPR == 0 && COLS <= 256, "wg_store: whole rows per pass, a column per thread");
   float* tile = reinterpret_cast<float*>(smem);
   const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5;
-  if constexpr (TC) {  // the tile transposed in smem (BN rows of BM), stored by rows
-    // padded rows: a warp's scalar writes (columns 2t + e, rows g) hit 32 distinct banks
-    constexpr int LDT = BM + 4, TPRT = BM / 4, RPPT = 256 / TPRT;
-    static_assert(256 % TPRT == 0 && BM <= 256, "wg_store: whole transposed rows per pass");
-    const int g = lane >> 2, t = lane & 3, r0 = (cw >> 2) * 64 + (cw & 3) * 16 + g;
-    consumer_sync();
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) tile[(8 * j + 2 * t + e) * LDT + r0 + 8 * h] = res[4 * j + 2 * h + e];
-    consumer_sync();
-    const int rows = min(BN, N - n0), c4 = 4 * (ct % TPRT), col = m0 + c4;
-    const bool vec = col + 3 < M && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
-    for (int r = ct / TPRT; r < rows; r += RPPT) {
-      const float4 v = *reinterpret_cast<const float4*>(tile + r * LDT + c4);
-      float* p = c + (long long)(n0 + r) * ldc + col;
-      if (vec) {
-        *reinterpret_cast<float4*>(p) = v;
-      } else {
-        const float o[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (col + e < M) p[e] = o[e];
-      }
-    }
-    return;
-  }
   {  // accumulator (j, 2h+e): row (cw/4)*64 + (cw%4)*16 + g + 8h, column 8j + 2t + e
     const int g = lane >> 2, t = lane & 3, r0 = (cw >> 2) * 64 + (cw & 3) * 16 + g;
     consumer_sync();
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(tile + (r0 + 8 * h) * LD + 8 * j + 2 * t) =
-            make_float2(res[4 * j + 2 * h], res[4 * j + 2 * h + 1]);
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h, k = 8 * j + 2 * t;
+        if constexpr (TC) {
+          tile[k * LD + r] = res[4 * j + 2 * h];
+          tile[(k + 1) * LD + r] = res[4 * j + 2 * h + 1];
+        } else {
+          *reinterpret_cast<float2*>(tile + r * LD + k) = make_float2(res[4 * j + 2 * h], res[4 * j + 2 * h + 1]);
+        }
+      }
     consumer_sync();
   }
 
-  const int rows = min(BM, M - m0), c4 = 4 * (ct % TPR), col = n0 + c4;
+  // the stored tile's rows start at c's row r00, its columns at c's column c00 (of ncols)
+  const int r00 = TC ? n0 : m0, c00 = TC ? m0 : n0, ncols = TC ? M : N;
+  const int rows = TC ? min(BN, N - n0) : min(BM, M - m0), c4 = 4 * (ct % TPR), col = c00 + c4;
   float ea[4], eb[4];  // epilogue(v) = ea * v + eb per column (ea == 1, eb == 0: v itself)
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const bool in = col + e < N;
+    const bool in = col + e < ncols;
     ea[e] = alpha && in ? alpha[col + e] : 1.f;
     eb[e] = !in ? 0.f : alpha ? beta[col + e] : bias ? bias[col + e] : 0.f;
   }
   const bool scaled = alpha || bias;  // (without either, v is stored as is: -0 stays -0)
-  const bool vec = col + 3 < N && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
+  const bool vec = col + 3 < ncols && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
   for (int r = ct / TPR; r < rows; r += RPP) {
     const float4 v4 = *reinterpret_cast<const float4*>(tile + r * LD + c4);
     float o[4] = {v4.x, v4.y, v4.z, v4.w};
@@ -1002,17 +984,17 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = ea[e] * o[e] + eb[e];  // (ea == 1: exactly v + eb)
     }
-    float* p = c + (long long)(m0 + r) * ldc + col;
+    float* p = c + (long long)(r00 + r) * ldc + col;
     if (vec) {
       *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (col + e < N) p[e] = o[e];
+        if (col + e < ncols) p[e] = o[e];
     }
   }
 
-  if (part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
+  if (!TC && part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
     const float* q = tile + ct;          // min / max skip it, as fmin / fmax do)
     float s = 0.f;
     for (int r = 0; r < rows; ++r) s += q[r * LD];
