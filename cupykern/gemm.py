@@ -344,7 +344,7 @@ def gemm(a, b, c, precision: str, bias=None, part=None, kernel=None) -> None:
     ``bias`` (T) an Operand or None; ``part`` None or an array for the epilogue's partial
     statistics of c's columns (per M tile of ``kernel.bm`` rows, in the accumulation
     type); ``kernel``: :func:`gemm_kernel`'s, if the caller has it already."""
-    kernel = kernel or gemm_kernel(a, b, precision)
+    kernel = gemm_kernel(a, b, precision) if kernel is None else kernel
     call = gemm_call(kernel, a, b, c.strides[0])
     ws = workspace(a, kernel)
     launch_all(a, call(a.ptr, b.ptr, c.ptr, 0 if bias is None else bias.ptr, 0, 0,
@@ -476,7 +476,7 @@ def check_mm(a, b, precision):
 # multiply-adds per element at those rates: small operands of big products (dW's dy and
 # x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
 # The same bound decides whether misaligned float32 rows are copied for Hopper's wgmma.
-# (Hopper TF32 reads a transposed A at full rate by TMA; mm uses that for a row-major b,
+# (Hopper TF32 / 3xTF32 read a transposed A by TMA; mm uses that for a row-major b,
 # see _swaps, while other transposed operands still follow this bound.)
 _COPY_WORK = 128
 
