@@ -2,7 +2,8 @@
 
 GPU design (kernels_cu/normalize.cu): one thread-block cluster per row keeps the
 row in registers between the reduction and the scaling, so x is read from DRAM
-once and y written once (copy-bandwidth bound). Rows longer than a cluster can
+once and y written once (copy-bandwidth bound); the next row loads into shared memory
+meanwhile. Rows longer than a cluster can
 hold fall back to a deterministic two-pass kernel (reads x twice).
 """
 from __future__ import annotations
@@ -19,31 +20,33 @@ _FILE = "normalize.cu"
 P = {"l1": 1, "l2": 2}
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
 # [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
-# (16 // itemsize) vectors. Per item size, measured at 32768x65535 on H200: float32
-# clusters 256 x 8 with prefetch, 16 rows per cluster (1.20-1.21x copy time; 4 rows
-# 1.23x); 2-byte types 512 x 4 without prefetch, three CTAs per SM (float16 1.08x; with
-# prefetch 1.34x).
-# Rows stay in registers: bulk tensor-copy (TMA) loads into a ring of 2-6 shared-memory
-# row buffers per CTA timed >= 1.26x copy time forward (backward >= 1.55x its ceiling)
-# on H200, and no SM-issued copy, TMA or not, came under 1.08x the driver's memcpy.
+# (16 // itemsize) vectors. Prefetch stages the next row in shared memory (cp.async)
+# while registers hold this one. Per item size, measured at 32768x65535 on H200: float32
+# clusters 256 x 8 with prefetch, 16 rows per cluster (1.17-1.18x copy time); 2-byte
+# types 512 x 4 without prefetch, three CTAs per SM (float16 1.08-1.09x, with 1.07-1.10x).
+# The cluster's row sums travel by st.async onto mbarriers (ClusterSum): with a cluster
+# barrier per row instead, 1.20-1.22x (float16 1.14-1.16x).
+# Rows stay on chip: bulk tensor-copy (TMA) loads into a ring of 2-6 shared-memory row
+# buffers per CTA timed >= 1.26x copy time forward (backward >= 1.55x its ceiling) on
+# H200, and no SM-issued copy, TMA or not, came under 1.08x the driver's memcpy.
 _SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
 CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
            4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8, True, 16), (8, 512, 8)),
            8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 # Alternatives the benchmark sweeps (benchmarks/normalize.py); a 4th entry False
-# drops the next-row prefetch (one register buffer, more CTAs per SM).
+# drops the next-row prefetch (no shared-memory staging).
 TUNING_CONFIGS = {2: ((4, 512, 4), (4, 256, 8, False)),
                   4: ((8, 512, 4), (4, 1024, 4), (4, 512, 8), (8, 256, 8, False), (8, 512, 4, False)),
                   8: ()}
 # The fused backward holds x and dy: its own configurations, in the same form, picked
-# the same way. Prefetch (four buffers) costs it CTAs per SM and loses: at 32768x65535
-# float32 on H200, 512 x 4 without prefetch (two CTAs per SM) takes 1.21x its ceiling;
-# 256 x 8 1.38x, either with prefetch 1.41-1.51x.
+# the same way; clusters prefetch x and dy (2 x 32 KB of shared memory per 512 x 4 CTA,
+# two CTAs per SM). At 32768x65535 float32 on H200: 512 x 4 1.09-1.10x its ceiling,
+# 1.13-1.15x without prefetch (1.20-1.22x with a cluster barrier per row, no prefetch).
 _NO_PREFETCH = tuple(c + (False,) for c in _SINGLE)
 BACKWARD_CONFIGS = {
-    2: _NO_PREFETCH + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
-    4: _NO_PREFETCH + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False), (8, 512, 8, False)),
-    8: _NO_PREFETCH + ((2, 256, 8, False), (4, 256, 8, False), (8, 256, 8, False), (8, 512, 8, False))}
+    2: _NO_PREFETCH + ((2, 512, 4), (4, 512, 4), (8, 512, 4)),
+    4: _NO_PREFETCH + ((2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8)),
+    8: _NO_PREFETCH + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
 _TWO_PASS = {"THREADS": 256, "CHUNK": 65536, "MAX_CHUNKS": 1024}
 
@@ -52,6 +55,13 @@ def _kernel_of(cfg) -> tuple:
     """(cluster CTAs, threads, vectors, prefetch) of a configuration: prefetch defaults to
     on, and a 5th entry (rows per cluster) changes the launch, not the kernel."""
     return tuple(cfg[:3]) + (bool(cfg[3]) if len(cfg) > 3 else True,)
+
+
+def _staging(cfg, arrays: int) -> int:
+    """Dynamic shared memory of a configuration's kernel: with prefetch, the next row's
+    16-byte vectors of ``arrays`` arrays (x; the backward x and dy) for each thread."""
+    c, t, v, prefetch = _kernel_of(cfg)
+    return arrays * t * v * 16 if prefetch else 0
 
 
 def _cluster_expr(p, dtype, cfg):
@@ -290,10 +300,11 @@ def _plan(src, xs, ys, p, config=None):
     if cfg is not None:
         _check_capacity(cfg, ncols, dt)
         c, t = cfg[:2]
-        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev)
+        smem = _staging(cfg, 1)
+        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev, smem)
         nclusters = _clusters(cfg, nrows, dev)
         tail = (nrows, ncols, xs, ys)
-        return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail)
+        return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail, smem)
 
     # Two passes; at most MAX_CHUNKS chunks per row so pass 2's partial sums stay cheap.
     chunk = max(_TWO_PASS["CHUNK"], cdiv(ncols, _TWO_PASS["MAX_CHUNKS"]))
@@ -347,14 +358,15 @@ def _backward_fresh(x, dy, p, axis, config):
         return None
     _check_capacity(cfg, ncols, a.dtype)
     c, t = cfg[:2]
-    fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device)
+    smem = _staging(cfg, 2)
+    fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device, smem)
     nrows = a.size // ncols
     grid, block, tail = (_clusters(cfg, nrows, a.device) * c,), (t,), (nrows, ncols, xs, gs, ncols)
     place, shape = Place(a), a.shape
 
     def run(x, dy):
         dx = empty(place, shape)
-        launch(place, fn, grid, block, (place.ptr(x), place.ptr(dy), place.ptr(dx)) + tail)
+        launch(place, fn, grid, block, (place.ptr(x), place.ptr(dy), place.ptr(dx)) + tail, smem)
         return dx
 
     return run

@@ -164,22 +164,72 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-// Store v into the same shared variable `*p` of cluster CTA `rank`.
-__device__ __forceinline__ void st_dsmem(float* p, unsigned rank, float v) {
+// The cluster's sum of K values per CTA, once per step (a row), without a cluster
+// barrier: thread 0 of each CTA stores its values into its slot of every CTA's `part`
+// by st.async, whose bytes complete on the receiving CTA's mbarrier, and each CTA waits
+// on its own barrier. Two buffers and barriers by step parity suffice: a CTA sends step
+// s + 2 only after it has every CTA's step s + 1 values, which each CTA sends after it
+// has read step s's. Every CTA adds the slots in rank order: the same sum everywhere.
+// Declare `__shared__ ClusterSum<A, C, K> cs;`, call init() before the kernel's first
+// cluster barrier, then sum() once per step in every thread.
+template <typename A, int C, int K> struct ClusterSum {
+  static_assert(K * sizeof(A) == 4 || K * sizeof(A) == 8 || K * sizeof(A) == 16,
+                "ClusterSum: st.async stores 4, 8 or 16 bytes");
+  alignas(16) A part[2][C][K];
+  unsigned long long bar[2];
+
+  __device__ __forceinline__ void init() {
 #if CK_HAS_CLUSTERS
-  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
-#else
-  *p = v;
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < 2; ++p)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&bar[p])) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
 #endif
-}
-__device__ __forceinline__ void st_dsmem(double* p, unsigned rank, double v) {
+  }
+  // v: this CTA's K values in, the cluster's sums out (every thread; thread 0's are sent).
+  __device__ __forceinline__ void sum(A (&v)[K], int step, unsigned rank) {
 #if CK_HAS_CLUSTERS
-  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f64 [%0], %1;" :: "r"(remote), "d"(v) : "memory");
-#else
-  *p = v;
+    const int p = step & 1;
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                   :: "r"(smem_u32(&bar[p])), "n"(C * K * (int)sizeof(A)) : "memory");
+      for (unsigned r = 0; r < C; ++r) send(remote(&part[p][rank][0], r), remote(&bar[p], r), v);
+    }
+    const unsigned b = smem_u32(&bar[p]), parity = (step >> 1) & 1;
+    asm volatile("{\n.reg .pred P;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+                 "@!P bra W_%=;\n}\n" :: "r"(b), "r"(parity) : "memory");
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      v[k] = 0;
+      for (int r = 0; r < C; ++r) v[k] += part[p][r][k];
+    }
 #endif
-}
+  }
+
+ private:
+  __device__ __forceinline__ static unsigned smem_u32(const void* q) {
+    return (unsigned)__cvta_generic_to_shared(q);
+  }
+  __device__ __forceinline__ static unsigned remote(const void* q, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(q)), "r"(rank));
+    return r;
+  }
+  __device__ __forceinline__ static void send(unsigned dst, unsigned bar, const A (&v)[K]) {
+    if constexpr (sizeof(A) == 4 && K == 1) {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                   :: "r"(dst), "r"(__float_as_uint(v[0])), "r"(bar) : "memory");
+    } else if constexpr (sizeof(A) == 4) {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                   :: "r"(dst), "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])), "r"(bar) : "memory");
+    } else if constexpr (K == 1) {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];"
+                   :: "r"(dst), "l"(__double_as_longlong(v[0])), "r"(bar) : "memory");
+    } else {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b64 [%0], {%1, %2}, [%3];"
+                   :: "r"(dst), "l"(__double_as_longlong(v[0])), "l"(__double_as_longlong(v[1])), "r"(bar)
+                   : "memory");
+    }
+  }
+};

@@ -58,18 +58,58 @@ template <int C, int THREADS, int VPT> __device__ __forceinline__ void check_clu
   static_assert(VPT >= 1, "normalize: VPT >= 1");
 }
 
-// One cluster of C CTAs per row; the row stays in registers between the
-// reduction and the scaling, so x is read from DRAM exactly once. Each cluster
-// walks rows row0, row0 + nclusters, ... With PREFETCH two register buffers take
-// turns: a row's step first issues the loads of the cluster's next row into the
-// other buffer, so they stay in flight through this row's reduction, cluster
-// barrier and stores (the loop is unrolled by two, so the buffers never move).
-// Without, one buffer is loaded at the top of each step and more CTAs fit per SM.
+// The next row's 16-byte vectors of NARR arrays, staged in dynamic shared memory by
+// cp.async while this row is reduced and stored, without registers: each thread owns
+// its VPT slots per array ([array][i][thread], so a warp's accesses are contiguous) and
+// waits for its own copies only. The launch gives NARR * VPT * THREADS * 16 bytes.
+template <int NARR, int THREADS, int VPT> struct Ahead {
+  uint4* slots;
+  __device__ __forceinline__ Ahead() {
+    extern __shared__ uint4 ahead_smem[];
+    slots = ahead_smem;
+  }
+  __device__ __forceinline__ static bool sized() {  // the launch gave enough shared memory
+    unsigned bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes >= NARR * VPT * THREADS * 16u;
+  }
+  __device__ __forceinline__ uint4* slot(int arr, int i) const {
+    return slots + (arr * VPT + i) * THREADS + threadIdx.x;
+  }
+  __device__ __forceinline__ void copy(int arr, int i, const void* src) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(slot(arr, i))), "l"(src) : "memory");
+#else
+    *slot(arr, i) = ld_global_nc_v4(src);
+#endif
+  }
+  __device__ __forceinline__ static void commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+  }
+  __device__ __forceinline__ static void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+  }
+};
+
+// Rows are walked by clusters: row0 = blockIdx.x / C, then + nclusters. Each step takes
+// the row's vectors into registers, reduces them, adds the CTAs' partial sums
+// (ClusterSum: st.async onto mbarriers, no cluster barrier per row) and writes the
+// row. With PREFETCH the next row's fetch goes to shared memory (Ahead) right after
+// this row's reduction has consumed its registers (so no cp.async can overwrite a slot
+// before it was read), and stays in flight through the sums and the stores; without,
+// each step loads its row at the top. Registers hold one row either way.
 // Capacity: C * THREADS * VPT 16-byte vectors per row (the caller checks it).
-// Register cap: two (PREFETCH) or three 512 x 4 / 256 x 8 CTAs per SM, the
-// most that each variant's buffers fit without spilling.
+
+// One cluster of C CTAs per row; the row stays on chip between the reduction and the
+// scaling, so x is read from DRAM exactly once. Register cap: three 512 x 4 / 256 x 8
+// CTAs per SM (the most whose buffers fit without spilling).
 template <int P, typename T, int C, int THREADS, int VPT, bool PREFETCH = true,
-          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) * (PREFETCH ? 2 : 3) / 2 / THREADS>
+          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) * 3 / 2 / THREADS>
 __global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long long ncols,
@@ -79,83 +119,75 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
   typedef Vec16<T> V;
   constexpr int N = V::N;
   __shared__ A scratch[THREADS / 32];
-  __shared__ A part[2][C];  // per-CTA partial sums of the cluster, double-buffered
+  __shared__ ClusterSum<A, C, 1> cs;  // (C > 1) the cluster's row sum
+  const Ahead<1, THREADS, VPT> ahead;
+  if (PREFETCH && !ahead.sized()) __trap();
 
   const unsigned rank = C > 1 ? cluster_ctarank() : 0;
   const long long nclusters = gridDim.x / C;
   const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
 
-  V b0[VPT], b1[VPT];
-  A sc0 = 0, sc1 = 0;  // this thread's head/tail scalar (rank 0 only)
-  auto load = [&](V (&b)[VPT], A& scal, long long row) {
+  V b[VPT];
+  A sc = 0, nsc = 0;  // this thread's head/tail scalar (rank 0 only): this row's, the next's
+  auto fetch = [&](long long row) {
     const T* xr = x + row * xs;
     const RowSplit rs(xr, ncols);
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
-      if (v < rs.nvec) b[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+      if (v < rs.nvec) {
+        if constexpr (PREFETCH) ahead.copy(0, i, xr + rs.head + v * N);
+        else b[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+      }
     }
-    if (rank == 0 && (int)threadIdx.x < rs.nscalar) scal = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
+    if constexpr (PREFETCH) ahead.commit();
+    if (rank == 0 && (int)threadIdx.x < rs.nscalar) nsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
   };
-  // Row `row` from `buf` (already loaded with PREFETCH); `parity` picks part's half.
-  auto step = [&](V (&buf)[VPT], A& sc, V (&nxt)[VPT], A& nsc, long long row, int parity) {
-    if constexpr (PREFETCH) {
-      if (row + nclusters < nrows) load(nxt, nsc, row + nclusters);
-    } else {
-      load(buf, sc, row);
-    }
+
+  long long row = blockIdx.x / C;
+  if (PREFETCH && row < nrows) fetch(row);
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cs.init();
+    cluster_arrive();
+    cluster_wait();
+  }
+  for (int step = 0; row < nrows; row += nclusters, ++step) {
     const RowSplit rs(x + row * xs, ncols);
+    if constexpr (PREFETCH) {
+      ahead.wait();
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if (vec0 + (long long)i * THREADS < rs.nvec) b[i].u = *ahead.slot(0, i);
+    } else {
+      fetch(row);
+    }
+    sc = nsc;
     A s = 0;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       if (vec0 + (long long)i * THREADS < rs.nvec) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) s += norm_term<P>(to_acc(buf[i].e[j]));
+        for (int j = 0; j < N; ++j) s += norm_term<P>(to_acc(b[i].e[j]));
       }
     }
     const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
     if (has_scalar) s += norm_term<P>(sc);
+    if (PREFETCH && row + nclusters < nrows) fetch(row + nclusters);
 
-    A total = block_sum(s, scratch);
-    if constexpr (C > 1) {
-      if (threadIdx.x == 0) {
-        for (unsigned r = 0; r < C; ++r) st_dsmem(&part[parity][rank], r, total);
-      }
-      cluster_arrive();
-      cluster_wait();
-      total = 0;
-      for (int r = 0; r < C; ++r) total += part[parity][r];  // same order in every CTA
-    }
+    A total[1] = {block_sum(s, scratch)};
+    if constexpr (C > 1) cs.sum(total, step, rank);
 
-    const Scaler<A> scale(row_divisor<P, T>(total, ncols));
+    const Scaler<A> scale(row_divisor<P, T>(total[0], ncols));
     T* yr = y + row * ys + rs.head;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
       if (v < rs.nvec) {
-        const V o = vec_from_acc<T>([&](int j) { return scale(to_acc(buf[i].e[j])); });
+        const V o = vec_from_acc<T>([&](int j) { return scale(to_acc(b[i].e[j])); });
         st_global_cs_v4(yr + v * N, o.u);
       }
     }
     if (has_scalar) y[row * ys + rs.scalar_pos(threadIdx.x)] = from_acc<T>(scale(sc));
-  };
-
-  long long row = blockIdx.x / C;
-  if (PREFETCH && row < nrows) load(b0, sc0, row);
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cluster_arrive();
-    cluster_wait();
-  }
-  if constexpr (PREFETCH) {
-    while (row < nrows) {
-      step(b0, sc0, b1, sc1, row, 0);
-      row += nclusters;
-      if (row >= nrows) break;
-      step(b1, sc1, b0, sc0, row, 1);
-      row += nclusters;
-    }
-  } else {
-    for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) step(b0, sc0, b0, sc0, row, parity);
   }
 }
 
@@ -206,13 +238,12 @@ normalize_apply(const T* __restrict__ x, T* __restrict__ y,
 //   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
 //   P == 2: dx = dy / d - x * s / (d * d * d)
 // d recomputed from x (rounded to T as the forward rounds it), so the forward saves only
-// x. One cluster of C CTAs per row holds the row of x and of dy in registers: x and dy
-// are read once and dx written once. Rows of x, dy and dx start at the same offset
-// modulo 16 bytes (the caller checks it). Capacity as normalize_rows, and PREFETCH as
-// there: the next row's x and dy load into the other pair of buffers during this row's
-// step (four buffers: one CTA of 512 x 4 per SM).
+// x. One cluster of C CTAs per row holds the row of x and of dy on chip: x and dy are
+// read once and dx written once. Rows of x, dy and dx start at the same offset modulo 16
+// bytes (the caller checks it). Rows are walked, and PREFETCH stages the next row's x
+// and dy, as in normalize_rows. Register cap: two 512 x 4 CTAs per SM.
 template <int P, typename T, int C, int THREADS, int VPT, bool PREFETCH = true,
-          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) / THREADS / (PREFETCH ? 2 : 1)>
+          int MIN_CTAS = (VPT <= 4 ? 1024 : 512) / THREADS>
 __global__ void __launch_bounds__(THREADS, MIN_CTAS > 0 ? MIN_CTAS : 1)
 CK_CLUSTER_DIMS(C)
 normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
@@ -223,15 +254,17 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
   typedef Vec16<T> V;
   constexpr int N = V::N;
   __shared__ A scratch[THREADS / 32];
-  __shared__ A part[2][2][C];  // [parity][norm term, dy.x][CTA]: the cluster's partial sums
+  __shared__ ClusterSum<A, C, 2> cs;  // (C > 1) the cluster's row sums: norm term, dy.x
+  const Ahead<2, THREADS, VPT> ahead;
+  if (PREFETCH && !ahead.sized()) __trap();
 
   const unsigned rank = C > 1 ? cluster_ctarank() : 0;
   const long long nclusters = gridDim.x / C;
   const long long vec0 = (long long)rank * VPT * THREADS + threadIdx.x;  // + i * THREADS
 
-  struct Row { V x[VPT], g[VPT]; A xsc, gsc; };  // a row's share of x and dy (+ scalars)
-  Row r0, r1;
-  auto load = [&](Row& b, long long row) {
+  V bx[VPT], bg[VPT];  // this thread's share of the row of x and of dy
+  A xsc = 0, gsc = 0, nxsc = 0, ngsc = 0;  // head/tail scalars (rank 0): this row's, the next's
+  auto fetch = [&](long long row) {
     const T* xr = x + row * xs;
     const T* gr = dy + row * dys;
     const RowSplit rs(xr, ncols);
@@ -239,57 +272,68 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
       if (v < rs.nvec) {
-        b.x[i].u = ld_global_nc_v4(xr + rs.head + v * N);
-        b.g[i].u = ld_global_nc_v4(gr + rs.head + v * N);
+        if constexpr (PREFETCH) {
+          ahead.copy(0, i, xr + rs.head + v * N);
+          ahead.copy(1, i, gr + rs.head + v * N);
+        } else {
+          bx[i].u = ld_global_nc_v4(xr + rs.head + v * N);
+          bg[i].u = ld_global_nc_v4(gr + rs.head + v * N);
+        }
       }
     }
+    if constexpr (PREFETCH) ahead.commit();
     if (rank == 0 && (int)threadIdx.x < rs.nscalar) {
-      b.xsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
-      b.gsc = to_acc(gr[rs.scalar_pos(threadIdx.x)]);
+      nxsc = to_acc(xr[rs.scalar_pos(threadIdx.x)]);
+      ngsc = to_acc(gr[rs.scalar_pos(threadIdx.x)]);
     }
   };
-  auto step = [&](Row& b, Row& next, long long row, int parity) {
-    if constexpr (PREFETCH) {
-      if (row + nclusters < nrows) load(next, row + nclusters);
-    } else {
-      load(b, row);
-    }
+
+  long long row = blockIdx.x / C;
+  if (PREFETCH && row < nrows) fetch(row);
+  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
+    cs.init();
+    cluster_arrive();
+    cluster_wait();
+  }
+  for (int step = 0; row < nrows; row += nclusters, ++step) {
     const RowSplit rs(x + row * xs, ncols);
+    if constexpr (PREFETCH) {
+      ahead.wait();
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        if (vec0 + (long long)i * THREADS < rs.nvec) {
+          bx[i].u = *ahead.slot(0, i);
+          bg[i].u = *ahead.slot(1, i);
+        }
+      }
+    } else {
+      fetch(row);
+    }
+    xsc = nxsc;
+    gsc = ngsc;
     A sn = 0, sg = 0;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       if (vec0 + (long long)i * THREADS < rs.nvec) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-          const A xv = to_acc(b.x[i].e[j]);
+          const A xv = to_acc(bx[i].e[j]);
           sn += norm_term<P>(xv);
-          sg += to_acc(b.g[i].e[j]) * xv;
+          sg += to_acc(bg[i].e[j]) * xv;
         }
       }
     }
     const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
     if (has_scalar) {  // after the vectors, as the forward adds it: the same d
-      sn += norm_term<P>(b.xsc);
-      sg += b.gsc * b.xsc;
+      sn += norm_term<P>(xsc);
+      sg += gsc * xsc;
     }
-    A tn = block_sum(sn, scratch), tg = block_sum(sg, scratch);
-    if constexpr (C > 1) {
-      if (threadIdx.x == 0) {
-        for (unsigned r = 0; r < C; ++r) {
-          st_dsmem(&part[parity][0][rank], r, tn);
-          st_dsmem(&part[parity][1][rank], r, tg);
-        }
-      }
-      cluster_arrive();
-      cluster_wait();
-      tn = tg = 0;
-      for (int r = 0; r < C; ++r) {  // same order in every CTA
-        tn += part[parity][0][r];
-        tg += part[parity][1][r];
-      }
-    }
-    const A d = row_divisor<P, T>(tn, ncols);
-    const A c = P == 1 ? tg / (d * d * (A)ncols) : tg / (d * d * d);
+    if (PREFETCH && row + nclusters < nrows) fetch(row + nclusters);
+
+    A t[2] = {block_sum(sn, scratch), block_sum(sg, scratch)};
+    if constexpr (C > 1) cs.sum(t, step, rank);
+    const A d = row_divisor<P, T>(t[0], ncols);
+    const A c = P == 1 ? t[1] / (d * d * (A)ncols) : t[1] / (d * d * d);
     auto grad = [&](A xv, A gv) {
       const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
       return gv / d - t * c;
@@ -299,28 +343,10 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
     for (int i = 0; i < VPT; ++i) {
       const long long v = vec0 + (long long)i * THREADS;
       if (v < rs.nvec) {
-        const V o = vec_from_acc<T>([&](int j) { return grad(to_acc(b.x[i].e[j]), to_acc(b.g[i].e[j])); });
+        const V o = vec_from_acc<T>([&](int j) { return grad(to_acc(bx[i].e[j]), to_acc(bg[i].e[j])); });
         st_global_cs_v4(dr + v * N, o.u);
       }
     }
-    if (has_scalar) dx[row * dxs + rs.scalar_pos(threadIdx.x)] = from_acc<T>(grad(b.xsc, b.gsc));
-  };
-
-  long long row = blockIdx.x / C;
-  if (PREFETCH && row < nrows) load(r0, row);
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cluster_arrive();
-    cluster_wait();
-  }
-  if constexpr (PREFETCH) {
-    while (row < nrows) {
-      step(r0, r1, row, 0);
-      row += nclusters;
-      if (row >= nrows) break;
-      step(r1, r0, row, 1);
-      row += nclusters;
-    }
-  } else {
-    for (int parity = 0; row < nrows; row += nclusters, parity ^= 1) step(r0, r0, row, parity);
+    if (has_scalar) dx[row * dxs + rs.scalar_pos(threadIdx.x)] = from_acc<T>(grad(xsc, gsc));
   }
 }
