@@ -21,9 +21,10 @@ P = {"l1": 1, "l2": 2}
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
 # [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
 # (16 // itemsize) vectors. Prefetch stages the next row in shared memory (cp.async)
-# while registers hold this one. Per item size, measured at 32768x65535 on H200: float32
-# clusters 256 x 8 with prefetch, 16 rows per cluster (1.17-1.18x copy time); 2-byte
-# types 512 x 4 without prefetch, three CTAs per SM (float16 1.08-1.09x, with 1.07-1.10x).
+# while registers hold this one. Per item size, measured at 32768x65535, same runs:
+# float32 4-CTA clusters of 512 x 8 with prefetch, one CTA per SM (H200 1.135x copy
+# time, H100 1.067x; 8 x 256 x 8 with 16 rows per cluster 1.164x / 1.103x); 2-byte types
+# 512 x 4 without prefetch, three CTAs per SM (float16 H200 1.05-1.09x, H100 1.05x).
 # The cluster's row sums travel by st.async onto mbarriers (ClusterSum): with a cluster
 # barrier per row instead, 1.20-1.22x (float16 1.14-1.16x).
 # Rows stay on chip: bulk tensor-copy (TMA) loads into a ring of 2-6 shared-memory row
@@ -31,12 +32,12 @@ P = {"l1": 1, "l2": 2}
 # H200, and no SM-issued copy, TMA or not, came under 1.08x the driver's memcpy.
 _SINGLE = ((1, 128, 4), (1, 256, 4), (1, 512, 4), (1, 1024, 4))
 CONFIGS = {2: _SINGLE + ((2, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False)),
-           4: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8, True, 16), (8, 512, 8)),
+           4: _SINGLE + ((2, 256, 8), (4, 256, 8), (4, 512, 8), (8, 512, 8)),
            8: _SINGLE + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 # Alternatives the benchmark sweeps (benchmarks/normalize.py); a 4th entry False
 # drops the next-row prefetch (no shared-memory staging).
 TUNING_CONFIGS = {2: ((4, 512, 4), (4, 256, 8, False)),
-                  4: ((8, 512, 4), (4, 1024, 4), (4, 512, 8), (8, 256, 8, False), (8, 512, 4, False)),
+                  4: ((8, 512, 4), (4, 1024, 4), (8, 256, 8, True, 16), (8, 256, 8, False), (8, 512, 4, False)),
                   8: ()}
 # The fused backward holds x and dy: its own configurations, in the same form, picked
 # the same way; clusters prefetch x and dy (2 x 32 KB of shared memory per 512 x 4 CTA,
