@@ -388,21 +388,50 @@ def _mm_fresh(checked, a, b, precision):
     (M, K), N = ao.shape, bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
-    bt, work = operand(b.T, "b"), M * N * K
-    swap = _swaps(ao, bt, work, prec)
-    run = _planned_swapped(ao, bt, prec) if swap else _planned_gemm(ao, bt, work, prec, (M, N))
+    run = mm_plan(ao, bo, prec)
     if run is None:
         return None
     ptr = run.place.ptr
     return lambda a, b: run(ptr(a), ptr(b), 0)  # (b.T starts where b does)
 
 
+def mm_plan(a, b, precision: str):
+    """The launch plan of :func:`mm` for 2-D GPU Operands ``a`` (M, K) and ``b`` (K, N),
+    M, N > 0, and a checked precision: a :class:`_Product` (``run(a_ptr, b_ptr, 0)``,
+    or its :meth:`_Product.stage`), or None where an operand needs a general copy. An
+    Operand may describe an array to be allocated later (pointer 0: 16-byte aligned)."""
+    (M, K), N = a.shape, b.shape[1]
+    bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
+                 b.name, b.torch)  # the GEMM's (N, K) operand
+    work = M * N * K
+    if _swaps(a, bt, work, precision):
+        return _planned_swapped(a, bt, precision)
+    return _planned_gemm(a, bt, work, precision, (M, N))
+
+
+class _Product:
+    """A planned GEMM product: ``stage(a_ptr, b_ptr, bias_ptr, launches, held) -> out``
+    allocates its output (and any operand copies, appended to ``held``, to be kept until
+    the launch) and appends its launches, so that a caller can queue them with its own;
+    calling it launches them at once and returns out. ``place``: where it allocates."""
+
+    __slots__ = ("place", "stage")
+
+    def __init__(self, place, stage):
+        self.place, self.stage = place, stage
+
+    def __call__(self, ap, bp, bias):
+        launches, held = [], []
+        out = self.stage(ap, bp, bias, launches, held)
+        launch_all(self.place, launches)
+        return out
+
+
 def _planned_gemm(a, b, work: int, precision: str, shape):
-    """``run(a_ptr, b_ptr, bias_ptr) -> out``: a new array of ``shape`` (rows of N) holding
-    ``a @ b.T (+ bias)`` for 2-D Operands like ``a`` and ``b`` in a product of ``work``
+    """The :class:`_Product` of a new array of ``shape`` (rows of N) holding ``a @ b.T
+    (+ bias)`` for 2-D Operands like ``a`` and ``b`` in a product of ``work``
     multiply-adds: their copies (:func:`_planned_read`), the GEMM and its split K, as
-    launches with their sizes fixed (``run.place``: where it allocates). None where an
-    operand needs a general copy."""
+    launches with their sizes fixed. None where an operand needs a general copy."""
     reads = [_planned_read(o, work) for o in (a, b)]
     if None in reads:
         return None
@@ -410,18 +439,17 @@ def _planned_gemm(a, b, work: int, precision: str, shape):
     kernel, place = gemm_kernel(a, b, precision), Place(a)
     call, ptr = gemm_call(kernel, a, b, b.shape[0]), place.ptr
 
-    def run(ap, bp, bias):
-        launches, held = [], []  # the copies, held to the launch
+    def stage(ap, bp, bias, launches, held):
         if copy_a:
             ap = copy_a(ap, launches, held)
         if copy_b:
             bp = copy_b(bp, launches, held)
         out, ws = empty(place, shape), workspace(place, kernel)
-        launch_all(place, (*launches, *call(ap, bp, ptr(out), bias, 0, 0, 0, ptr(ws))))
+        held.append(ws)
+        launches.extend(call(ap, bp, ptr(out), bias, 0, 0, 0, ptr(ws)))
         return out
 
-    run.place = place
-    return run
+    return _Product(place, stage)
 
 
 def _swaps(a, b, work: int, precision: str) -> bool:
@@ -440,21 +468,20 @@ def _swaps(a, b, work: int, precision: str) -> bool:
 
 
 def _planned_swapped(a, b, precision: str):
-    """:func:`_planned_gemm`'s ``run`` for ``a @ b.T`` computed as ``(b @ a.T).T``
-    (:func:`_swaps`): the GEMM stores the (N, M) product transposed, into the (M, N)
-    output. mm's products have no bias."""
+    """The :class:`_Product` of ``a @ b.T`` computed as ``(b @ a.T).T`` (:func:`_swaps`):
+    the GEMM stores the (N, M) product transposed, into the (M, N) output. mm's products
+    have no bias."""
     M, N = a.shape[0], b.shape[0]
     kernel, place = gemm_kernel(b, a, precision, transposed_c=True), Place(a)
     call, ptr = gemm_call(kernel, b, a, N), place.ptr
 
-    def run(ap, bp, bias):
+    def stage(ap, bp, bias, launches, held):
         assert not bias, "a swapped product has no bias"
         out = empty(place, (M, N))
-        launch_all(place, call(bp, ap, ptr(out), 0, 0, 0, 0, 0))
+        launches.extend(call(bp, ap, ptr(out), 0, 0, 0, 0, 0))
         return out
 
-    run.place = place
-    return run
+    return _Product(place, stage)
 
 
 def check_mm(a, b, precision):

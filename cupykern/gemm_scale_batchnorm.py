@@ -23,13 +23,13 @@ import sys
 import numpy as np
 
 from . import _dask, _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch, launch_all,
-                     operand, require_writable, row_view_stride, rows_2d, same_place, scalar,
-                     signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, empty, head, is_torch,
+                     launch_all, operand, require_writable, row_view_stride, rows_2d, same_place,
+                     scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
-                   gemm_kernel, linear_core, mm, workspace)
+                   gemm_kernel, linear_core, mm, mm_plan, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -467,7 +467,7 @@ def grad_dz(g, z, k, cm):
     fn = _loader.function(_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
     dz = empty(place, (M, N))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(k),
-                                          place.ptr(cm), place.ptr(dz)), 0),))
+                                          place.ptr(cm), place.ptr(dz), 0), 0),))
     return dz
 
 
@@ -482,8 +482,9 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
     the gradients of the GEMM bias (0: it cancels), scale, bn_weight and bn_bias.
 
     Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
-    merge into the vector gradients, dz), then dx = dz @ W and dW = dz^T @ x on our GEMM
-    at ``precision``. g (B, N) may have any row stride; other layouts are copied."""
+    merge into the vector gradients, dz and its transpose), then dx = dz @ W and dW =
+    dz^T @ x on our GEMM at ``precision``, each reading dz K-major (x is read in place
+    where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other layouts are copied."""
     arrays = (g, z, coefs, x, weight, scale, bn_weight)
     options = (eps, precision, input_grad, weight_grad)
     checked = None
@@ -495,13 +496,13 @@ def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, inp
             return run(*arrays)
     checked = checked or _check_backward(*arrays)
     run = _backward_plan(*checked, *options)
-    return run(*(None if o is None else o.obj for o in checked[:3]), x, weight,
-               *(None if o is None else o.obj for o in checked[3:]))
+    return run(*(None if o is None else o.obj for o in checked))
 
 
 def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
     """Validate :func:`backward_train`'s arrays: Operands of g (2-D, rows contiguous: copied
-    if not), z, coefs, scale and bn_weight (contiguous: copied if not)."""
+    if not), z, coefs, x, weight (read as they are), scale and bn_weight (contiguous:
+    copied if not)."""
     go = operand(g, "g")
     zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
     M, N = zo.shape
@@ -516,25 +517,39 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
     same_place(zo, co)
     if zo.kind == "cpu":
         raise TypeError("z: backward_train takes GPU arrays (CuPy or torch CUDA)")
+    xo, wo = check_inputs(x, weight)
+    same_place(zo, xo)
+    if xo.shape[0] != M or wo.shape[0] != N or xo.dtype != zo.dtype:
+        raise ValueError(f"x, weight: expected ({M}, K) x and ({N}, K) weight of z's dtype "
+                         f"{zo.dtype}, got {tuple(xo.shape)}, {tuple(wo.shape)} {xo.dtype}")
     if scale is None:
         raise ValueError("scale: required, got None")
-    return (rows_2d(go, "g"), zo, co,
+    return (rows_2d(go, "g"), zo, co, xo, wo,
             *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
 
 
-def _backward_fresh(checked, g, z, coefs, x, weight, scale, bn_weight, *options):
+def _backward_fresh(checked, *arrays_options):
     """``run(g, z, coefs, x, weight, scale, bn_weight)`` for backward calls like this one
     (``checked``: their validated Operands); None where an array must be copied first
     (the general path copies each call)."""
-    if any(o is not None and o.obj is not a for o, a in zip(checked, (g, z, coefs, scale, bn_weight))):
+    arrays = arrays_options[:7]
+    if any(o is not None and o.obj is not a for o, a in zip(checked, arrays)):
         return None
-    return _backward_plan(*checked, *options)
+    return _backward_plan(*checked, *arrays_options[7:])
 
 
-def _backward_plan(go, zo, co, so, gmo, eps, precision, input_grad, weight_grad):
+def _fresh_like(o, shape, name):
+    """An Operand describing a new C-contiguous array of ``shape`` beside ``o`` (to plan a
+    GEMM that reads it: :func:`cupykern.gemm.mm_plan`)."""
+    return Operand(o.obj, o.kind, o.dtype, shape, (shape[1], 1), 0, o.device, name, o.torch)
+
+
+def _backward_plan(go, zo, co, xo, wo, so, gmo, eps, precision, input_grad, weight_grad):
     """``run(g, z, coefs, x, weight, scale, bn_weight)`` for validated Operands (g with
-    contiguous rows, vectors contiguous): the three passes' launches with their sizes
-    fixed, then the two GEMMs (:func:`cupykern.gemm.mm`, whose plans are cached too)."""
+    contiguous rows, vectors contiguous): the three passes and the two GEMMs
+    (:func:`cupykern.gemm.mm_plan`) queued in one batch of launches with their sizes
+    fixed (a GEMM of an empty product, or one whose operand needs a general copy, is
+    :func:`cupykern.gemm.mm`'s call after it)."""
     prec = check_precision(precision)
     M, N = zo.shape
     place, t = Place(zo), CTYPE[zo.dtype]
@@ -547,17 +562,28 @@ def _backward_plan(go, zo, co, so, gmo, eps, precision, input_grad, weight_grad)
     m_, n_, tiles_, eps_ = scalar(M, "int"), scalar(N, "int"), scalar(tiles, "int"), scalar(eps, "double")
     ld, scratch, ptr = go.strides[0], 3 * N + 2 * tiles * N, place.ptr
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
+    # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
+    has_k = xo.shape[1] > 0
+    dx_plan = mm_plan(_fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
+    dw_plan = mm_plan(_fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, scale, bn_weight):
-        dvec, dz, buf = empty(place, (4, N)), empty(place, (M, N)), empty(place, (scratch,), acc)
+        dvec, buf = empty(place, (4, N)), empty(place, (scratch,), acc)
+        dz = empty(place, (M, N)) if input_grad else None
+        dzt = empty(place, (N, M)) if weight_grad else None
         gp, zp, c0, k, d0 = ptr(g), ptr(z), ptr(coefs), ptr(buf), ptr(dvec)
-        launch_all(place, (
+        launches, held = [
             (partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, k + 3 * step), 0),
             (coef, *coef_launch, (k + 3 * step, tiles_, m_, n_, ptr(scale), ptr(bn_weight),
                                   c0 + 3 * step, eps_, d0 + row, d0 + 2 * row, d0 + 3 * row, d0, k), 0),
-            (dz_fn, grid, block, (gp, ld, zp, m_, n_, k, c0 + step, ptr(dz)), 0)))
-        dx = mm(dz, weight, prec) if input_grad else None
-        dw = mm(dz.T, x, prec) if weight_grad else None
+            (dz_fn, grid, block, (gp, ld, zp, m_, n_, k, c0 + step, ptr(dz), ptr(dzt)), 0)], []
+        dx = dx_plan.stage(ptr(dz), ptr(weight), 0, launches, held) if dx_plan else None
+        dw = dw_plan.stage(ptr(dzt), ptr(x), 0, launches, held) if dw_plan else None
+        launch_all(place, launches)
+        if input_grad and dx is None:
+            dx = mm(dz, weight, prec)
+        if weight_grad and dw is None:
+            dw = mm(dzt, x, prec)
         return dx, dw, dvec
 
     return run

@@ -271,30 +271,66 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
   k[2LL * N + n] = w * w * s2 / (A)M;
 }
 
-// dz = k0*(g - k1 - k2*(z - cm)) into a contiguous (M, N) dz; g has row stride ldg.
+// dz = k0*(g - k1 - k2*(z - cm)) into a contiguous (M, N) dz and/or its transpose, a
+// contiguous (N, M) dzt (either pointer may be null: not wanted); g has row stride ldg.
+// dzt is what dW = dz^T @ x reads K-major (no transposed copy). Each CH-row chunk of the
+// block's (ROWS x THREADS) tile is staged in shared memory, transposed, and written as
+// THREADS runs of CH elements of dzt: whole 16-byte vectors where M keeps them aligned.
 // Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
            const typename acc_of<T>::type* __restrict__ k,
-           const typename acc_of<T>::type* __restrict__ cm, T* __restrict__ dz) {
+           const typename acc_of<T>::type* __restrict__ cm, T* __restrict__ dz,
+           T* __restrict__ dzt) {
+  constexpr int CH = 32;  // rows of a staged chunk: 128-byte runs of float32 dzt
+  // 16 bytes of padding per staged column: its 16-byte stores and loads are conflict-free
+  constexpr int PAD = 16 / sizeof(T), LD = CH + PAD, V = CH * sizeof(T) / 16;
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_dz: THREADS must be whole warps, at most 1024");
-  static_assert(ROWS % 8 == 0, "bn_grad_dz: ROWS is a multiple of the 8-row unroll");
+  static_assert(ROWS % CH == 0 && CH % 8 == 0, "bn_grad_dz: ROWS is a multiple of the 32-row chunk");
+  static_assert((8 * sizeof(T)) % 16 == 0, "bn_grad_dz: 8 elements are whole 16-byte vectors");
+  __shared__ __align__(16) T tile[THREADS * LD];
   typedef typename acc_of<T>::type A;
-  const int n = blockIdx.x * THREADS + threadIdx.x;
-  if (n >= N) return;
-  const A k0 = k[n], k1 = k[N + n], k2 = k[2LL * N + n], m = cm[n];
+  const int n0 = blockIdx.x * THREADS, n = n0 + threadIdx.x, cols = min(THREADS, N - n0);
+  const bool col = n < N;
+  const A k0 = col ? k[n] : (A)0, k1 = col ? k[N + n] : (A)0, k2 = col ? k[2LL * N + n] : (A)0;
+  const A m = col ? cm[n] : (A)0;
   const int r0 = blockIdx.y * ROWS, r1 = min(M, r0 + ROWS);
-  for (int r = r0; r < r1; r += 8) {
-    A gv[8], zv[8];
+  const bool vec = ((long long)M * sizeof(T)) % 16 == 0;  // (chunks start 16-byte aligned)
+  for (int c = r0; c < r1; c += CH) {
+    const int len = min(CH, r1 - c);
+    for (int r = c; col && r < c + len; r += 8) {
+      A gv[8], zv[8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const bool ok = r + u < r1;
-      gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
-      zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : (A)0;
+      for (int u = 0; u < 8; ++u) {
+        const bool ok = r + u < r1;
+        gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
+        zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : (A)0;
+      }
+      union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) d.t[u] = from_acc<T>(k0 * (gv[u] - k1 - k2 * (zv[u] - m)));
+      if (dz) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (r + u < r1) dz[(long long)(r + u) * N + n] = d.t[u];
+      }
+      if (dzt) {
+        uint4* staged = reinterpret_cast<uint4*>(tile + threadIdx.x * LD + (r - c));
+#pragma unroll
+        for (int i = 0; i < 8 * (int)sizeof(T) / 16; ++i) staged[i] = d.v[i];
+      }
     }
-#pragma unroll
-    for (int u = 0; u < 8; ++u)
-      if (r + u < r1) dz[(long long)(r + u) * N + n] = from_acc<T>(k0 * (gv[u] - k1 - k2 * (zv[u] - m)));
+    if (!dzt) continue;  // (uniform: the block's barriers below)
+    __syncthreads();
+    if (vec && len == CH) {  // consecutive threads: consecutive vectors of a run
+      for (int i = threadIdx.x; i < cols * V; i += THREADS)
+        reinterpret_cast<uint4*>(dzt + (long long)(n0 + i / V) * M + c)[i % V] =
+            reinterpret_cast<const uint4*>(tile + (i / V) * LD)[i % V];
+    } else {
+      for (int i = threadIdx.x; i < cols * len; i += THREADS)
+        dzt[(long long)(n0 + i / len) * M + c + i % len] = tile[(i / len) * LD + i % len];
+    }
+    __syncthreads();
   }
 }

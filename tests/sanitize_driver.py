@@ -321,9 +321,11 @@ def run_gemm_scale_batchnorm():
                 check(f"{name} running_var", mod.bn.running_var, ref.bn.running_var, 1e-4)
         if mod.bn.num_batches_tracked.item() != 1:
             _failures.append("GemmScaleBatchNorm: num_batches_tracked not incremented")
-    # The fused backward in both modes (column sums, dz, dx and dW GEMMs) against float64
-    # autograd.
-    for (m, k, n), training in zip(((130, 200, 136), (37, 50, 23)) * 2, (True, True, False, False)):
+    # The fused backward in both modes (column sums, dz and its transpose, dx and dW GEMMs)
+    # against float64 autograd; 200 rows: dz^T's 16-byte stores, then a chunk's tail.
+    cases = [((130, 200, 136), True), ((37, 50, 23), True), ((200, 72, 130), True),
+             ((130, 200, 136), False), ((37, 50, 23), False)]
+    for (m, k, n), training in cases:
         torch.manual_seed(1)
         mod = GemmScaleBatchNorm(k, n, (n,)).cuda().train(training)
         mod.bn.running_var.uniform_(0.5, 1.5)

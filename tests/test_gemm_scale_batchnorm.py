@@ -298,6 +298,29 @@ def test_fused_backward_matches_float64(shape, precision, bound, training):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("frozen", ["x", "weight"])
+@pytest.mark.parametrize("batch", [37, 256])
+def test_fused_backward_one_product(frozen, batch):
+    """Only dW (x without grad: the backward writes dz's transpose alone) or only dx (a
+    frozen weight: dz alone), at a batch whose rows of dz^T take 16-byte stores (256)
+    and one whose rows do not (37): each gradient still matches float64."""
+    ref, new = _pair(40, 24)
+    new = new.cuda().train()
+    new.gemm.weight.requires_grad_(frozen != "weight")
+    x = torch.randn(batch, 40, device="cuda", requires_grad=frozen != "x")
+    g = torch.randn(batch, 24, device="cuda")
+    want = _grads_float64(ref, x, g)
+    with matmul_precision("highest"):
+        new(x).backward(g)
+    assert (x.grad is None) == (frozen == "x")
+    assert (new.gemm.weight.grad is None) == (frozen == "weight")
+    ours = [x.grad] + [p.grad for p in new.parameters()]
+    for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+        if o is not None:
+            assert_grad_close(o, r, 1e-4, 1e-6, name)
+
+
+@pytest.mark.gpu
 def test_eval_empty_batch_with_grad():
     """An empty batch in eval mode with gradients on: nothing kept, empty and zero grads."""
     _, new = _pair(16, 8)

@@ -130,13 +130,13 @@ def _calls():
     # the synchronized path's first pass (no plan: every call builds its launches)
     yield ("gemm_statistics", lambda a: gs.gemm_statistics(*a, "high"),
            lambda: [r(300, 24), r(40, 24)], 0)
-    # the fused backward, its dx and dW GEMMs (each an mm plan of its own)
+    # the fused backward, its dx and dW GEMMs planned within it (one batch of launches)
     yield ("gemm_scale_batchnorm backward",
            lambda a: gs.backward_train(*a, 1e-5, "highest"),
-           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)], 3)
+           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)], 1)
     yield ("gemm_scale_batchnorm backward, no bn_weight, dW only",
            lambda a: gs.backward_train(*a, None, 1e-5, "high", False, True),
-           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8)], 2)
+           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8)], 1)
 
     def m4_call(a):
         from cupykern.torch.matmul_sum_max_mean_logsumexp import _check
