@@ -49,10 +49,10 @@ def _apply_expr(dtype, vec, fused=False):
 
 
 def _grad_exprs(t):
-    """bn_grad_partials, bn_grad_coef, bn_grad_dz for C type ``t``."""
+    """bn_grad_partials, bn_grad_coef, bn_grad_dz, bn_grad_eval_coef for C type ``t``."""
     g = f"{_GRAD['THREADS']}, {_GRAD['ROWS']}"
     return (f"bn_grad_partials<{t}, {g}>", f"bn_grad_coef<{t}, {_COEF_THREADS}>",
-            f"bn_grad_dz<{t}, {g}>")
+            f"bn_grad_dz<{t}, {g}>", f"bn_grad_eval_coef<{t}, {_COEF_THREADS}>")
 
 
 for _dt in CTYPE:
@@ -225,9 +225,9 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
                               precision, save=False):
     """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
     layer) torch CUDA tensors. With ``save`` (GPU, B > 0, N > 0) it returns ``(out, z, coefs)``:
-    also z = x @ W.T and (4, N) accumulation-type rows: in training mode (ca, cm, cb, inv),
-    which :func:`backward_train` takes; in eval mode (ca, 0, cb, inv), out being
-    ca * z + cb and inv 1 / sqrt(running_var + eps)."""
+    also z = x @ W.T and (4, N) accumulation-type rows, which :func:`backward` takes: in
+    training mode (ca, cm, cb, inv); in eval mode (ca, 0, cb, inv), out being ca * z + cb
+    and inv 1 / sqrt(running_var + eps)."""
     arrays = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
               num_batches_tracked)
     options = (training, momentum, eps, precision, save)
@@ -471,38 +471,41 @@ def grad_dz(g, z, k, cm):
     return dz
 
 
-_backward_plans: dict = {}  # (signatures, eps, precision, input_grad, weight_grad) -> run, or None
+_backward_plans: dict = {}  # (signatures, training, eps, precision, input_grad, weight_grad) -> run
 
 
-def backward_train(g, z, coefs, x, weight, scale, bn_weight, eps, precision, input_grad=True,
-                   weight_grad=True):
-    """Gradients of training-mode :func:`gemm_scale_batchnorm` from what the forward saved
-    (``save``: z = x @ W.T and coefs): ``(dx, dweight, dvec)``, arrays of x's kind (dx
-    None unless ``input_grad``, dweight None unless ``weight_grad``), dvec (4, N) holding
-    the gradients of the GEMM bias (0: it cancels), scale, bn_weight and bn_bias.
+def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training, eps,
+             precision, input_grad=True, weight_grad=True):
+    """Gradients of :func:`gemm_scale_batchnorm` from what its forward saved (``save``: z =
+    x @ W.T and coefs) in that mode (``training``: batch statistics; otherwise the
+    running ones, ``running_mean`` then required): ``(dx, dweight, dvec)``, arrays of
+    x's kind (dx None unless ``input_grad``, dweight None unless ``weight_grad``), dvec
+    (4, N) holding the gradients of the GEMM bias (0 in training mode: it cancels),
+    scale, bn_weight and bn_bias.
 
     Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
     merge into the vector gradients, dz and its transpose), then dx = dz @ W and dW =
     dz^T @ x on our GEMM at ``precision``, each reading dz K-major (x is read in place
-    where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other layouts are copied."""
-    arrays = (g, z, coefs, x, weight, scale, bn_weight)
-    options = (eps, precision, input_grad, weight_grad)
+    where the GEMM can: Hopper TF32 / 3xTF32), all in one batch of launches. g (B, N)
+    may have any row stride; other layouts are copied."""
+    arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
+    options = (training, eps, precision, input_grad, weight_grad)
     checked = None
-    if type(eps) is float and type(precision) is str:  # the common call, cached
+    if type(training) is bool and type(eps) is float and type(precision) is str:  # cached
         key = tuple(signature(v) for v in arrays) + options
         run, checked = cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
-                                      arrays, options)
+                                      arrays + (training,), options[1:])
         if run is not None:
             return run(*arrays)
-    checked = checked or _check_backward(*arrays)
+    checked = checked or _check_backward(*arrays, training)
     run = _backward_plan(*checked, *options)
     return run(*(None if o is None else o.obj for o in checked))
 
 
-def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
-    """Validate :func:`backward_train`'s arrays: Operands of g (2-D, rows contiguous: copied
-    if not), z, coefs, x, weight (read as they are), scale and bn_weight (contiguous:
-    copied if not)."""
+def _check_backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training):
+    """Validate :func:`backward`'s arrays: Operands of g (2-D, rows contiguous: copied if
+    not), z, coefs, x, weight (read as they are), and the vectors (contiguous: copied if
+    not)."""
     go = operand(g, "g")
     zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
     M, N = zo.shape
@@ -516,7 +519,7 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
     same_place(zo, go)
     same_place(zo, co)
     if zo.kind == "cpu":
-        raise TypeError("z: backward_train takes GPU arrays (CuPy or torch CUDA)")
+        raise TypeError("z: backward takes GPU arrays (CuPy or torch CUDA)")
     xo, wo = check_inputs(x, weight)
     same_place(zo, xo)
     if xo.shape[0] != M or wo.shape[0] != N or xo.dtype != zo.dtype:
@@ -524,18 +527,22 @@ def _check_backward(g, z, coefs, x, weight, scale, bn_weight):
                          f"{zo.dtype}, got {tuple(xo.shape)}, {tuple(wo.shape)} {xo.dtype}")
     if scale is None:
         raise ValueError("scale: required, got None")
+    if not training and running_mean is None:
+        raise ValueError("running_mean: required in eval mode (training=False)")
     return (rows_2d(go, "g"), zo, co, xo, wo,
-            *(check_vector(v, name, zo, N) for name, v in (("scale", scale), ("bn_weight", bn_weight))))
+            *(check_vector(v, name, zo, N) for name, v in (
+                ("bias", bias), ("scale", scale), ("bn_weight", bn_weight),
+                ("running_mean", running_mean))))
 
 
 def _backward_fresh(checked, *arrays_options):
-    """``run(g, z, coefs, x, weight, scale, bn_weight)`` for backward calls like this one
-    (``checked``: their validated Operands); None where an array must be copied first
-    (the general path copies each call)."""
-    arrays = arrays_options[:7]
+    """``run(*arrays)`` for :func:`backward` calls like this one (``checked``: their
+    validated Operands); None where an array must be copied first (the general path
+    copies each call)."""
+    arrays = arrays_options[:9]
     if any(o is not None and o.obj is not a for o, a in zip(checked, arrays)):
         return None
-    return _backward_plan(*checked, *arrays_options[7:])
+    return _backward_plan(*checked, *arrays_options[9:])
 
 
 def _fresh_like(o, shape, name):
@@ -544,18 +551,20 @@ def _fresh_like(o, shape, name):
     return Operand(o.obj, o.kind, o.dtype, shape, (shape[1], 1), 0, o.device, name, o.torch)
 
 
-def _backward_plan(go, zo, co, xo, wo, so, gmo, eps, precision, input_grad, weight_grad):
-    """``run(g, z, coefs, x, weight, scale, bn_weight)`` for validated Operands (g with
-    contiguous rows, vectors contiguous): the three passes and the two GEMMs
-    (:func:`cupykern.gemm.mm_plan`) queued in one batch of launches with their sizes
-    fixed (a GEMM of an empty product, or one whose operand needs a general copy, is
-    :func:`cupykern.gemm.mm`'s call after it)."""
+def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precision, input_grad,
+                   weight_grad):
+    """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
+    Operands (g with contiguous rows, vectors contiguous): the three passes and the two
+    GEMMs (:func:`cupykern.gemm.mm_plan`) queued in one batch of launches with their
+    sizes fixed (a GEMM of an empty product, or one whose operand needs a general copy,
+    is :func:`cupykern.gemm.mm`'s call after it)."""
     prec = check_precision(precision)
     M, N = zo.shape
     place, t = Place(zo), CTYPE[zo.dtype]
     acc = acc_dtype(zo.dtype)
     step = N * ITEMSIZE[acc]
-    partials, coef, dz_fn = (_loader.function(_FILE, e, zo.device) for e in _grad_exprs(t))
+    partials, train_coef, dz_fn, eval_coef = (_loader.function(_FILE, e, zo.device)
+                                              for e in _grad_exprs(t))
     grid, block = _grad_geometry(M, N)
     tiles = grid[1]
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
@@ -567,16 +576,22 @@ def _backward_plan(go, zo, co, xo, wo, so, gmo, eps, precision, input_grad, weig
     dx_plan = mm_plan(_fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
     dw_plan = mm_plan(_fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
 
-    def run(g, z, coefs, x, weight, scale, bn_weight):
+    def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         dvec, buf = empty(place, (4, N)), empty(place, (scratch,), acc)
         dz = empty(place, (M, N)) if input_grad else None
         dzt = empty(place, (N, M)) if weight_grad else None
         gp, zp, c0, k, d0 = ptr(g), ptr(z), ptr(coefs), ptr(buf), ptr(dvec)
-        launches, held = [
-            (partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, k + 3 * step), 0),
-            (coef, *coef_launch, (k + 3 * step, tiles_, m_, n_, ptr(scale), ptr(bn_weight),
-                                  c0 + 3 * step, eps_, d0 + row, d0 + 2 * row, d0 + 3 * row, d0, k), 0),
-            (dz_fn, grid, block, (gp, ld, zp, m_, n_, k, c0 + step, ptr(dz), ptr(dzt)), 0)], []
+        part, grads = k + 3 * step, (d0 + row, d0 + 2 * row, d0 + 3 * row, d0)
+        if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
+            coef = (train_coef, *coef_launch, (part, tiles_, m_, n_, ptr(scale), ptr(bn_weight),
+                                               c0 + 3 * step, eps_, *grads, k), 0)
+            dz_args = (gp, ld, zp, m_, n_, k, c0 + step)
+        else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
+            coef = (eval_coef, *coef_launch, (part, tiles_, n_, ptr(bias), ptr(scale), ptr(bn_weight),
+                                              ptr(running_mean), c0, c0 + 3 * step, *grads), 0)
+            dz_args = (gp, ld, 0, m_, n_, c0, c0 + step)
+        launches, held = [(partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef,
+                          (dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)], []
         dx = dx_plan.stage(ptr(dz), ptr(weight), 0, launches, held) if dx_plan else None
         dw = dw_plan.stage(ptr(dzt), ptr(x), 0, launches, held) if dw_plan else None
         launch_all(place, launches)

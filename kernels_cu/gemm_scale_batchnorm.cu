@@ -204,12 +204,16 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
   apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
 }
 
-// ---- backward, training mode ---------------------------------------------------------
-// With u = z - cm (cm: the batch mean of z), inv = 1/sqrt(var_y + eps), w = s*inv (so
-// y-hat = w*u), S1 = sum_m g and S2 = sum_m g*u per column, the gradients are
+// ---- backward ---------------------------------------------------------------------------
+// Training mode: with u = z - cm (cm: the batch mean of z), inv = 1/sqrt(var_y + eps),
+// w = s*inv (so y-hat = w*u), S1 = sum_m g and S2 = sum_m g*u per column, the gradients are
 //   d bn_bias = S1, d bn_weight = w*S2, d scale = gamma*eps*inv^3*S2 (= sum dy*(z + b):
 //   sum dy is 0 and 1 - w^2 var_z = eps*inv^2), d gemm bias = sum dz = 0, and
 //   dz = w*gamma*(g - S1/M - w^2*S2/M * u), which the two GEMMs take on.
+// Eval mode (out = ca*z + cb, ca = c*s with c = gamma*inv, inv = 1/sqrt(running_var +
+// eps)): with cm = 0, S2 = sum_m g*z, and S2b = S2 + b*S1,
+//   d bn_bias = S1, d bn_weight = inv*(s*S2b - running_mean*S1), d scale = c*S2b,
+//   d gemm bias = ca*S1, and dz = ca*g.
 
 // Per (ROWS-row tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged
 // in tile order by bn_grad_coef: deterministic). g has row stride ldg, z is contiguous.
@@ -242,9 +246,21 @@ bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z
   part[(2LL * blockIdx.y + 1) * N + n] = s2;
 }
 
-// Merge the partials, write the vector gradients (each pointer may be null: not wanted;
-// d gemm bias is exactly 0) and dz's coefficients k = (w*gamma, S1/M, w^2*S2/M) in rows 0..2 (N apart).
-// One thread per column: grid cdiv(N, THREADS), block THREADS.
+// Column n's S1, S2 from bn_grad_partials' tiles, added in tile order (deterministic).
+template <typename A>
+__device__ __forceinline__ void merge_grad_partials(const A* __restrict__ part, int tiles, int N,
+                                                    int n, A& s1, A& s2) {
+  s1 = 0;
+  s2 = 0;
+  for (int t = 0; t < tiles; ++t) {
+    s1 += part[2LL * t * N + n];
+    s2 += part[(2LL * t + 1) * N + n];
+  }
+}
+
+// Training mode: merge the partials, write the vector gradients (each pointer may be
+// null: not wanted; d gemm bias is exactly 0) and dz's coefficients k = (w*gamma, S1/M,
+// w^2*S2/M) in rows 0..2 (N apart). One thread per column: grid cdiv(N, THREADS), block THREADS.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M, int N,
@@ -256,11 +272,8 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * THREADS + threadIdx.x;
   if (n >= N) return;
-  A s1 = 0, s2 = 0;
-  for (int t = 0; t < tiles; ++t) {
-    s1 += part[2LL * t * N + n];
-    s2 += part[(2LL * t + 1) * N + n];
-  }
+  A s1, s2;
+  merge_grad_partials(part, tiles, N, n, s1, s2);
   const A iv = inv[n], gm = opt(gamma, n, (A)1), w = to_acc(scale[n]) * iv;
   if (dbeta) dbeta[n] = from_acc<T>(s1);
   if (dgamma) dgamma[n] = from_acc<T>(w * s2);
@@ -271,8 +284,33 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
   k[2LL * N + n] = w * w * s2 / (A)M;
 }
 
-// dz = k0*(g - k1 - k2*(z - cm)) into a contiguous (M, N) dz and/or its transpose, a
-// contiguous (N, M) dzt (either pointer may be null: not wanted); g has row stride ldg.
+// Eval mode: merge the partials (of S1 and S2 = sum g*z) and write the vector gradients
+// (each pointer may be null), from the forward's ca and inv. One thread per column.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int N,
+                  const T* __restrict__ bias, const T* __restrict__ scale,
+                  const T* __restrict__ gamma, const T* __restrict__ rmean,
+                  const typename acc_of<T>::type* __restrict__ ca,
+                  const typename acc_of<T>::type* __restrict__ inv,
+                  T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
+                  T* __restrict__ dbias) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_eval_coef: THREADS must be whole warps, at most 1024");
+  typedef typename acc_of<T>::type A;
+  const int n = blockIdx.x * THREADS + threadIdx.x;
+  if (n >= N) return;
+  A s1, s2;
+  merge_grad_partials(part, tiles, N, n, s1, s2);
+  const A iv = inv[n], s2b = s2 + opt(bias, n, (A)0) * s1;
+  if (dbeta) dbeta[n] = from_acc<T>(s1);
+  if (dgamma) dgamma[n] = from_acc<T>(iv * (to_acc(scale[n]) * s2b - to_acc(rmean[n]) * s1));
+  if (dscale) dscale[n] = from_acc<T>(opt(gamma, n, (A)1) * iv * s2b);
+  if (dbias) dbias[n] = from_acc<T>(ca[n] * s1);
+}
+
+// dz = k0*(g - k1 - k2*(z - cm)) (z null: k0*(g - k1), k2 and cm unread) into a contiguous
+// (M, N) dz and/or its transpose, a contiguous (N, M) dzt (either pointer may be null:
+// not wanted); g has row stride ldg.
 // dzt is what dW = dz^T @ x reads K-major (no transposed copy). Each CH-row chunk of the
 // block's (ROWS x THREADS) tile is staged in shared memory, transposed, and written as
 // THREADS runs of CH elements of dzt: whole 16-byte vectors where M keeps them aligned.
@@ -293,8 +331,8 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
   typedef typename acc_of<T>::type A;
   const int n0 = blockIdx.x * THREADS, n = n0 + threadIdx.x, cols = min(THREADS, N - n0);
   const bool col = n < N;
-  const A k0 = col ? k[n] : (A)0, k1 = col ? k[N + n] : (A)0, k2 = col ? k[2LL * N + n] : (A)0;
-  const A m = col ? cm[n] : (A)0;
+  const A k0 = col ? k[n] : (A)0, k1 = col ? k[N + n] : (A)0;
+  const A k2 = col && z ? k[2LL * N + n] : (A)0, m = col && z ? cm[n] : (A)0;
   const int r0 = blockIdx.y * ROWS, r1 = min(M, r0 + ROWS);
   const bool vec = ((long long)M * sizeof(T)) % 16 == 0;  // (chunks start 16-byte aligned)
   for (int c = r0; c < r1; c += CH) {
@@ -305,7 +343,7 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
       for (int u = 0; u < 8; ++u) {
         const bool ok = r + u < r1;
         gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
-        zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : (A)0;
+        zv[u] = ok && z ? to_acc(z[(long long)(r + u) * N + n]) : m;  // (z null: no term)
       }
       union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
 #pragma unroll

@@ -229,13 +229,26 @@ def test_backward_closed_form_matches_autograd():
     leaves = [t.clone().requires_grad_() for t in (x, w, b, s, gamma, beta)]
     xr, wr, br, sr, gr, ber = leaves
     torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, None, None, gr, ber, True, 0.1, eps).backward(g)
-    dx, dw, dvec = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", True, True)
+    dx, dw, dvec = backward_op(g, z, coefs, x, w, b, s, gamma, None, True, eps, "highest", True,
+                               True)
     grads = (dx, dw, *dvec)
     for ours, ref in zip(grads, (xr.grad, wr.grad, br.grad, sr.grad, gr.grad, ber.grad)):
         torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     assert not grads[2].any()  # the bias cancels in training mode: exactly 0
-    dx, dw = backward_op(g, z, coefs, x, w, s, gamma, eps, "highest", False, False)[:2]
+    dx, dw = backward_op(g, z, coefs, x, w, b, s, gamma, None, True, eps, "highest", False,
+                         False)[:2]
     assert dx.numel() == dw.numel() == 0  # not wanted: not computed
+    # eval mode: out = ca z + cb with the running statistics' ca, cb (coefs' cm row: 0)
+    rm, rv = torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64) + 0.5
+    inv = torch.rsqrt(rv + eps)
+    coefs = torch.stack([gamma * s * inv, torch.zeros(5, dtype=torch.float64), beta, inv])
+    for t in leaves:
+        t.grad = None
+    torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, rm, rv, gr, ber, False, 0.1, eps).backward(g)
+    dx, dw, dvec = backward_op(g, z, coefs, x, w, b, s, gamma, rm, False, eps, "highest", True,
+                               True)
+    for ours, ref in zip((dx, dw, *dvec), (xr.grad, wr.grad, br.grad, sr.grad, gr.grad, ber.grad)):
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
 
 
 def _running_stats(ref, new):

@@ -131,12 +131,14 @@ def _calls():
     yield ("gemm_statistics", lambda a: gs.gemm_statistics(*a, "high"),
            lambda: [r(300, 24), r(40, 24)], 0)
     # the fused backward, its dx and dW GEMMs planned within it (one batch of launches)
-    yield ("gemm_scale_batchnorm backward",
-           lambda a: gs.backward_train(*a, 1e-5, "highest"),
-           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)], 1)
-    yield ("gemm_scale_batchnorm backward, no bn_weight, dW only",
-           lambda a: gs.backward_train(*a, None, 1e-5, "high", False, True),
-           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8)], 1)
+    for training in (True, False):
+        yield (f"gemm_scale_batchnorm backward training={training}",
+               lambda a, t=training: gs.backward(*a, t, 1e-5, "highest"),
+               lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8), r(8),
+                        r(8)], 1)
+    yield ("gemm_scale_batchnorm backward, no bias or bn_weight, dW only",
+           lambda a: gs.backward(*a, None, True, 1e-5, "high", False, True),
+           lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), None, r(8), None], 1)
 
     def m4_call(a):
         from cupykern.torch.matmul_sum_max_mean_logsumexp import _check
@@ -229,10 +231,10 @@ def test_backward_copies_once_a_call(launches, monkeypatch):
 
     monkeypatch.setattr(_array, "contiguous", counting)
     r = torch.randn
-    args = [r(8, 9).t(), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8)]
+    args = [r(8, 9).t(), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8), r(8), None]
     for _ in range(2):
         copies.clear()
-        gs.backward_train(*args, 1e-5, "highest")
+        gs.backward(*args, True, 1e-5, "highest")
         assert copies == ["g"]
 
 

@@ -59,9 +59,13 @@ def _opcheck_cases(device):
     z = r(8, 16)
     coefs = torch.stack([r(16), z.mean(0), r(16), r(16).abs() + 0.5])
     for input_grad, weight_grad in ((True, True), (False, True), (True, False)):
-        yield backward_op, (r(8, 16), z, coefs, x, w, v[0], v[1], 1e-5, "highest", input_grad,
-                            weight_grad)
-    yield backward_op, (r(8, 16), z, coefs, x, w, v[0], None, 1e-5, "high", True, True)
+        yield backward_op, (r(8, 16), z, coefs, x, w, b, v[0], v[1], None, True, 1e-5, "highest",
+                            input_grad, weight_grad)
+    yield backward_op, (r(8, 16), z, coefs, x, w, None, v[0], None, None, True, 1e-5, "high", True,
+                        True)
+    coefs = torch.stack([r(16), torch.zeros(16, device=device), r(16), r(16).abs() + 0.5])
+    yield backward_op, (r(8, 16), z, coefs, x, w, b, v[0], v[1], rm, False, 1e-5, "highest", True,
+                        True)
     yield plan_op, (w, b)
     yield matmul_sum_op, (x, w, b, plan_op(w, b))
     yield matmul_sum_op, (x, w, None, plan_op(w, None))

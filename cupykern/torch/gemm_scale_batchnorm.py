@@ -3,13 +3,12 @@ model 3, ``bn(gemm(x) * scale)``.
 
 The op updates ``running_mean`` / ``running_var`` / ``num_batches_tracked`` in place in
 training mode (declared mutable in its schema) and has autograd: gradients for x,
-weight, bias, scale, bn weight and bn bias. In training mode on the GPU, when a
-gradient is wanted, the forward also returns z = x @ W.T and per-column coefficients
-(``save``), and the backward is ``cupykern::gemm_scale_batchnorm_backward``: three
-bandwidth passes and two GEMMs on our kernels at the forward's precision. In eval mode
-(BatchNorm then being a per-column affine map) the backward is two column sums and the
-same two GEMMs (``cupykern::mm``), from the kept z on CUDA. Elsewhere (CPU training,
-double backward) the backward is written in PyTorch ops and recomputes the GEMM.
+weight, bias, scale, bn weight and bn bias. On the GPU, when a gradient is wanted, the
+forward also returns z = x @ W.T and per-column coefficients (``save``), and the
+backward is ``cupykern::gemm_scale_batchnorm_backward``: three bandwidth passes and two
+GEMMs on our kernels at the forward's precision, in either mode (in eval mode BatchNorm
+is a per-column affine map: the passes are two column sums and dz = ca * g). Elsewhere
+(CPU, double backward) the backward is written in PyTorch ops and recomputes the GEMM.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (apply_coefficients, backward_train, batch_size_error, check,
+from ..gemm_scale_batchnorm import (apply_coefficients, backward, batch_size_error, check,
                                     check_inputs, check_real, gemm_scale_batchnorm_core,
                                     gemm_statistics, grad_dz, grad_partials, planned_run)
 from torch.autograd.function import once_differentiable
@@ -43,7 +42,8 @@ _BATCH_STATS_SCHEMA = (f"gemm_scale_batchnorm_batch_stats({_PARAMS}, float eps, 
 # Gradients: x's and weight's (empty unless input_grad / weight_grad), and one (4, N)
 # tensor of bias's, scale's, bn_weight's and bn_bias's (outputs of an op must not alias).
 _BACKWARD_SCHEMA = ("gemm_scale_batchnorm_backward(Tensor g, Tensor z, Tensor coefs, Tensor x, "
-                    "Tensor weight, Tensor scale, Tensor? bn_weight, float eps, str precision, "
+                    "Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
+                    "Tensor? running_mean, bool training, float eps, str precision, "
                     "bool input_grad, bool weight_grad) -> (Tensor, Tensor, Tensor)")
 
 
@@ -88,38 +88,35 @@ def _setup_context(ctx, inputs, output):
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in (x, weight, bias, scale, gamma, beta))
-    if training:
-        stats = output[1:] if save else (None, None)
-    else:
-        stats = (output[1] if save else None, rmean, rvar)
-    ctx.save_for_backward(x, weight, bias, scale, gamma, *stats)
+    kept = output[1:] if save else (None, None)  # z, coefs
+    ctx.save_for_backward(x, weight, bias, scale, gamma, *kept,
+                          *((None, None) if training else (rmean, rvar)))
 
 
 def _backward(ctx, g, *_):
     if g is None:  # no gradient reached out (z and coefs are not differentiable)
         return (None,) * 14
-    x, weight, bias, scale, gamma, *stats = ctx.saved_tensors
+    x, weight, bias, scale, gamma, z, coefs, rmean, rvar = ctx.saved_tensors
     want = ctx.wants
-    if not ctx.training and not torch.is_grad_enabled():
-        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, *stats)
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
-        dx, dw, dvec = backward_op(g, *stats, x, weight, scale, gamma, ctx.eps, ctx.precision,
-                                   want[0], want[1])
+        dx, dw, dvec = backward_op(g, z, coefs, x, weight, bias, scale, gamma, rmean,
+                                   ctx.training, ctx.eps, ctx.precision, want[0], want[1])
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
-    return _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats)
+    if not ctx.training and not torch.is_grad_enabled():
+        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
+    return _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
 
 
-def _grad_eval(ctx, g, x, weight, bias, scale, gamma, z, rmean, rvar):
-    """Eval-mode gradients from z = x @ W.T (kept by the forward on CUDA, recomputed on
-    the CPU). BatchNorm is then a per-column affine map, out = c (s (z + b) - rm) + beta
+def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
+    """Eval-mode gradients off the GPU's fused backward, from z = x @ W.T recomputed.
+    BatchNorm is then a per-column affine map, out = c (s (z + b) - rm) + beta
     with c = gamma / sqrt(rv + eps), so with S1 = sum_m g and S2 = sum_m g z:
-    dz = c s g, dx = dz @ W, dW = dz^T @ x (our GEMM at the forward's precision),
+    dz = c s g, dx = dz @ W, dW = dz^T @ x (at the forward's precision),
     d bias = c s S1, d scale = c (S2 + b S1), d gamma = (s (S2 + b S1) - rm S1) /
     sqrt(rv + eps), d beta = S1."""
     want, dt, acc = ctx.wants, x.dtype, _acc(x)
-    if z is None:
-        z = F.linear(x, weight)
+    z = F.linear(x, weight)
     inv = torch.rsqrt(rvar.to(acc) + ctx.eps)
     c = inv if gamma is None else inv * gamma.to(acc)
     s = scale.to(acc)
@@ -136,9 +133,8 @@ def _grad_eval(ctx, g, x, weight, bias, scale, gamma, z, rmean, rvar):
     return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 8
 
 
-def _grad_reference(ctx, g, x, weight, bias, scale, gamma, *stats):
+def _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
     """The gradients in PyTorch ops (recomputing the GEMM), differentiable."""
-    rmean, rvar = stats[-2:] if not ctx.training else (None, None)
     dt = x.dtype
     acc = torch.float64 if dt == torch.float64 else torch.float32
     up = lambda t: None if t is None else t.to(acc)  # noqa: E731
@@ -170,37 +166,42 @@ def _full(args):
     return (*params, None, None, None, True, None, eps, precision, save)
 
 
-def _backward_impl(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad,
-                   weight_grad):
+def _backward_impl(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps, precision,
+                   input_grad, weight_grad):
     if g.is_cuda:
-        dx, dw, dvec = backward_train(g, z, coefs, x, weight, scale, gamma, eps, precision,
-                                      input_grad, weight_grad)
+        dx, dw, dvec = backward(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
+                                precision, input_grad, weight_grad)
         return x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw, dvec
-    return _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad,
-                             weight_grad)
+    return _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
+                             input_grad, weight_grad)
 
 
-def _grad_closed_form(g, z, coefs, x, weight, scale, gamma, eps, input_grad, weight_grad):
-    """backward_train's formulas in PyTorch ops (its CPU implementation: what opcheck
-    and the CPU tests check the kernels' algebra against)."""
+def _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
+                      input_grad, weight_grad):
+    """The fused backward's formulas in PyTorch ops (its CPU implementation: what opcheck
+    and the CPU tests check the kernels' algebra against; kernels_cu/gemm_scale_batchnorm.cu
+    derives them)."""
     acc = coefs.dtype
     ga, za = g.to(acc), z.to(acc)
-    _, cm, _, inv = coefs
-    w = scale.to(acc) * inv
-    gm = torch.ones_like(w) if gamma is None else gamma.to(acc)
-    u = za - cm
-    s1, s2 = ga.sum(0), (ga * u).sum(0)
-    m = z.shape[0]
-    dz = ((w * gm) * (ga - s1 / m - (w * w * s2 / m) * u)).to(x.dtype)
+    ca, cm, _, inv = coefs
+    s = scale.to(acc)
+    gm = torch.ones_like(s) if gamma is None else gamma.to(acc)
+    s1, s2 = ga.sum(0), (ga * (za - cm)).sum(0)
+    if training:
+        w, m = s * inv, z.shape[0]
+        dz = ((w * gm) * (ga - s1 / m - (w * w * s2 / m) * (za - cm))).to(x.dtype)
+        dvec = torch.stack([torch.zeros_like(s1), gm * eps * inv ** 3 * s2, w * s2, s1])
+    else:  # (cm = 0: s2 = sum g z)
+        s2b = s2 if bias is None else s2 + bias.to(acc) * s1
+        dz = (ga * ca).to(x.dtype)
+        dvec = torch.stack([ca * s1, gm * inv * s2b, inv * (s * s2b - rmean.to(acc) * s1), s1])
     dx = dz @ weight if input_grad else x.new_empty(0)
     dw = dz.t() @ x if weight_grad else x.new_empty(0)
-    dt = x.dtype
-    dvec = torch.stack([torch.zeros_like(s1), gm * eps * inv ** 3 * s2, w * s2, s1])
-    return dx, dw, dvec.to(dt)
+    return dx, dw, dvec.to(x.dtype)
 
 
-def _backward_fake(g, z, coefs, x, weight, scale, gamma, eps, precision, input_grad,
-                   weight_grad):
+def _backward_fake(g, z, coefs, x, weight, *args):
+    input_grad, weight_grad = args[-2:]
     n = weight.shape[0]
     return (x.new_empty(x.shape if input_grad else (0,)),
             weight.new_empty(weight.shape if weight_grad else (0,)),
