@@ -87,7 +87,7 @@ def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False
                 tc: bool = False) -> str:
     c = _WGMMA[mode]
     return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {c['BM']}, "
-            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
+            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}, {_SPLIT['ALIGN']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -215,11 +215,14 @@ class Gemm(NamedTuple):
 class _Choice(NamedTuple):
     """The kernel :func:`gemm_kernel` launches, chosen without compiling it: its template
     instantiation, configuration (tiles, threads, shared memory), tensor maps (see
-    :class:`Gemm`) and whether it loads a transposed A by TMA."""
+    :class:`Gemm`), whether it loads a transposed A by TMA, and the operands' strides as
+    :func:`layout` reads them."""
     expr: str
     cfg: dict
     maps: object
     a_mn: bool
+    lda: int
+    ldb: int
 
 
 def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
@@ -230,7 +233,7 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     cc = _loader.device_cc(a.device)
     (ta, lda), (tb, ldb) = layout(a), layout(b)
     if dt == "float64" or cc < 80:
-        return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False)
+        return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
     mode = _MODE[precision] if dt == "float32" else _HALF
     # 16-byte K-contiguous rows (a transposed operand is read 4 bytes at a time, or by TMA)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
@@ -238,14 +241,15 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
     if not (mode in _WGMMA and hopper):
-        return _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False)
+        return _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
+                       lda, ldb)
     cfg = _WGMMA[mode]
     # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
     return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta), cfg,
-                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta)
+                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb)
 
 
 def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
@@ -254,9 +258,8 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     16-byte alignment and the device. With ``transposed_c`` it stores the product's
     transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
-    expr, cfg, maps, a_mn = _choose(a, b, precision, transposed_c)
+    expr, cfg, maps, a_mn, lda, ldb = _choose(a, b, precision, transposed_c)
     assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg)) == 1), "no transposed store"
-    lda, ldb = layout(a)[1], layout(b)[1]
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)

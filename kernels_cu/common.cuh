@@ -170,20 +170,25 @@ __device__ __forceinline__ void cluster_wait() {
 // on its own barrier. Two buffers and barriers by step parity suffice: a CTA sends step
 // s + 2 only after it has every CTA's step s + 1 values, which each CTA sends after it
 // has read step s's. Every CTA adds the slots in rank order: the same sum everywhere.
-// Declare `__shared__ ClusterSum<A, C, K> cs;`, call init() before the kernel's first
-// cluster barrier, then sum() once per step in every thread.
+// Declare `__shared__ ClusterSum<A, C, K> cs;`, call start() in every thread (thread 0
+// initialises the mbarriers, then a cluster barrier: no CTA's slots are written before
+// every CTA of the cluster runs), then sum() once per step in every thread.
 template <typename A, int C, int K> struct ClusterSum {
   static_assert(K * sizeof(A) == 4 || K * sizeof(A) == 8 || K * sizeof(A) == 16,
                 "ClusterSum: st.async stores 4, 8 or 16 bytes");
   alignas(16) A part[2][C][K];
   unsigned long long bar[2];
 
-  __device__ __forceinline__ void init() {
+  __device__ __forceinline__ void start() {
 #if CK_HAS_CLUSTERS
-    if (threadIdx.x == 0) {
-      for (int p = 0; p < 2; ++p)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&bar[p])) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if constexpr (C > 1) {
+      if (threadIdx.x == 0) {
+        for (int p = 0; p < 2; ++p)
+          asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&bar[p])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
+      cluster_arrive();
+      cluster_wait();
     }
 #endif
   }

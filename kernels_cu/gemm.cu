@@ -1025,7 +1025,8 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
 // W^T dy^T, with W^T as A, and with TC stores that product's transpose: c (N x M) gets
 // element (m, n) at c[n * ldc + m]; no epilogue, no split K).
-template <int MODE, bool TA, bool TB, bool TC, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM>
+template <int MODE, bool TA, bool TB, bool TC, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM,
+          int KS>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
@@ -1042,6 +1043,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(BM == 128, "gemm_wgmma: two consumer warpgroups of 64 rows (BM == 128)");
   static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
+  static_assert(KS * sizeof(float) == 128, "gemm_wgmma: a K slice (the tensor maps' box width, "
+                "split K's chunk multiple) is one 128-byte swizzled row of floats");
   constexpr bool TMA = BOX > 0;
   static_assert(!TMA || !TB, "gemm_wgmma: TMA loads a K-major B (and A either way: a transposed one from registers)");
   constexpr bool A_MN = TMA && TA;  // A: M-major boxes by TMA, fragments loaded to registers

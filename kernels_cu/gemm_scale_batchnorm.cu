@@ -246,21 +246,27 @@ bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z
   part[(2LL * blockIdx.y + 1) * N + n] = s2;
 }
 
-// Column n's S1, S2 from bn_grad_partials' tiles, added in tile order (deterministic).
-template <typename A>
-__device__ __forceinline__ void merge_grad_partials(const A* __restrict__ part, int tiles, int N,
-                                                    int n, A& s1, A& s2) {
+// This thread's column n (one per thread: grid cdiv(N, THREADS), block THREADS) and its
+// S1, S2 from bn_grad_partials' tiles, added in tile order (deterministic); false past
+// the last column.
+template <int THREADS, typename A>
+__device__ __forceinline__ bool grad_column(const A* __restrict__ part, int tiles, int N, int& n,
+                                            A& s1, A& s2) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "grad_column: THREADS must be whole warps, at most 1024");
+  n = blockIdx.x * THREADS + threadIdx.x;
+  if (n >= N) return false;
   s1 = 0;
   s2 = 0;
   for (int t = 0; t < tiles; ++t) {
     s1 += part[2LL * t * N + n];
     s2 += part[(2LL * t + 1) * N + n];
   }
+  return true;
 }
 
 // Training mode: merge the partials, write the vector gradients (each pointer may be
 // null: not wanted; d gemm bias is exactly 0) and dz's coefficients k = (w*gamma, S1/M,
-// w^2*S2/M) in rows 0..2 (N apart). One thread per column: grid cdiv(N, THREADS), block THREADS.
+// w^2*S2/M) in rows 0..2 (N apart).
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M, int N,
@@ -268,12 +274,10 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
              const typename acc_of<T>::type* __restrict__ inv, double eps,
              T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
              T* __restrict__ dbias, typename acc_of<T>::type* __restrict__ k) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
-  const int n = blockIdx.x * THREADS + threadIdx.x;
-  if (n >= N) return;
+  int n;
   A s1, s2;
-  merge_grad_partials(part, tiles, N, n, s1, s2);
+  if (!grad_column<THREADS>(part, tiles, N, n, s1, s2)) return;
   const A iv = inv[n], gm = opt(gamma, n, (A)1), w = to_acc(scale[n]) * iv;
   if (dbeta) dbeta[n] = from_acc<T>(s1);
   if (dgamma) dgamma[n] = from_acc<T>(w * s2);
@@ -285,7 +289,7 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
 }
 
 // Eval mode: merge the partials (of S1 and S2 = sum g*z) and write the vector gradients
-// (each pointer may be null), from the forward's ca and inv. One thread per column.
+// (each pointer may be null), from the forward's ca and inv.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int N,
@@ -295,12 +299,10 @@ bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, 
                   const typename acc_of<T>::type* __restrict__ inv,
                   T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
                   T* __restrict__ dbias) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_eval_coef: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
-  const int n = blockIdx.x * THREADS + threadIdx.x;
-  if (n >= N) return;
+  int n;
   A s1, s2;
-  merge_grad_partials(part, tiles, N, n, s1, s2);
+  if (!grad_column<THREADS>(part, tiles, N, n, s1, s2)) return;
   const A iv = inv[n], s2b = s2 + opt(bias, n, (A)0) * s1;
   if (dbeta) dbeta[n] = from_acc<T>(s1);
   if (dgamma) dgamma[n] = from_acc<T>(iv * (to_acc(scale[n]) * s2b - to_acc(rmean[n]) * s1));

@@ -146,11 +146,7 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
 
   long long row = blockIdx.x / C;
   if (PREFETCH && row < nrows) fetch(row);
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cs.init();
-    cluster_arrive();
-    cluster_wait();
-  }
+  cs.start();
   for (int step = 0; row < nrows; row += nclusters, ++step) {
     const RowSplit rs(x + row * xs, ncols);
     if constexpr (PREFETCH) {
@@ -290,11 +286,7 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
 
   long long row = blockIdx.x / C;
   if (PREFETCH && row < nrows) fetch(row);
-  if constexpr (C > 1) {  // DSMEM may be written only once every CTA of the cluster runs
-    cs.init();
-    cluster_arrive();
-    cluster_wait();
-  }
+  cs.start();
   for (int step = 0; row < nrows; row += nclusters, ++step) {
     const RowSplit rs(x + row * xs, ncols);
     if constexpr (PREFETCH) {
