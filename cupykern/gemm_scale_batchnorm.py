@@ -486,8 +486,8 @@ def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, train
     Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
     merge into the vector gradients, dz and its transpose), then dx = dz @ W and dW =
     dz^T @ x on our GEMM at ``precision``, each reading dz K-major (x is read in place
-    where the GEMM can: Hopper TF32 / 3xTF32), all in one batch of launches. g (B, N)
-    may have any row stride; other layouts are copied."""
+    where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other
+    layouts are copied."""
     arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
     options = (training, eps, precision, input_grad, weight_grad)
     checked = None
@@ -555,9 +555,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
                    weight_grad):
     """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
     Operands (g with contiguous rows, vectors contiguous): the three passes and the two
-    GEMMs (:func:`cupykern.gemm.mm_plan`) queued in one batch of launches with their
-    sizes fixed (a GEMM of an empty product, or one whose operand needs a general copy,
-    is :func:`cupykern.gemm.mm`'s call after it)."""
+    GEMMs (:func:`cupykern.gemm.mm_plan`) with their sizes fixed, in two batches of
+    launches (a GEMM of an empty product, or one whose operand needs a general copy, is
+    :func:`cupykern.gemm.mm`'s call after them)."""
     prec = check_precision(precision)
     M, N = zo.shape
     place, t = Place(zo), CTYPE[zo.dtype]
@@ -577,9 +577,8 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     dw_plan = mm_plan(_fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
+        # The column sums go out first: the GPU runs them while the rest is prepared.
         dvec, buf = empty(place, (4, N)), empty(place, (scratch,), acc)
-        dz = empty(place, (M, N)) if input_grad else None
-        dzt = empty(place, (N, M)) if weight_grad else None
         gp, zp, c0, k, d0 = ptr(g), ptr(z), ptr(coefs), ptr(buf), ptr(dvec)
         part, grads = k + 3 * step, (d0 + row, d0 + 2 * row, d0 + 3 * row, d0)
         if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
@@ -590,8 +589,10 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
             coef = (eval_coef, *coef_launch, (part, tiles_, n_, ptr(bias), ptr(scale), ptr(bn_weight),
                                               ptr(running_mean), c0, c0 + 3 * step, *grads), 0)
             dz_args = (gp, ld, 0, m_, n_, c0, c0 + step)
-        launches, held = [(partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef,
-                          (dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)], []
+        launch_all(place, ((partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef))
+        dz = empty(place, (M, N)) if input_grad else None
+        dzt = empty(place, (N, M)) if weight_grad else None
+        launches, held = [(dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)], []
         dx = dx_plan.stage(ptr(dz), ptr(weight), 0, launches, held) if dx_plan else None
         dw = dw_plan.stage(ptr(dzt), ptr(x), 0, launches, held) if dw_plan else None
         launch_all(place, launches)
