@@ -14,9 +14,12 @@ against PyTorch eager and torch.compile at float32 (the baseline of both targets
 and with TF32 allowed; "high" is checked against PyTorch float32 at 1e-2. Part 4 times
 its training step (forward + backward) against eager and torch.compile, at float32
 for "highest" and with TF32 for "high" (3 GEMMs: FLOP model 3 * 2*M*N*K), in training
-mode and in eval mode. Part 5 (``--part small``) times small grids, where K is split
-over the SMs, by their GPU time in a CUDA graph (no host time), against cuBLAS and,
-for GemmScaleBatchNorm's small shape, PyTorch eager.
+mode and in eval mode: timed as every benchmark here (events around one step, host time
+included), then by the GPU time of steps replayed from a CUDA graph (no host time: what
+a captured training loop, or one whose host runs ahead, sees). Part 5 (``--part
+small``) times small grids, where K is split over the SMs, by their GPU time in a CUDA
+graph (no host time), against cuBLAS and, for GemmScaleBatchNorm's small shape,
+PyTorch eager.
 """
 from __future__ import annotations
 
@@ -156,10 +159,18 @@ def bench_training(case, iters):
             for p in m.parameters():
                 p.grad = None
 
+    def graphed(m):  # a step with fresh gradients, as captured: GPU time alone
+        def run():
+            clear()
+            step(m)()
+        return run
+
     print(f"\nGemmScaleBatchNorm {case.label} training step (forward + backward), "
-          f"{3 * case.flops / 1e9:.0f} GFLOP (three GEMMs)")
+          f"{3 * case.flops / 1e9:.0f} GFLOP (three GEMMs); then the GPU time of the same "
+          "steps replayed from a CUDA graph (no host time), ms")
     print(f"{'mode':<5} {'precision':<9} {'cupykern ms':>11} {'eager ms':>9} {'compile ms':>10} "
-          f"{'vs eager':>8} {'vs compile':>10} {'max|dW diff|/max|dW|':>21}")
+          f"{'vs eager':>8} {'vs compile':>10} {'max|dW diff|/max|dW|':>21} | {'graph: ours':>11} "
+          f"{'eager':>6} {'compile':>7} {'vs eager':>8} {'vs compile':>10}")
     for mode, prec in (("train", "highest"), ("train", "high"), ("eval", "highest"), ("eval", "high")):
         new.load_state_dict(ref.state_dict())  # the same running statistics (eval mode)
         for m in models:
@@ -170,10 +181,13 @@ def bench_training(case, iters):
             clear()
             step(ref)()
             step(new)()
-        rel = ((new.gemm.weight.grad - ref.gemm.weight.grad).abs().max()
-               / ref.gemm.weight.grad.abs().max()).item()
+            rel = ((new.gemm.weight.grad - ref.gemm.weight.grad).abs().max()
+                   / ref.gemm.weight.grad.abs().max()).item()
+            g_e, g_c, g_n = (graph_us(graphed(m), calls=4) / 1e3 for m in (ref, comp, new))
+            clear()
         print(f"{mode:<5} {prec:<9} {t_n:>11.3f} {t_e:>9.3f} {t_c:>10.3f} {t_e / t_n:>7.2f}x "
-              f"{t_c / t_n:>9.2f}x {rel:>21.2e}")
+              f"{t_c / t_n:>9.2f}x {rel:>21.2e} | {g_n:>11.3f} {g_e:>6.3f} {g_c:>7.3f} "
+              f"{g_e / g_n:>7.2f}x {g_c / g_n:>9.2f}x")
 
 
 def bench_small():
