@@ -566,6 +566,12 @@ def _planned_read(o, work: int):
     return None if mode == "copy" else (o, None)
 
 
+def fresh_like(o, shape, name):
+    """An Operand describing a new C-contiguous 2-D array of ``shape`` beside ``o`` (a fresh
+    allocation: 16-byte aligned), to plan a GEMM that will read it."""
+    return Operand(o.obj, o.kind, o.dtype, shape, (shape[1], 1), 0, o.device, name, o.torch)
+
+
 def _transpose_plan(o, ld: int):
     """The C-contiguous copy of the 2-D GPU Operand ``o`` whose columns are contiguous
     (column stride ``ld``), by the tiled transpose kernel (torch's and CuPy's strided
@@ -577,7 +583,7 @@ def _transpose_plan(o, ld: int):
     fn = _loader.function(_FILE, _transpose_expr(o.dtype), o.device)
     grid = (cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(cols, _TRANSPOSE["TILE"]),)
     place = Place(o)
-    planned = Operand(o.obj, o.kind, o.dtype, (rows, cols), (cols, 1), 0, o.device, o.name, o.torch)
+    planned = fresh_like(o, (rows, cols), o.name)
 
     def copy(src, launches, held):
         out = empty(place, (rows, cols))

@@ -23,13 +23,13 @@ import sys
 import numpy as np
 
 from . import _dask, _loader
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, empty, head, is_torch,
+from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch,
                      launch_all, operand, require_writable, row_view_stride, rows_2d, same_place,
                      scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
-                   gemm_kernel, linear_core, mm, mm_plan, workspace)
+                   fresh_like, gemm_kernel, linear_core, mm, mm_plan, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -545,12 +545,6 @@ def _backward_fresh(checked, *arrays_options):
     return _backward_plan(*checked, *arrays_options[9:])
 
 
-def _fresh_like(o, shape, name):
-    """An Operand describing a new C-contiguous array of ``shape`` beside ``o`` (to plan a
-    GEMM that reads it: :func:`cupykern.gemm.mm_plan`)."""
-    return Operand(o.obj, o.kind, o.dtype, shape, (shape[1], 1), 0, o.device, name, o.torch)
-
-
 def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precision, input_grad,
                    weight_grad):
     """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
@@ -573,8 +567,8 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
     has_k = xo.shape[1] > 0
-    dx_plan = mm_plan(_fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
-    dw_plan = mm_plan(_fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
+    dx_plan = mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
+    dw_plan = mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         # The column sums go out first: the GPU runs them while the rest is prepared.
