@@ -388,7 +388,7 @@ def _mm_fresh(checked, a, b, precision):
     None where the call needs the general path (CPU, empty, or an operand copied
     otherwise)."""
     ao, bo, prec = checked
-    (M, K), N = ao.shape, bo.shape[1]
+    M, N = ao.shape[0], bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
     run = mm_plan(ao, bo, prec)
