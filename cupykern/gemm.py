@@ -266,6 +266,8 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
         return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb)
     fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
+    if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
+        grid = (min(grid[0], _loader.sm_count(a.device)),)
     return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
                   ldb)._replace(maps=maps, a_mn=a_mn)
 

@@ -197,9 +197,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 
 // Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2.
 template <int BM, int BN, int GROUP_M>
-__device__ __forceinline__ void grouped_tile(int M, int N, int& m0, int& n0) {
+__device__ __forceinline__ void grouped_tile(int M, int N, int& m0, int& n0, int pid = blockIdx.x) {
   const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
-  const int pid = blockIdx.x, group = pid / (GROUP_M * ntiles);
+  const int group = pid / (GROUP_M * ntiles);
   const int first_m = group * GROUP_M, gsz = min(mtiles - first_m, GROUP_M);
   m0 = (first_m + (pid % (GROUP_M * ntiles)) % gsz) * BM;
   n0 = ((pid % (GROUP_M * ntiles)) / gsz) * BN;
@@ -931,20 +931,15 @@ __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4]
 // passes down it for the tile's (mean, M2, min, max) of the raw sums. Unrolled per-fragment
 // stores and per-slot statistics took ~10x the instructions and missed the instruction
 // cache (a third of the GEMM's time at 16384x4096 @ 4096x4096, H200).
-// TC: the tile is kept transposed (BN x BM) and c is the product's transpose (element
-// (m, n) at c[n * ldc + m]), with no epilogue (mm's swapped product: bias, alpha, beta
-// and part are null).
-template <int BM, int BN, bool TC>
+template <int BM, int BN>
 __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
                                          const float* __restrict__ bias, const float* __restrict__ alpha,
                                          const float* __restrict__ beta, float* __restrict__ part) {
-  constexpr int COLS = TC ? BM : BN;  // the stored tile's row length
-  // padded rows: a warp's float2 writes (or TC's scalar writes) hit 32 distinct banks
-  constexpr int LD = COLS + (TC ? 4 : 8);
-  constexpr int TPR = COLS / 4;       // threads per row of float4 stores
-  constexpr int RPP = 256 / TPR;      // rows per pass of the 256 consumer threads
-  static_assert(256 % TPR == 0 && COLS <= 256, "wg_store: whole rows per pass, a column per thread");
+  constexpr int LD = BN + 8;       // padded rows: a warp's float2 writes hit 32 distinct banks
+  constexpr int TPR = BN / 4;      // threads per row of float4 stores
+  constexpr int RPP = 256 / TPR;   // rows per pass of the 256 consumer threads
+  static_assert(256 % TPR == 0 && BN <= 256, "wg_store: whole rows per pass, a column per thread");
   float* tile = reinterpret_cast<float*>(smem);
   const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5;
   {  // accumulator (j, 2h+e): row (cw/4)*64 + (cw%4)*16 + g + 8h, column 8j + 2t + e
@@ -955,28 +950,21 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h, k = 8 * j + 2 * t;
-        if constexpr (TC) {
-          tile[k * LD + r] = res[4 * j + 2 * h];
-          tile[(k + 1) * LD + r] = res[4 * j + 2 * h + 1];
-        } else {
-          *reinterpret_cast<float2*>(tile + r * LD + k) = make_float2(res[4 * j + 2 * h], res[4 * j + 2 * h + 1]);
-        }
+        *reinterpret_cast<float2*>(tile + r * LD + k) = make_float2(res[4 * j + 2 * h], res[4 * j + 2 * h + 1]);
       }
     consumer_sync();
   }
 
-  // the stored tile's rows start at c's row r00, its columns at c's column c00 (of ncols)
-  const int r00 = TC ? n0 : m0, c00 = TC ? m0 : n0, ncols = TC ? M : N;
-  const int rows = TC ? min(BN, N - n0) : min(BM, M - m0), c4 = 4 * (ct % TPR), col = c00 + c4;
+  const int rows = min(BM, M - m0), c4 = 4 * (ct % TPR), col = n0 + c4;
   float ea[4], eb[4];  // epilogue(v) = ea * v + eb per column (ea == 1, eb == 0: v itself)
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const bool in = col + e < ncols;
+    const bool in = col + e < N;
     ea[e] = alpha && in ? alpha[col + e] : 1.f;
     eb[e] = !in ? 0.f : alpha ? beta[col + e] : bias ? bias[col + e] : 0.f;
   }
   const bool scaled = alpha || bias;  // (without either, v is stored as is: -0 stays -0)
-  const bool vec = col + 3 < ncols && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
+  const bool vec = col + 3 < N && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
   for (int r = ct / TPR; r < rows; r += RPP) {
     const float4 v4 = *reinterpret_cast<const float4*>(tile + r * LD + c4);
     float o[4] = {v4.x, v4.y, v4.z, v4.w};
@@ -984,17 +972,17 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = ea[e] * o[e] + eb[e];  // (ea == 1: exactly v + eb)
     }
-    float* p = c + (long long)(r00 + r) * ldc + col;
+    float* p = c + (long long)(m0 + r) * ldc + col;
     if (vec) {
       *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (col + e < ncols) p[e] = o[e];
+        if (col + e < N) p[e] = o[e];
     }
   }
 
-  if (!TC && part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
+  if (part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
     const float* q = tile + ct;          // min / max skip it, as fmin / fmax do)
     float s = 0.f;
     for (int r = 0; r < rows; ++r) s += q[r * LD];
@@ -1014,6 +1002,26 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
   }
 }
 
+// The TC epilogue (mm's swapped product: no bias, alpha, beta or part): element (m, n) of
+// the tile to c[n * ldc + m], straight from the accumulators, so that the ring stays the
+// producer's, already loading the next tile. Each warp store covers 8 consecutive m (one
+// 32-byte sector) of 4 columns n.
+template <int BN>
+__device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], float* __restrict__ c, int M, int N,
+                                           long long ldc, int m0, int n0) {
+  const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5, g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + (cw >> 2) * 64 + (cw & 3) * 16 + g;  // as wg_store's accumulator rows
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = r0 + 8 * h, n = n0 + 8 * j + 2 * t + e;
+        if (m < M && n < N) c[(long long)n * ldc + m] = res[4 * j + 2 * h + e];
+      }
+}
+
 // SMEM == STAGES * STAGE + 3 * STAGES * 8 + 1024 with
 // STAGE == BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0) (wg_cfg::Cfg::SMEM).
 // BOX > 0 (TMA): one producer thread loads each slice of A and B by bulk tensor copies
@@ -1025,6 +1033,11 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
 // W^T dy^T, with W^T as A, and with TC stores that product's transpose: c (N x M) gets
 // element (m, n) at c[n * ldc + m]; no epilogue, no split K).
+// TC is persistent: CTA i takes tiles i, i + gridDim.x, ... (gemm.py launches one per SM),
+// and its epilogue (wg_store_t) leaves the ring alone, so the producer loads the next
+// tile's slices meanwhile: dW = dz^T @ x (K = the batch, 1024; 256 MB of output) lost a
+// sixth of its time to per-tile epilogues and pipeline fills as one CTA per tile. Any
+// other kernel is one tile per CTA: its epilogue reuses the ring.
 template <int MODE, bool TA, bool TB, bool TC, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM,
           int KS>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -1048,14 +1061,14 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   constexpr bool TMA = BOX > 0;
   static_assert(!TMA || !TB, "gemm_wgmma: TMA loads a K-major B (and A either way: a transposed one from registers)");
   constexpr bool A_MN = TMA && TA;  // A: M-major boxes by TMA, fragments loaded to registers
+  static_assert(!TC || A_MN, "gemm_wgmma: TC is mm's swapped product (a transposed A by TMA)");
   static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
                 "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
   static_assert(SMEM == C::SMEM,
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
   static_assert(SMEM <= 227 * 1024, "gemm_wgmma: more dynamic smem than an SM has (227 KB)");
-  static_assert(BM * (BN + 8) * 4 <= STAGES * C::STAGE && BN * (BM + 4) * 4 <= STAGES * C::STAGE,
-                "gemm_wgmma: the epilogue's tile reuses the ring");
+  static_assert(BM * (BN + 8) * 4 <= STAGES * C::STAGE, "gemm_wgmma: the epilogue's tile reuses the ring");
   constexpr int R = BN / 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern is anchored to 1024-byte boundaries of the address.
@@ -1068,9 +1081,11 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   // 32-float slice (gemm.py, _SPLIT["ALIGN"]), so no slice reaches the next chunk.
   const int kbase = blockIdx.z * kchunk;
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
-  int m0, n0;
-  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
   const int ktiles = (K + 31) / 32;
+  // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
+  // a slice's stage and barrier phase follow the CTA's running count of slices
+  const int end = TC ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : blockIdx.x + 1;
+  const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0, tile); };
   if (tid == 0) {
     if constexpr (TMA) {
       tma_prefetch(ma);
@@ -1093,9 +1108,11 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     if (TMA && tid < C::LOADERS) {  // one thread: stage s free -> bulk copies -> `loaded` or `full`
       if (tid == 0) {
         const unsigned landed0 = MODE == 0 ? loaded0 : full0;
-        for (int kt = 0; kt < ktiles; ++kt) {
-          const int s = kt % STAGES;
-          if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
+        for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x)
+        for (int kt = 0, m0, n0; kt < ktiles; ++kt, ++it) {
+          if (kt == 0) origin(tile, m0, n0);
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned st = s0 + s * C::STAGE, bar = landed0 + 8 * s;
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
           if constexpr (A_MN) {  // boxes of 32 M (the map's columns) x the slice's 32 K rows
@@ -1110,6 +1127,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
         }
       }
     } else if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
+      int m0, n0;  // one tile (TC loads by TMA)
+      origin(blockIdx.x, m0, n0);
       const float* ga = a + (TA ? m0 : (long long)m0 * lda);
       const float* gb = b + (TB ? n0 : (long long)n0 * ldb);
       const unsigned landed0 = MODE == 0 ? loaded0 : full0;
@@ -1128,9 +1147,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       cp_async_wait<0>();
     } else if constexpr (MODE == 0) {  // splitters: slice landed -> remainders written -> `full`
       const int t = tid - C::LOADERS;
-      for (int kt = 0; kt < ktiles; ++kt) {
-        const int s = kt % STAGES;
-        mbar_wait(loaded0 + 8 * s, (kt / STAGES) & 1);
+      for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x)
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(loaded0 + 8 * s, (it / STAGES) & 1);
         const unsigned st = s0 + s * C::STAGE;
         split_swizzled<BN, 128 - C::LOADERS>(st + C::A_BYTES, st + C::B_SMALL, t);
         fence_proxy_async();
@@ -1144,10 +1164,6 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   set_max_regs<224>();
   const int cw = warp - 4, cwg = cw >> 2;
   float acc[R], pro[MODE == 0 ? R : 1];
-#pragma unroll
-  for (int i = 0; i < R; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
 
   constexpr int AF = MODE == 0 || A_MN ? 4 : 1;  // A fragments in registers, per K step
   // One K slice. Where A comes from registers, each slice waits for its own wgmma
@@ -1155,9 +1171,9 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   // kernel that writes a wgmma's register operands while any wgmma is in flight (C7513;
   // dx = dy @ W "high" ran at 0.84x cuBLAS TF32 so, with two alternating register sets).
   // The other consumer warpgroup's wgmma keep the tensor core busy meanwhile.
-  auto slice = [&](int kt) {
-    const int s = kt % STAGES;
-    mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+  auto slice = [&](int it, int kt) {  // the CTA's slice `it`, slice kt of its tile
+    const int s = it % STAGES;
+    mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
     // cp.async (generic proxy) writes -> wgmma (async proxy) reads. TF32's TMA writes need
     // none (1-2% at 16384x4096x4096 and 8192^3); 3xTF32 keeps it (its splitters fence
     // their own writes, but dropping it here timed 3-5% slower).
@@ -1205,14 +1221,26 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
     } else {
       wg_wait<1>();  // slice kt-1 is done: its stage may be reused
-      if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+      if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
     }
   };
-  for (int kt = 0; kt < ktiles; ++kt) slice(kt);
-  wg_wait<0>();
-  wg_fence_regs(acc);
-  if constexpr (MODE == 0) wg_store<BM, BN, TC>(pro, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
-  else wg_store<BM, BN, TC>(acc, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+  for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x) {
+    int m0, n0;
+    origin(tile, m0, n0);
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (MODE == 0 ? R : 1); ++i) pro[i] = 0.f;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) slice(it, kt);
+    wg_wait<0>();
+    wg_fence_regs(acc);
+    const auto store = [&](const float (&res)[R]) {
+      if constexpr (TC) wg_store_t<BN>(res, c, M, N, ldc, m0, n0);
+      else wg_store<BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+    };
+    if constexpr (MODE == 0) store(pro);
+    else store(acc);
+  }
 }
 
 // ---- transposed operand -> K-contiguous copy -----------------------------------------

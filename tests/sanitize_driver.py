@@ -223,12 +223,14 @@ def run_linear():
                                  torch.ops.cupykern.mm(av, bv, prec), a, b.t(), None, tol(dtype, prec))
     # dx = dy @ W, W row-major: on Hopper float32 the product runs swapped, reading W in
     # place and storing W^T dy^T transposed (34 row tiles of W^T: K not split); a partial
-    # last tile, and a column slice of W whose output rows are not 16-byte aligned.
-    dy = dev(randn(130, 160, seed=10), torch.float32)
-    for n, cols in ((4228, 4228), (4229, 4232)):
+    # last tile, a column slice of W whose output rows are not 16-byte aligned, and 140
+    # tiles (300 rows of dy): more than an H100's or H200's SMs, so that persistent CTAs
+    # take a second tile while their first one's stores drain.
+    for rows, n, cols in ((130, 4228, 4228), (130, 4229, 4232), (300, 8955, 8960)):
+        dy = dev(randn(rows, 160, seed=10), torch.float32)
         w = dev(randn(160, cols, seed=11), torch.float32)[:, :n]
         for prec in ("highest", "high"):
-            check_linear(f"mm float32 {prec} dy @ W 130x{n}", torch.ops.cupykern.mm(dy, w, prec),
+            check_linear(f"mm float32 {prec} dy @ W {rows}x{n}", torch.ops.cupykern.mm(dy, w, prec),
                          dy, w.t(), None, tol(torch.float32, prec))
 
 

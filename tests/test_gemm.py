@@ -278,7 +278,8 @@ def test_mm_either_layout(shape, dtype, precision, bound):
     ((128, 5120, 512), None, True), ((136, 4228, 600), None, True),  # partial tiles, K slice
     ((136, 4229, 600), 4232, True),  # a column slice: b's rows aligned, the output's not
     ((128, 136, 300), None, False), ((256, 384, 1024), None, False),  # few tiles: split K
-    ((130, 257, 4100), None, False)],  # b's rows not aligned
+    ((130, 257, 4100), None, False),  # b's rows not aligned
+    ((520, 6397, 300), 6400, True)],  # 150 tiles: persistent CTAs take two (H100, H200: 132 SMs)
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_mm_row_major_b(shape, cols, swap, precision, bound):
     """mm(a, b) with b row-major (``cols`` wide, sliced to n columns), as dx = dy @ W: on
