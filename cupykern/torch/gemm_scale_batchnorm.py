@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from ._checks import hooked, members, require_submodule, require_tensor
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
-from ._op import _PLAIN, Op, _eager, wants_grad
+from ._op import _PLAIN, Op, _direct, _eager, wants_grad
 from .gemm import linear_op, mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
@@ -99,8 +99,10 @@ def _backward(ctx, g, *_):
     x, weight, bias, scale, gamma, z, coefs, rmean, rvar = ctx.saved_tensors
     want = ctx.wants
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
-        dx, dw, dvec = backward_op(g, z, coefs, x, weight, bias, scale, gamma, rmean,
-                                   ctx.training, ctx.eps, ctx.precision, want[0], want[1])
+        args = (g, z, coefs, x, weight, bias, scale, gamma, rmean, ctx.training, ctx.eps,
+                ctx.precision, want[0], want[1])
+        # (plain eager tensors: the op's implementation itself, as the op would call it)
+        dx, dw, dvec = (_backward_impl if _direct(args[:9]) else backward_op)(*args)
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     if not ctx.training and not torch.is_grad_enabled():
@@ -520,9 +522,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         run = planned_run(arrays, full[9:])  # (on a hit, x is 2-D with rows: save is exact)
         if run is None or save != wants_grad(arrays):
             return None
-        if not save:
-            return run(*arrays)
-        return op.call_planned(lambda *_: run(*arrays), True, *args)[0]
+        res = run(*arrays)  # the kernels go out first: the GPU runs them during autograd's records
+        return op.call_planned(lambda *_: res, True, *args)[0] if save else res
 
 
 def _arguments(gemm, bn, scale):
