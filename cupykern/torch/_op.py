@@ -44,8 +44,8 @@ def wants_grad(tensors) -> bool:
 
 
 def _direct(tensors) -> bool:
-    """Whether an eager call on ``tensors`` (or None) may skip the dispatcher."""
-    return _eager() and all(t is None or _plain(t) for t in tensors)
+    """Whether an eager call on ``tensors`` may skip the dispatcher."""
+    return _eager() and all(_plain(t) for t in tensors)
 
 
 # autograd.Function.apply without what only functorch transforms need (a pytree pass
