@@ -1,5 +1,6 @@
 """Timing as the project judges it: CUDA events around the call on the current
-stream, L2 flushed between calls, mean of many calls; and the hardware ceilings
+stream, L2 flushed between calls, the median of many calls (a host hiccup in one call
+moves a mean, not the median); and the hardware ceilings
 (device copy bandwidth, cuBLAS GEMM rates) measured in the same run."""
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def require_gpu() -> None:
 
 
 def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:
-    """Mean milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
+    """Median milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
     untimed ``setup()`` run before each call)."""
     import torch
 
@@ -57,7 +58,7 @@ def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=N
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.fmean(times)
+    return statistics.median(times)
 
 
 def graph_us(fn, *, calls: int = 50, reps: int = 5) -> float:

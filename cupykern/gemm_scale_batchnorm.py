@@ -549,9 +549,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
                    weight_grad):
     """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
     Operands (g with contiguous rows, vectors contiguous): the three passes and the two
-    GEMMs (:func:`cupykern.gemm.mm_plan`) with their sizes fixed, in two batches of
-    launches (a GEMM of an empty product, or one whose operand needs a general copy, is
-    :func:`cupykern.gemm.mm`'s call after them)."""
+    GEMMs (:func:`cupykern.gemm.mm_plan`) with their sizes fixed (a GEMM of an empty
+    product, or one whose operand needs a general copy, is :func:`cupykern.gemm.mm`'s
+    call after them)."""
     prec = check_precision(precision)
     M, N = zo.shape
     place, t = Place(zo), CTYPE[zo.dtype]
@@ -586,10 +586,12 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
         launch_all(place, ((partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef))
         dz = empty(place, (M, N)) if input_grad else None
         dzt = empty(place, (N, M)) if weight_grad else None
-        launches, held = [(dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)], []
-        dx = dx_plan.stage(ptr(dz), ptr(weight), 0, launches, held) if dx_plan else None
-        dw = dw_plan.stage(ptr(dzt), ptr(x), 0, launches, held) if dw_plan else None
-        launch_all(place, launches)
+        # Each launch goes out as soon as it is ready: where the host is slower than the
+        # passes, the GPU never waits for the GEMMs' preparation (H100, 1024x8192 "high":
+        # the passes and the GEMMs in one batch left it idle ~80 us of a slow host's step).
+        launch_all(place, ((dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0),))
+        dx = dx_plan(ptr(dz), ptr(weight), 0) if dx_plan else None
+        dw = dw_plan(ptr(dzt), ptr(x), 0) if dw_plan else None
         if input_grad and dx is None:
             dx = mm(dz, weight, prec)
         if weight_grad and dw is None:

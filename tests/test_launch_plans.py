@@ -130,7 +130,7 @@ def _calls():
     # the synchronized path's first pass (no plan: every call builds its launches)
     yield ("gemm_statistics", lambda a: gs.gemm_statistics(*a, "high"),
            lambda: [r(300, 24), r(40, 24)], 0)
-    # the fused backward, its dx and dW GEMMs planned within it (one batch of launches)
+    # the fused backward, its dx and dW GEMMs planned within it
     for training in (True, False):
         yield (f"gemm_scale_batchnorm backward training={training}",
                lambda a, t=training: gs.backward(*a, t, 1e-5, "highest"),

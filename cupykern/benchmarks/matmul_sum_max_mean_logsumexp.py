@@ -9,7 +9,7 @@ The ceiling is the same-run device copy bandwidth (y.copy_(x) of a 1 GiB buffer,
 write bytes / time); "%copy" = (model bytes / ms) / that bandwidth.
 
 Timing (cupykern.benchmark.time_ms's method): CUDA events around the forward on the
-current stream, L2 flushed before each call, mean of many calls, x rotated over 4 fresh
+current stream, L2 flushed before each call, median of many calls, x rotated over 4 fresh
 tensors, inference (torch.no_grad()). The small shape is timed by wall clock over
 back-to-back calls instead, so host overhead is included.
 """
