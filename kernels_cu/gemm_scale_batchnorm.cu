@@ -168,16 +168,16 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N,
   apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
 }
 
-// bn_train_coef and bn_apply in one launch, for a batch of one M-tile (mtiles == 1: each
-// block's merge is a read of that tile's statistics) with a momentum (factor not nan:
-// num_batches_tracked is only incremented, never read, so no launch need order the two).
-// Every block computes its columns' coefficients; the first row of blocks writes them
-// (ca, cm, cb, inv: the backward's) and updates the running stats.
+// bn_train_coef and bn_apply in one launch, for a batch of a few M-tiles (gemm_scale_batchnorm.py
+// says how many: every row of blocks merges them all again) with a momentum (factor not
+// nan: num_batches_tracked is only incremented, never read, so no launch need order the
+// two). Every block computes its columns' coefficients; the first row of blocks writes
+// them (ca, cm, cb, inv: the backward's) and updates the running stats.
 // Grid and block as bn_apply's.
 template <typename T, int VEC, int THREADS, int ROWS, int PROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
-               const typename acc_of<T>::type* __restrict__ part, int bm,
+               const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
                const T* __restrict__ bias, const T* __restrict__ scale,
                const T* __restrict__ gamma, const T* __restrict__ beta,
                T* __restrict__ rmean, T* __restrict__ rvar, long long* __restrict__ nbt,
@@ -197,7 +197,7 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
   A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    train_column<T, PROWS>(col + e, part, 1, bm, M, N, bias, scale, gamma, beta, rmean, rvar,
+    train_column<T, PROWS>(col + e, part, mtiles, bm, M, N, bias, scale, gamma, beta, rmean, rvar,
                            nbt, factor, eps, first, inv, fa[e], fm[e], fb[e]);
     if (first) { ca[col + e] = fa[e]; cm[col + e] = fm[e]; cb[col + e] = fb[e]; }
   }

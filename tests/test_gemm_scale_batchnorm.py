@@ -70,7 +70,8 @@ def test_bad_input():
         new(torch.randn(4, 12, dtype=torch.float64))
 
 
-SHAPES = [(37, 50, 23), (128, 1024, 512), (300, 96, 130), (2, 8, 8)]
+# (1000 and 1100 rows: 8 and 9 M-tiles, the most the apply pass merges, and one more)
+SHAPES = [(37, 50, 23), (128, 1024, 512), (300, 96, 130), (2, 8, 8), (1000, 64, 40), (1100, 64, 40)]
 
 
 @pytest.mark.gpu
