@@ -402,8 +402,8 @@ def _mm_fresh(checked, a, b, precision):
 
 def mm_plan(a, b, precision: str):
     """The launch plan of :func:`mm` for 2-D GPU Operands ``a`` (M, K) and ``b`` (K, N),
-    M, N > 0, and a checked precision: a :class:`_Product` (``run(a_ptr, b_ptr, 0)``,
-    or its :meth:`_Product.stage`), or None where an operand needs a general copy. An
+    M, N > 0, and a checked precision: a :class:`_Product` (``run(a_ptr, b_ptr, 0)``),
+    or None where an operand needs a general copy. An
     Operand may describe an array to be allocated later (pointer 0: 16-byte aligned)."""
     (M, K), N = a.shape, b.shape[1]
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
@@ -415,19 +415,20 @@ def mm_plan(a, b, precision: str):
 
 
 class _Product:
-    """A planned GEMM product: ``stage(a_ptr, b_ptr, bias_ptr, launches, held) -> out``
-    allocates its output (and any operand copies, appended to ``held``, to be kept until
-    the launch) and appends its launches, so that a caller can queue them with its own;
-    calling it launches them at once and returns out. ``place``: where it allocates."""
+    """A planned GEMM product: calling it with ``(a_ptr, b_ptr, bias_ptr)`` launches it
+    and returns its new output. ``stage(a_ptr, b_ptr, bias_ptr, launches, held) -> out``
+    allocates the output (and any operand copies, appended to ``held``, kept until the
+    launch) and appends the launches, so that the copies and the GEMM go out in one
+    batch. ``place``: where it allocates."""
 
-    __slots__ = ("place", "stage")
+    __slots__ = ("place", "_stage")
 
     def __init__(self, place, stage):
-        self.place, self.stage = place, stage
+        self.place, self._stage = place, stage
 
     def __call__(self, ap, bp, bias):
         launches, held = [], []
-        out = self.stage(ap, bp, bias, launches, held)
+        out = self._stage(ap, bp, bias, launches, held)
         launch_all(self.place, launches)
         return out
 

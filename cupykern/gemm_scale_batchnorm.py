@@ -323,17 +323,18 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv), the GEMM's partial
     # statistics (PART_ROWS * mtiles, N), then its split-K workspace (if any).
     bm = kernel.bm
-    part_end = (4 + PART_ROWS * cdiv(M, bm)) * N
+    mtiles = cdiv(M, bm)
+    part_end = (4 + PART_ROWS * mtiles) * N
     scratch = part_end + kernel.workspace
     ws_off = part_end * ITEMSIZE[acc] if kernel.workspace else 0  # (split K: acc is the dtype)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
-    sizes = tuple(scalar(v, "int") for v in (cdiv(M, bm), bm, M, N))
+    sizes = tuple(scalar(v, "int") for v in (mtiles, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
     factor = scalar(momentum if momentum is not None else math.nan, "double")
     eps_ = scalar(eps, "double")
     apply_ = _apply_call(place, M, N)
     # Few M-tiles and a momentum: coefficients and apply in one launch (bn_train_apply).
-    few = cdiv(M, bm) <= _FUSED_TILES and momentum is not None
+    few = mtiles <= _FUSED_TILES and momentum is not None
     fused = _apply_launch(place, M, N, True) if few else None
     mn = _apply_sizes(M, N)
 
