@@ -52,6 +52,12 @@ for _m, _bn in ((0, 128), (1, 256)):
     # run, medians of 5): 64 rows 0.96 / 0.93 / 1.00 at 1024x8192x8192 / 16384x4096x4096 /
     # 8192^3, 128 rows 0.97 / 0.89 / 0.96, 32 rows 0.97 / 0.89 / 1.01, cp.async 0.95 / 0.92 / 0.91.
     _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4, "BOX": 64}
+    # CLUSTER: CTAs of two consecutive M tiles (same N tile) load half of each B slice
+    # each, multicast to both (TF32 with TMA, where the M tiles pair up): TF32 at 128 x 256
+    # tiles reads ~10 TB/s of operands from L2; H100 "high" with half of B read (the
+    # probe for this), 1024x8192 x 8192x8192: forward 0.358 -> 0.336 ms, dx 0.342 ->
+    # 0.311, dW 0.393 -> 0.365. 3xTF32 does three times the math per byte: one CTA.
+    _c["CLUSTER"] = 2 if _m == 1 else 1
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 # The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
@@ -84,10 +90,10 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
 
 
 def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
-                tc: bool = False) -> str:
+                tc: bool = False, cl: int = 1) -> str:
     c = _WGMMA[mode]
-    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {c['BM']}, "
-            f"{c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}, {_SPLIT['ALIGN']}>")
+    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {cl}, "
+            f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}, {_SPLIT['ALIGN']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -119,10 +125,13 @@ _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16",
                          for ta, tb in _TRANSPOSES], max_cc=79)
 # K-major operands are loaded by bulk tensor copies (TMA), a transposed B by cp.async;
 # a transposed A by TMA too, its fragments taken to registers, and then the product may
-# be stored transposed (mm's swapped product, see _swaps).
-_loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma) for m in _WGMMA for ta, tb in _TRANSPOSES
-                         for tma in {False, not tb} if tma or ta or tb]
-                 + [_wgmma_expr(m, True, False, True, True) for m in _WGMMA],
+# be stored transposed (mm's swapped product, see _swaps). TMA kernels also come in
+# clusters (CLUSTER > 1).
+_loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma, False, cl) for m in _WGMMA
+                         for ta, tb in _TRANSPOSES for tma in {False, not tb} if tma or ta or tb
+                         for cl in {1, _WGMMA[m]["CLUSTER"] if tma else 1}]
+                 + [_wgmma_expr(m, True, False, True, True, cl) for m in _WGMMA
+                    for cl in {1, _WGMMA[m]["CLUSTER"]}],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
@@ -215,14 +224,15 @@ class Gemm(NamedTuple):
 class _Choice(NamedTuple):
     """The kernel :func:`gemm_kernel` launches, chosen without compiling it: its template
     instantiation, configuration (tiles, threads, shared memory), tensor maps (see
-    :class:`Gemm`), whether it loads a transposed A by TMA, and the operands' strides as
-    :func:`layout` reads them."""
+    :class:`Gemm`), whether it loads a transposed A by TMA, the operands' strides as
+    :func:`layout` reads them, and the CTAs per cluster."""
     expr: str
     cfg: dict
     maps: object
     a_mn: bool
     lda: int
     ldb: int
+    cluster: int = 1
 
 
 def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
@@ -248,8 +258,11 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
-    return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta), cfg,
-                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb)
+    # a cluster's CTAs take M tiles 2i, 2i + 1 of one N tile (an even count of M tiles
+    # keeps every raster group's pairs together)
+    cl = cfg["CLUSTER"] if tma and cdiv(M, cfg["BM"]) % cfg["CLUSTER"] == 0 else 1
+    return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta, cl), cfg,
+                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
 
 
 def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
@@ -258,7 +271,7 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     16-byte alignment and the device. With ``transposed_c`` it stores the product's
     transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
-    expr, cfg, maps, a_mn, lda, ldb = _choose(a, b, precision, transposed_c)
+    expr, cfg, maps, a_mn, lda, ldb, cl = _choose(a, b, precision, transposed_c)
     assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg)) == 1), "no transposed store"
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
@@ -267,7 +280,7 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
-        grid = (min(grid[0], _loader.sm_count(a.device)),)
+        grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
     return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
                   ldb)._replace(maps=maps, a_mn=a_mn)
 

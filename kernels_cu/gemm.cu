@@ -673,6 +673,11 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 //     copy engine rounds each operand to TF32) or all 128 producer threads' cp.async
 //     arrivals (cp.async.mbarrier.arrive) mark a stage full as soon as it lands; each
 //     consumer keeps one slice of wgmma in flight.
+//     CL == 2 (a cluster of the CTAs of M tiles 2i, 2i + 1, one N tile): each CTA's
+//     producer loads its own A and half of B, multicast to both CTAs, so each CTA
+//     reads 2/3 of the operand bytes from L2; a stage is free once the consumers of
+//     both CTAs released it (`empty` counts 8 * CL warps), and a producer exits only
+//     after its peer's last releases reached its barriers.
 //   MODE 0 (3xTF32), BN = 128: two producer warps copy, or one thread (TMA, maps of
 //     FP32 elements: the split needs the raw bits), marking the stage `loaded`;
 //     the other two write the rounded TF32 remainders of each landed B slice behind it
@@ -775,6 +780,28 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TmaMap& m, int k, i
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&m)), "r"(k), "r"(r), "r"(bar) : "memory");
+#endif
+}
+// tma_load into the same offsets of every CTA of the cluster in `mask`, completing on
+// each one's mbarrier at the offset of `bar`.
+__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap& m, int k, int r, unsigned bar,
+                                                   unsigned short mask) {
+#if CK_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&m)), "r"(k), "r"(r), "r"(bar), "h"(mask) : "memory");
+#endif
+}
+// Arrive on the mbarrier at this CTA's offset `bar` in cluster CTA `rank` (itself included).
+// The arrival releases at CTA scope, as CUTLASS's cluster pipelines do: it orders the
+// warp's finished wgmma reads of the stage before the producer's copies into it. A
+// cluster-scope release (.release.cluster) made TF32 GEMMs 1.9x slower (H100).
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+#if CK_WGMMA
+  asm volatile(
+      "{\n.reg .b32 r;\nmapa.shared::cluster.u32 r, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar), "r"(rank) : "memory");
 #endif
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
@@ -1040,9 +1067,10 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], float* __
 // recovers a sixth of that (H100 "high", 1024x8192: 0.404 -> 0.394 ms), the epilogue
 // itself still stalling the tensor core. Any other kernel is one tile per CTA: its
 // epilogue reuses the ring.
-template <int MODE, bool TA, bool TB, bool TC, int BOX, int BM, int BN, int THREADS, int STAGES, int SMEM,
-          int KS>
+template <int MODE, bool TA, bool TB, bool TC, int BOX, int CL, int BM, int BN, int THREADS, int STAGES,
+          int SMEM, int KS>
 __global__ void __launch_bounds__(THREADS, 1)
+CK_CLUSTER_DIMS(CL)
 gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
@@ -1066,6 +1094,8 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   static_assert(!TC || A_MN, "gemm_wgmma: TC is mm's swapped product (a transposed A by TMA)");
   static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
                 "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
+  static_assert(CL == 1 || (CL == 2 && MODE == 1 && TMA && (BN / 2) % BOX == 0),
+                "gemm_wgmma: clusters of 2 CTAs multicast halves of B slices (TF32, TMA)");
   static_assert(SMEM == C::SMEM,
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
@@ -1087,6 +1117,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
   // a slice's stage and barrier phase follow the CTA's running count of slices
   const int end = TC ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : blockIdx.x + 1;
+  const int total = (end - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;  // slices
   const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0, tile); };
   if (tid == 0) {
     if constexpr (TMA) {
@@ -1098,12 +1129,27 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       mbar_init(full0 + 8 * s, MODE == 0 ? 128 - C::LOADERS : landers);
       // MODE 0: every consumer thread (each reads A from smem itself); MODE 1: every
       // consumer warp (only its wgmma read the stage, complete at wgmma.wait_group).
-      mbar_init(empty0 + 8 * s, MODE == 0 ? THREADS - 128 : 8);
+      mbar_init(empty0 + 8 * s, MODE == 0 ? THREADS - 128 : 8 * CL);
       mbar_init(loaded0 + 8 * s, landers);
     }
     mbar_init_fence();
   }
-  __syncthreads();
+  if constexpr (CL > 1) {  // the peer's barriers are initialised before any copy or arrival reaches them
+    cluster_arrive();
+    cluster_wait();
+  } else {
+    __syncthreads();
+  }
+  const unsigned rank = cluster_ctarank();
+  // Release stage s: each consumer warp arrives on the stage's `empty` barrier of every
+  // CTA of the cluster (the producers' copies into it multicast to all of them).
+  const auto release = [&](int s) {
+    if constexpr (CL > 1) {
+      if (lane < CL) mbar_arrive_cluster(empty0 + 8 * s, lane);
+    } else if (lane == 0) {
+      mbar_arrive(empty0 + 8 * s);
+    }
+  };
 
   if (warp < 4) {  // ---- producer warpgroup
     set_max_regs<56>();
@@ -1124,9 +1170,20 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
 #pragma unroll
             for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * 32, m0 + r, bar);
           }
+          if constexpr (CL > 1) {  // this CTA's 1/CL of B, to every CTA of the cluster (same n0)
 #pragma unroll
-          for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar);
+            for (int r = rank * (BN / CL); r < (rank + 1) * (BN / CL); r += BOX)
+              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar, (1 << CL) - 1);
+          } else {
+#pragma unroll
+            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar);
+          }
         }
+        // The peers' consumers arrive on this CTA's barriers until their last slices:
+        // wait for those arrivals (the last STAGES slices' releases) before exiting.
+        if constexpr (CL > 1)
+          for (int it = max(total - STAGES, 0); it < total; ++it)
+            mbar_wait(empty0 + 8 * (it % STAGES), (it / STAGES) & 1);
       }
     } else if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
       int m0, n0;  // one tile (TC loads by TMA)
@@ -1220,10 +1277,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
       for (int i = 0; i < R; ++i) pro[i] += acc[i];  // promotion; the next slice overwrites acc
     } else if (A_MN) {
       wg_wait<0>();  // (see above)
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      release(s);
     } else {
       wg_wait<1>();  // slice kt-1 is done: its stage may be reused
-      if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+      if (kt > 0) release((it - 1) % STAGES);
     }
   };
   for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x) {
@@ -1236,6 +1293,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     for (int kt = 0; kt < ktiles; ++kt, ++it) slice(it, kt);
     wg_wait<0>();
     wg_fence_regs(acc);
+    if (MODE == 1 && !A_MN && ktiles > 0) release((it - 1) % STAGES);  // (the producers' exit waits for it)
     const auto store = [&](const float (&res)[R]) {
       if constexpr (TC) wg_store_t<BN>(res, c, M, N, ldc, m0, n0);
       else wg_store<BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);

@@ -364,3 +364,29 @@ def test_misaligned_rows_copied_for_wgmma_where_it_pays(monkeypatch, cc):
     assert mode(0x1004, 63, 63, big * 2) == "view"   # K % 4: no copy aligns it
     assert mode(0x1002, 64, 64, big, "float16") == "view"
     assert mode(0x1004, 64, 0, 0) == "view"          # K = 0: nothing to read
+
+
+def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
+    """GPU-free: on Hopper, TF32 products loaded by TMA run in clusters of two CTAs (M
+    tiles 2i, 2i + 1 sharing B's slices) where the M tiles pair up; 3xTF32, an odd count
+    of M tiles or cp.async loads keep one CTA; the persistent swapped product takes whole
+    clusters."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 133)
+    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
+
+    def op(rows, k, transposed=False):
+        shape, strides = ((rows, k), (1, rows)) if transposed else ((rows, k), (k, 1))
+        return _array.Operand(None, "torch", "float32", shape, strides, 0x10000, 0, "a", True)
+
+    bm = gemm._WGMMA[1]["BM"]
+    assert gemm._choose(op(4 * bm, 256), op(512, 256), "high").cluster == 2
+    assert gemm._choose(op(4 * bm - 1, 256), op(512, 256), "high").cluster == 2  # 4 tiles, the last partial
+    assert gemm._choose(op(3 * bm, 256), op(512, 256), "high").cluster == 1
+    assert gemm._choose(op(4 * bm, 256), op(512, 256), "highest").cluster == 1
+    assert gemm._choose(op(4 * bm, 256), op(512, 256, True), "high").cluster == 1  # B by cp.async
+    a, b = op(64 * bm, 256, True), op(1024, 256)  # the swapped product (a transposed A by TMA)
+    assert gemm._choose(a, b, "high", True).cluster == 2
+    assert gemm.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
