@@ -429,9 +429,9 @@ def mm_plan(a, b, precision: str):
 
 class _Product:
     """A planned GEMM product: calling it with ``(a_ptr, b_ptr, bias_ptr)`` launches it
-    and returns its new output. ``stage(a_ptr, b_ptr, bias_ptr, launches, held) -> out``
-    allocates the output (and any operand copies, appended to ``held``, kept until the
-    launch) and appends the launches, so that the copies and the GEMM go out in one
+    and returns its new output. Its ``_stage(a_ptr, b_ptr, bias_ptr, launches, held) ->
+    out`` allocates the output (and any operand copies, appended to ``held``, kept until
+    the launch) and appends the launches, so that the copies and the GEMM go out in one
     batch. ``place``: where it allocates."""
 
     __slots__ = ("place", "_stage")
