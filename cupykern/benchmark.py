@@ -105,3 +105,96 @@ def gbps(nbytes: int, ms: float) -> float:
 def tflops(flops: float, ms: float) -> float:
     return flops / ms / 1e9
 
+
+
+# ---- Envelope sweeps (benchmarks' --sweep): one row schema, one summary, one JSON form,
+# read back by the README's table generator.
+
+def compiled(fn):
+    """``torch.compile(fn)`` for one shape: each sweep point compiles its own, so that
+    a sweep never reaches dynamo's recompile limit (past it dynamo runs eager)."""
+    import torch as _torch
+
+    return _torch.compile(fn, dynamic=False)
+
+
+def sweep_row(op: str, shape, dtype, mode: str, ms: float, eager_ms: float,
+              compile_ms: float | None = None, ceiling_ms: float | None = None,
+              ceiling: str | None = None, **extra) -> dict:
+    """One sweep point: our time and PyTorch's (eager, torch.compile) in ms, host time
+    included, and ``ceiling_ms``, the same-run hardware floor named by ``ceiling``
+    ("copy": the same bytes through ``copy_``; "tensor peak": FLOPs at the measured
+    matrix rate). Ratios: x_eager = eager_ms / ms (> 1: we are faster), x_compile
+    likewise, x_ceiling = ms / ceiling_ms (>= 1; 1 is the hardware's floor)."""
+    shape = "x".join(str(s) for s in shape) if not isinstance(shape, str) else shape
+    return {"op": op, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+            "ms": ms, "eager_ms": eager_ms, "compile_ms": compile_ms,
+            "x_eager": eager_ms / ms,
+            "x_compile": None if compile_ms is None else compile_ms / ms,
+            "ceiling": ceiling, "ceiling_ms": ceiling_ms,
+            "x_ceiling": None if ceiling_ms is None else ms / ceiling_ms, **extra}
+
+
+def print_rows(rows) -> None:
+    """A table of sweep rows, one line each."""
+    print(f"{'op':<12} {'shape':<22} {'dtype':<9} {'mode':<17} {'ms':>9} {'eager':>9} "
+          f"{'compile':>9} {'x eager':>8} {'x comp':>7} {'x ceil':>7}")
+    for r in rows:
+        comp = "" if r["compile_ms"] is None else f"{r['compile_ms']:9.4f}"
+        xc = "" if r["x_compile"] is None else f"{r['x_compile']:7.2f}"
+        xl = "" if r["x_ceiling"] is None else f"{r['x_ceiling']:7.2f}"
+        print(f"{r['op']:<12} {r['shape']:<22} {r['dtype']:<9} {r['mode']:<17} {r['ms']:9.4f} "
+              f"{r['eager_ms']:9.4f} {comp:>9} {r['x_eager']:8.2f} {xc:>7} {xl:>7}", flush=True)
+
+
+def summarize(rows) -> list[dict]:
+    """Min and median of x_eager and x_compile per (op, dtype, mode), printed and returned."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["dtype"], r["mode"]), []).append(r)
+    out = []
+    print(f"\n{'op':<12} {'dtype':<9} {'mode':<17} {'n':>3} {'min x eager':>12} {'median':>7} "
+          f"{'min x comp':>11} {'median':>7}")
+    for (op, dtype, mode), rs in groups.items():
+        e = [r["x_eager"] for r in rs]
+        c = [r["x_compile"] for r in rs if r["x_compile"] is not None]
+        s = {"op": op, "dtype": dtype, "mode": mode, "n": len(rs),
+             "min_x_eager": min(e), "median_x_eager": statistics.median(e),
+             "min_x_compile": min(c) if c else None,
+             "median_x_compile": statistics.median(c) if c else None}
+        out.append(s)
+        cm = "" if s["min_x_compile"] is None else f"{s['min_x_compile']:11.2f} {s['median_x_compile']:7.2f}"
+        print(f"{op:<12} {dtype:<9} {mode:<17} {len(rs):>3} {s['min_x_eager']:12.2f} "
+              f"{s['median_x_eager']:7.2f} {cm}")
+    return out
+
+
+def run_meta(command: str) -> dict:
+    """Where a sweep ran: GPU, versions, commit (when run from a git checkout), date."""
+    import datetime
+    import subprocess
+
+    import torch as _torch
+
+    try:
+        import cupy
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"gpu": _torch.cuda.get_device_name() if _torch.cuda.is_available() else None,
+            "torch": _torch.__version__, "cupy": cupy_version, "commit": commit,
+            "date": datetime.date.today().isoformat(), "command": command}
+
+
+def write_sweep(path: str, rows, command: str) -> None:
+    """The sweep as JSON: {"meta": run_meta, "rows": [sweep_row...], "summary": summarize}."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"meta": run_meta(command), "rows": rows, "summary": summarize(rows)}, f,
+                  indent=1)
