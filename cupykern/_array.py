@@ -120,6 +120,9 @@ def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
         strides = tuple(s // x.itemsize for s in x.strides)
         return Operand(x, "cupy", dtype, x.shape, strides, x.data.ptr, x.device.id, name)
     if isinstance(x, np.ndarray):
+        if isinstance(x, (np.matrix, np.ma.MaskedArray)):  # 2-D-only algebra; a mask we would ignore
+            raise TypeError(f"{name}: {type(x).__module__}.{type(x).__name__} is not supported; "
+                            "pass a plain numpy.ndarray (np.asarray(x), or x.filled(...) for a mask)")
         _check_dtype(x.dtype.name, name, dtypes)
         strides = tuple(s // x.itemsize for s in x.strides)
         return Operand(x, "cpu", x.dtype.name, x.shape, strides, 0, None, name)

@@ -78,9 +78,10 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     """``F.batch_norm(F.linear(x, weight, bias) * scale, ...)`` for a 2-D x.
 
     Args:
-        x: (B, K); weight: (N, K); bias, scale, bn_weight, bn_bias: (N,) or None
-            (bias None = 0, bn_weight None = 1, bn_bias None = 0); all of one kind,
-            device and dtype (CuPy, torch CUDA/CPU, NumPy).
+        x: (B, K); weight: (N, K); scale: (N,), or (1,) broadcast as the module's;
+            bias, bn_weight, bn_bias: (N,) or None (bias None = 0, bn_weight None = 1,
+            bn_bias None = 0); all of one kind, device and dtype (CuPy, torch CUDA/CPU,
+            NumPy).
         running_mean, running_var: (N,) buffers updated in place in training mode
             (required in eval mode); num_batches_tracked: int64 scalar buffer,
             incremented in training mode.
@@ -103,6 +104,10 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     Raises ValueError for a training batch of one row, with PyTorch's message. x is
     copied to a contiguous array if its rows are not contiguous.
     """
+    if getattr(scale, "shape", None) == (1,) and len(getattr(weight, "shape", ())) == 2:
+        # A (1,) scale as a stride-0 (N,) view (np.broadcast_to serves CuPy and Dask too).
+        n = weight.shape[0]
+        scale = scale.expand(n) if is_torch(scale) else np.broadcast_to(scale, (n,))
     args = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
             num_batches_tracked)
     if is_torch(x):
@@ -194,7 +199,7 @@ def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
     for name, v in (("running_mean", running_mean), ("running_var", running_var)):
         vec[name] = check_vector(v, name, xo, N, in_place=True)
     if vec["scale"] is None:
-        raise ValueError("scale: required, got None")
+        raise ValueError(f"scale: required, shape ({N},) or (1,); got None")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
     eps = check_real(eps, "eps")

@@ -151,7 +151,9 @@ def reference(x: np.ndarray, axis: int, p: int) -> np.ndarray:
     xa = x.astype(acc)
     with np.errstate(all="ignore"):
         if p == 1:
-            d = np.mean(np.abs(xa), axis=axis, keepdims=True)
+            # (sum / n, not np.mean: a length-0 row gives nan as torch.mean does, without
+            # NumPy's "Mean of empty slice" warning)
+            d = np.sum(np.abs(xa), axis=axis, keepdims=True) / acc(xa.shape[axis])
         else:
             d = np.sqrt(np.sum(xa * xa, axis=axis, keepdims=True))
         return (xa / d.astype(x.dtype).astype(acc)).astype(x.dtype)
@@ -169,9 +171,17 @@ def check(x, p: int, axis, out=None, config=None):
         p = 1
     o = check_out(out, a, a.shape, inputs=(a,), in_place=True) if out is not None else None
     if config is not None:
-        config = tuple(config)
+        config = config_tuple(config)
         _require_config(config, a.dtype)
     return a, ax, p, o, config
+
+
+def config_tuple(config) -> tuple:
+    """``config`` as a tuple of ints; TypeError for a string or another non-sequence."""
+    if isinstance(config, (str, bytes)) or not hasattr(config, "__iter__"):
+        raise TypeError(f"config: expected a tuple (cluster CTAs, threads, vectors[, prefetch[, "
+                        f"rows per cluster]]), got {config!r}")
+    return tuple(config)
 
 
 def _require_config(config, dtype, backward=False):
@@ -340,7 +350,7 @@ def _backward_fresh(x, dy, p, axis, config):
     """``run(x, dy) -> dx`` for calls like this one, or None (see normalize_backward)."""
     a, ax, p, _, _ = check(x, p, axis)
     if config is not None:
-        config = tuple(config)
+        config = config_tuple(config)
         _require_config(config, a.dtype, backward=True)
     g = operand(dy, "dy")
     same_place(a, g)

@@ -1,26 +1,79 @@
-"""GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, when no GPU is present."""
+"""GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, when no GPU (or no
+CuPy, which runs our kernels) is present; the NVRTC compile checks carry
+``@pytest.mark.nvrtc`` and skip, with the reason, without CuPy and NVRTC (the
+``cuda12``/``cuda13`` extra). A CPU machine with only ``.[test]`` installed runs the rest."""
+import collections
 import functools
 
 import pytest
 
+EXTRA = "pip install -e '.[cuda12,test]' (or cuda13)"
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_missing() -> str:
+    """Why CuPy cannot be imported, or "" when it can."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        return f"CuPy is not installed ({e.name or e}): {EXTRA}"
+    return ""
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
+    """CUDA GPUs our kernels can run on: 0 without CuPy, a driver or a device."""
+    if _cupy_missing():
+        return 0
     try:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no driver, no device, no cupy
+    except Exception:  # noqa: BLE001 - no driver, no device
         return 0
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_missing() -> str:
+    """Why NVRTC (through CuPy) cannot compile here, or "" when it can (no GPU needed)."""
+    if _cupy_missing():
+        return _cupy_missing()
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - the NVRTC library is absent or broken
+        return f"NVRTC is not usable ({type(e).__name__}: {e}): {EXTRA}"
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
-    if gpu_count():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none found): run the suite on the GPU machine")
+    skips = {}
+    if not gpu_count():
+        why = _cupy_missing() or "none found: run the suite on the GPU machine"
+        skips["gpu"] = pytest.mark.skip(reason=f"needs a CUDA GPU ({why})")
+    if nvrtc_missing():
+        skips["nvrtc"] = pytest.mark.skip(reason=f"needs NVRTC ({nvrtc_missing()})")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Why tests were skipped, one line per reason with its count, always shown (pytest's
+    own ``-rs`` prints a line per test function: hundreds on a CPU machine)."""
+    counts, files = collections.Counter(), collections.defaultdict(set)
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] += 1
+        files[reason].add(rep.nodeid.split("::")[0])
+    if counts:
+        terminalreporter.section("skip reasons", sep="-")
+    for reason, n in counts.most_common():
+        k = len(files[reason])
+        terminalreporter.write_line(f"{n:5d} skipped: {reason} ({k} file{'s' * (k > 1)})")
 
 
 @pytest.fixture

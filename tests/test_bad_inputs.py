@@ -188,6 +188,10 @@ def _norm_cases(fn):
         Case("x-0d", lambda k: call(k, x=k.arr(())), ValueError, "^x: "),
         Case("x-sparse", lambda k: call(k, x=k.sparse((4, 6))),
              TypeError, "^x: .*layout torch.sparse_coo", TORCH),
+        Case("x-matrix", lambda k: call(k, x=np.asmatrix(k.arr())), TypeError, r"^x: numpy.*matrix", NUMPY),
+        Case("x-masked", lambda k: call(k, x=np.ma.masked_array(k.arr(), mask=k.arr() > 0)),
+             TypeError, "^x: numpy.ma.*MaskedArray", NUMPY),
+        Case("config-str", lambda k: call(k, config="fast"), TypeError, "^config: expected a tuple.*'fast'"),
         Case("axis-2", lambda k: call(k, axis=2), ValueError, "^axis: 2 is out of range"),
         Case("axis-neg3", lambda k: call(k, axis=-3), ValueError, "^axis: -3 is out of range"),
         Case("axis-float", lambda k: call(k, axis=1.0), TypeError, "^axis: "),
@@ -303,11 +307,11 @@ GSBN = [
     Case("weight-1d", lambda k: _gsbn(k, weight=k.arr((6,))), ValueError, "^weight: .*2-D"),
     Case("K-mismatch", lambda k: _gsbn(k, x=k.arr((4, 7))), ValueError, "^x: .*in_features"),
     Case("bias-length", lambda k: _gsbn(k, bias=k.arr((4,))), ValueError, r"^bias: .*\(5,\)"),
-    Case("scale-length", lambda k: _gsbn(k, scale=k.arr((1,))), ValueError, r"^scale: .*\(5,\)"),
+    Case("scale-length", lambda k: _gsbn(k, scale=k.arr((2,))), ValueError, r"^scale: .*\(5,\)"),
     Case("bn_weight-2d", lambda k: _gsbn(k, bn_weight=k.arr((5, 1))), ValueError, r"^bn_weight: .*\(5,\)"),
     Case("running_var-length", lambda k: _gsbn(k, running_var=k.arr((6,))),
          ValueError, r"^running_var: .*\(5,\)"),
-    Case("scale-None", lambda k: _gsbn(k, scale=None), ValueError, "^scale: "),
+    Case("scale-None", lambda k: _gsbn(k, scale=None), ValueError, r"^scale: required, shape \(5,\) or \(1,\)"),
     Case("running_mean-without-var", lambda k: _gsbn(k, running_var=None), ValueError, "running_var"),
     Case("running_var-without-mean", lambda k: _gsbn(k, running_mean=None), ValueError, "running_mean"),
     Case("eval-without-stats", lambda k: _gsbn(k, training=False, **_NO_STATS), ValueError, "running_mean"),
@@ -466,6 +470,10 @@ def _module_cases():
             Case("x-sparse", lambda k, m=make: _fwd(k, m, k.sparse((4, 6))),
                  TypeError, "^x: .*layout", TORCH),
         ])
+    for name in ("L1Norm", "L2Norm"):
+        cases += _prefixed(name, [Case("x-1d", lambda k, m=MODULES[name]: _fwd(k, m, k.arr((5,))),
+                                       ValueError, f"^x: {name} normalizes over dim 1, so x needs at "
+                                       "least 2 dimensions, got shape \\(5,\\)", TORCH)])
     for name in ("GSBN", "MSML"):
         make = MODULES[name]
         cases += _prefixed(name, [
@@ -534,3 +542,27 @@ def test_bad_input_cpu(case, kind):
 @pytest.mark.parametrize("case, kind", _params(GPU_KINDS))
 def test_bad_input_gpu(case, kind):
     _check(case, kind)
+
+
+# ---- what is accepted at the edges (not errors): results as the reference gives them
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_gsbn_scale_of_one_broadcasts_like_the_module(kind):
+    """A (1,) scale (the module's scale_shape allows it) equals the same value per column."""
+    k = Kind(kind)
+    x, w, b = k.arr((8, 6)), k.arr((5, 6), seed=1), k.arr((5,), seed=2)
+    one = np.array([1.7], np.float32)
+    got = cupykern.gemm_scale_batchnorm(x, w, b, k.of(one), None, None)
+    want = cupykern.gemm_scale_batchnorm(x, w, b, k.of(np.full(5, 1.7, np.float32)), None, None)
+    assert got.shape == (8, 5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [cupykern.l1_normalize, cupykern.l2_normalize])
+def test_empty_rows_give_an_empty_result_without_warnings(fn):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's "Mean of empty slice" must not leak out
+        y = fn(np.zeros((5, 0), np.float32))
+    assert y.shape == (5, 0) and y.dtype == np.float32

@@ -1,5 +1,6 @@
 """Every registered kernel instantiation compiles with NVRTC for sm_75 to sm_120 (sm_90 as
-sm_90a), without ptxas serialising any wgmma; no GPU needed."""
+sm_90a), without ptxas serialising any wgmma; no GPU needed, but CuPy and NVRTC (the
+cuda12/cuda13 extra): without them the compiling tests skip, with the reason."""
 import pathlib
 
 import pytest
@@ -19,6 +20,7 @@ def test_headers_are_inlined_into_the_source():
         assert "acc_of" in text  # common.cuh made it in
 
 
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("cc", _loader.CHECKED_CCS)
 def test_every_kernel_compiles(cc):
     assert _loader.compile_check((cc,)) == []
@@ -30,6 +32,7 @@ def test_arch_options():
     assert pathlib.Path(_loader.kernel_dir()).name == "kernels_cu"
 
 
+@pytest.mark.nvrtc
 def test_hopper_only_kernels_fail_to_compile_for_older_archs():
     """sm_90-only instantiations (wgmma, clusters) are compile errors on sm_80, never
     empty kernels that would launch and do nothing."""
@@ -42,6 +45,7 @@ def test_hopper_only_kernels_fail_to_compile_for_older_archs():
             _loader.compile_nvrtc(f, [e], 80)
 
 
+@pytest.mark.nvrtc
 def test_a_wrong_launch_constant_does_not_compile():
     """Shared-memory bytes named in Python are static_asserted by the kernel."""
     import re
@@ -75,6 +79,7 @@ extern "C" __global__ void serialised_wgmma(float* out, const unsigned* f, unsig
 """
 
 
+@pytest.mark.nvrtc
 def test_serialised_wgmma_fails_the_compile_check(monkeypatch):
     source = _loader.source("gemm.cu")
     monkeypatch.setattr(_loader, "source", lambda name: source + _SERIALISED)

@@ -106,7 +106,7 @@ normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, T
 def normalize(x: torch.Tensor, p: int, axis: int = 1, out=None, config=None):
     """``x / d(x)`` along ``axis`` (p=1: mean|x|, p=2: ||x||) through the custom ops; what
     :func:`cupykern.l1_normalize` / :func:`cupykern.l2_normalize` do with tensors."""
-    cfg = None if config is None else [int(v) for v in config]
+    cfg = None if config is None else [int(v) for v in core.config_tuple(config)]
     if out is None:
         return normalize_op(x, p, axis, cfg)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
@@ -133,7 +133,7 @@ class L1Norm(L1NormReference):
     our kernel; CPU: PyTorch ops); trains, compiles, captures in CUDA graphs."""
 
     def forward(self, x):
-        require_tensor(x)
+        _require_rows(x, type(self).__name__)
         return normalize_op(x, 1, 1, None)
 
 
@@ -141,5 +141,13 @@ class L2Norm(L2NormReference):
     """``x / torch.norm(x, p=2, dim=1, keepdim=True)`` through ``cupykern::normalize``."""
 
     def forward(self, x):
-        require_tensor(x)
+        _require_rows(x, type(self).__name__)
         return normalize_op(x, 2, 1, None)
+
+
+def _require_rows(x, module: str) -> None:
+    """The modules normalize over dim 1, which x must have (the axis is not the user's)."""
+    require_tensor(x)
+    if x.dim() < 2:
+        raise ValueError(f"x: {module} normalizes over dim 1, so x needs at least 2 dimensions, "
+                         f"got shape {tuple(x.shape)}")
