@@ -25,7 +25,22 @@ def test_main_job_json_without_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["gpu"] is None and data["reason"]
-    assert len(data["cpu_check"]) == 5 and all(c["correct"] for c in data["cpu_check"].values())
+    assert list(data["cpu_check"]) == ["l1_normalize"] and data["cpu_check"]["l1_normalize"]["correct"]
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the job benchmarks instead (test_quick_main_job)")
+def test_main_job_without_gpu_checks_the_models_asked_for():
+    r = subprocess.run([sys.executable, "-m", "cupykern", "--models", "l2norm,GemmScaleBatchNorm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    checked = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" ok")]
+    assert checked == ["l2_normalize", "linear", "gemm_scale_batchnorm"], r.stdout
+
+
+@pytest.mark.parametrize("iters", ["0", "-3", "x"])
+def test_iters_must_be_a_positive_whole_number(iters):
+    r = subprocess.run([sys.executable, "-m", "cupykern", "--iters", iters], capture_output=True, text=True)
+    assert r.returncode == 2 and "--iters" in r.stderr and ">= 1" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("models", ["bogus", "l1norm,nope", ""])
@@ -47,7 +62,7 @@ def test_model_names_in_either_spelling():
 def test_benchmarks_have_help_and_need_a_gpu(module):
     name = f"cupykern.benchmarks.{module}"
     r = subprocess.run([sys.executable, "-m", name, "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {name}"), r.stdout + r.stderr
     if not gpu_count():
         r = subprocess.run([sys.executable, "-m", name], capture_output=True, text=True)
         assert r.returncode == 1 and "No CUDA GPU found" in r.stderr and "Traceback" not in r.stderr
@@ -78,5 +93,7 @@ def test_quick_main_job(tmp_path):
     out = tmp_path / "figures.json"
     assert main(["--quick", "--models", "l1norm,matmul_sum_max_mean_logsumexp", "--iters", "3",
                  "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
     assert rows and all(r["correct"] and r["ms"] > 0 for r in rows)
+    assert data["meta"]["gpu"] == data["gpu"] and data["meta"]["command"].startswith("python -m cupykern")

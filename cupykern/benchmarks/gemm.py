@@ -224,7 +224,8 @@ def bench_small():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cupykern.benchmarks.gemm", description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training", "small"),
                     default="all", help="the GEMM alone, linear's backward GEMMs, "

@@ -55,7 +55,9 @@ def _models(k, n):
 
 
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    argparse.ArgumentParser(
+        prog="python -m cupykern.benchmarks.matmul_sum_max_mean_logsumexp",
+        description=__doc__.split("\n\n")[0]).parse_args(argv)
     require_gpu()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     big = torch.empty(2**30, dtype=torch.uint8, device="cuda")

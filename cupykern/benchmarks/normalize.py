@@ -137,7 +137,8 @@ def compile_times():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cupykern.benchmarks.normalize", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4096 rows instead of 32768")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     ap.add_argument("--training-only", action="store_true", help="only the training figures")

@@ -83,7 +83,8 @@ def rows():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cupykern.benchmarks.overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=500, help="back-to-back calls per figure")
     args = ap.parse_args(argv)
     require_gpu()

@@ -68,7 +68,8 @@ def _worker(rank, world, path, args, share, results):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m cupykern.benchmarks.scale_out", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=int, nargs=3, default=(16384, 4096, 4096),
                     metavar=("B", "K", "N"), help="rows per GPU, in_features, out_features")
     ap.add_argument("--worlds", type=int, nargs="+", default=None,
