@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-EXTRA = "pip install -e '.[cuda12,test]' (or cuda13)"
+EXTRA = "the cuda12/cuda13 extra"
 
 
 @functools.lru_cache(maxsize=None)
@@ -16,7 +16,7 @@ def _cupy_missing() -> str:
     try:
         import cupy  # noqa: F401
     except ImportError as e:
-        return f"CuPy is not installed ({e.name or e}): {EXTRA}"
+        return f"{e.name or 'CuPy'} is not installed: {EXTRA}"
     return ""
 
 
@@ -43,7 +43,7 @@ def nvrtc_missing() -> str:
 
         nvrtc.getVersion()
     except Exception as e:  # noqa: BLE001 - the NVRTC library is absent or broken
-        return f"NVRTC is not usable ({type(e).__name__}: {e}): {EXTRA}"
+        return f"NVRTC is not usable, {type(e).__name__}: {e}; {EXTRA}"
     return ""
 
 

@@ -13,7 +13,8 @@ import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 
 # Only GPU tests here, and the module's kernel below needs CuPy at import.
-cupy = pytest.importorskip("cupy", reason="needs a CUDA GPU (CuPy is not installed: the cuda12/cuda13 extra)")
+cupy = pytest.importorskip(
+    "cupy", reason="needs a CUDA GPU (cupy is not installed: the cuda12/cuda13 extra)")
 
 pytestmark = pytest.mark.gpu
 
