@@ -1,4 +1,4 @@
-"""The documented models (README: The documented models), KernelBench style.
+"""The documented models (README: The four models), KernelBench style.
 
 Each submodule names the op's reference ``Model`` (plain PyTorch, defined once in
 ``cupykern.torch.<op>``), ``ModelNew`` (our module), ``get_init_inputs()`` and ``get_inputs()`` (CPU tensors at the main

@@ -1,4 +1,4 @@
-"""Model 3, GemmScaleBatchNorm: ``bn(gemm(x) * scale)`` (README: The documented models)."""
+"""Model 3, GemmScaleBatchNorm: ``bn(gemm(x) * scale)`` (README: The four models)."""
 import torch
 
 from ..torch.gemm_scale_batchnorm import GemmScaleBatchNorm as ModelNew  # noqa: F401
