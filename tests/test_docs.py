@@ -79,8 +79,8 @@ def test_tables_regenerate_and_check_from_sweeps(tmp_path, capsys):
     (tmp_path / "docs" / "results").mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "results" / "main.json", tmp_path / "docs" / "results")
     (tmp_path / "docs" / "results" / "normalize_sweep.json").write_text(json.dumps(_sample_sweep()))
-    blocks = "".join(f"<!-- table:{n} -->\nstale\n<!-- /table:{n} -->\n"
-                     for n in ("main", "envelope", "slower", "sweep-normalize", "sweep-gemm"))
+    blocks = "".join(f"<!-- table:{n} -->\nstale\n<!-- /table:{n} -->\n" for n in
+                     ("main", "envelope", "envelope-full", "slower", "sweep-normalize", "sweep-gemm"))
     for doc in tables.DOCS:
         (tmp_path / doc).write_text("# doc\n" + blocks)
     assert tables.main(["--check"], root=tmp_path) == 1
@@ -88,11 +88,12 @@ def test_tables_regenerate_and_check_from_sweeps(tmp_path, capsys):
     assert tables.main(["--check"], root=tmp_path) == 0
     text = (tmp_path / "README.md").read_text()
     assert "| l2 | float32 | forward | 3 | 0.75 | 2.00 |" in text  # min and median x eager
+    assert "| l2 | 3 | 0.75 | 2.00 | 1.50 | 1.50 | 1 |" in text  # per op, with the slower count
     assert "| l2 | 4x7 | float32 | forward |" in text  # the one point slower than eager
     assert "(no gemm_sweep.json yet)" in text and "stale" not in text
     main = json.loads((ROOT / "docs" / "results" / "main.json").read_text())
     assert f"| {main['rows'][0]['ms']:.3f} |" in text
-    (tmp_path / "README.md").write_text(text.replace("| 3 | 0.75 |", "| 3 | 0.76 |"))
+    (tmp_path / "README.md").write_text(text.replace("| 3 | 0.75 | 2.00 | 1.50", "| 3 | 0.76 | 2.00 | 1.50"))
     assert tables.main(["--check"], root=tmp_path) == 1
     assert "README.md" in capsys.readouterr().err
 

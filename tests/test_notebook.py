@@ -57,7 +57,8 @@ def test_notebook_executes(name):
         assert out.count("max |error|") >= 10 and "exit code 0" in out
     else:
         sweeps = list((NOTEBOOKS.parent / "docs" / "results").glob("*_sweep.json"))
-        assert len(_images(cells)) == 3 * bool(gpu_count()) + 2 * bool(sweeps)
+        # 3 measured here on a GPU; the envelope and (with a row op's sweep) bandwidth plots
+        assert 0 <= len(_images(cells)) - 3 * bool(gpu_count()) - bool(sweeps) <= bool(sweeps)
 
 
 def _sample_sweep():
@@ -65,7 +66,9 @@ def _sample_sweep():
     rows = [sweep_row("l2", (128, n), "float32", "forward", ms=0.011 * n / 1024, eager_ms=0.02 * n / 1024,
                       compile_ms=0.015 * n / 1024, ceiling_ms=0.01 * n / 1024, ceiling="copy")
             for n in (1024, 4096, 16384)]
-    rows.append(sweep_row("linear", "1024x8192->8192", "float32", "forward 'high'", ms=0.33, eager_ms=0.32,
+    rows.append(sweep_row("l2", (128, 4096), "float32", "backward", ms=0.1, eager_ms=0.3, compile_ms=None,
+                          ceiling_ms=0.06, ceiling="1.5x copy"))
+    rows.append(sweep_row("linear", "1024x8192x8192", "float32", "high", ms=0.33, eager_ms=0.32,
                           compile_ms=None, ceiling_ms=0.3, ceiling="tensor peak"))
     meta = {"gpu": "Sample GPU", "torch": "0", "cupy": "0", "commit": "sample", "date": "2000-01-01",
             "command": "sample"}
@@ -79,8 +82,8 @@ def test_envelope_plots_draw_from_sweep_json(tmp_path, monkeypatch):
     envelope, bandwidth = cells[-2:]
     assert len(_images([envelope])) == 1 and len(_images([bandwidth])) == 1
     assert "sample: Sample GPU" in _text(envelope)
-    assert "1 of 4 points slower than eager or compile" in _text(envelope)
-    assert "linear 1024x8192->8192 float32 forward 'high': x eager 0.97" in _text(envelope)
+    assert "1 of 5 points slower than eager or compile" in _text(envelope)
+    assert "linear 1024x8192x8192 float32 high: x eager 0.97" in _text(envelope)
 
 
 @pytest.mark.parametrize("name", NAMES)

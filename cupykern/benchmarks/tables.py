@@ -8,9 +8,11 @@ Sources: ``main*.json`` (what ``python -m cupykern --json`` writes; one file per
 one table each) and ``*_sweep.json`` (the envelope sweeps of ``python -m
 cupykern.benchmarks.<op> --sweep``, written by :func:`cupykern.benchmark.write_sweep`).
 A table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` lines; NAME is
-``main`` / ``main-full`` (the main job, without / with PyTorch's times), ``envelope`` (per op/dtype/mode: min and median ratios to
-PyTorch over the sweep's shapes), ``slower`` (every sweep point slower than PyTorch
-eager or torch.compile) or ``sweep-<op>`` (every point of that op's sweep).
+``main`` / ``main-full`` (the main job, without / with PyTorch's times), ``envelope``
+(per op: min and median ratios to PyTorch over the swept shapes, points slower than
+PyTorch), ``envelope-full`` (the same per op, dtype and mode), ``slower`` (every swept
+point slower than PyTorch eager or torch.compile) or ``sweep-<op>`` (every point of
+``<op>_sweep.json``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import pathlib
 import re
+import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -80,11 +83,33 @@ def _gpus(sweeps) -> str:
 
 
 def envelope_table(sweeps) -> str:
-    """Per sweep, op, dtype and mode: shapes, min / median x eager and x compile."""
+    """Per op (every dtype and mode of its sweep): points, min / median x eager and
+    x compile, and how many points are slower than PyTorch."""
+    if not sweeps:
+        return "(no sweep results in docs/results/ yet)\n"
+    ops: dict = {}
+    for data in sweeps.values():
+        for r in data["rows"]:
+            ops.setdefault(r["op"], []).append(r)
+    out = [_gpus(sweeps), "",
+           _row(["op", "points", "min x eager", "median x eager", "min x compile",
+                 "median x compile", "slower than PyTorch"]), _row(["---"] + ["---:"] * 6)]
+    for op, rows in ops.items():
+        e = [r["x_eager"] for r in rows]
+        c = [r["x_compile"] for r in rows if r["x_compile"] is not None]
+        out.append(_row([op, str(len(rows)), _num(min(e), 2), _num(statistics.median(e), 2),
+                         _num(min(c) if c else None, 2), _num(statistics.median(c) if c else None, 2),
+                         str(len(slower(rows)))]))
+    return "\n".join(out) + "\n"
+
+
+def envelope_full_table(sweeps) -> str:
+    """Per op, dtype and mode (the sweeps' summaries): points, min / median x eager and
+    x compile."""
     if not sweeps:
         return "(no sweep results in docs/results/ yet)\n"
     out = [_gpus(sweeps), "",
-           _row(["op", "dtype", "mode", "shapes", "min x eager", "median x eager",
+           _row(["op", "dtype", "mode", "points", "min x eager", "median x eager",
                  "min x compile", "median x compile"]),
            _row(["---"] * 3 + ["---:"] * 5)]
     for data in sweeps.values():
@@ -132,12 +157,15 @@ def render(name: str, results: dict) -> str:
         return main_tables(results["main"], compact=name == "main")
     if name == "envelope":
         return envelope_table(results["sweeps"])
+    if name == "envelope-full":
+        return envelope_full_table(results["sweeps"])
     if name == "slower":
         return slower_table(results["sweeps"])
     if name.startswith("sweep-"):
         data = results["sweeps"].get(name.removeprefix("sweep-"))
         return sweep_table(data) if data else f"(no {name.removeprefix('sweep-')}_sweep.json yet)\n"
-    raise KeyError(f"unknown table {name!r} (main, main-full, envelope, slower, sweep-<op>)")
+    raise KeyError(f"unknown table {name!r} (main, main-full, envelope, envelope-full, slower, "
+                   "sweep-<op>)")
 
 
 def regenerate(text: str, results: dict) -> str:
