@@ -47,7 +47,8 @@ def _commit() -> str:
                               check=True).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD")
-        return head + (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return head + (" with uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
 

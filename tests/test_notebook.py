@@ -94,7 +94,8 @@ def test_stored_outputs_come_from_this_tree(name):
     cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(c["outputs"] for c in cells), f"{name}: cells without stored output; {RERUN}"
     first = _text(cells[0])
-    assert re.search(r"^GPU: .+", first, re.M) and re.search(r"^python .*torch .*cupy .*cupykern ", first, re.M)
+    assert re.search(r"^GPU: .+", first, re.M)
+    assert re.search(r"^python .*torch .*cupy .*cupykern ", first, re.M)
     stored = re.search(r"^fingerprint: (\w+)", first, re.M)
     assert stored, f"{name}: no fingerprint in the first cell's output; {RERUN}"
     assert stored.group(1) == _provenance.fingerprint(NOTEBOOKS / name), (
