@@ -1,6 +1,7 @@
 """A non-editable install ships the .cu files and the loader finds them there."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,13 @@ def test_wheel_ships_kernels_and_loader_finds_them(tmp_path):
     assert kernels and all(f"cupykern/kernels_cu/{k}" in names for k in kernels)
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")
                for n in names), sorted(names)
+
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    meta = zipfile.ZipFile(whl).read(meta).decode()
+    assert "Author: cupykern developers" in meta and "Requires-Python: >=3.11" in meta
+    assert sys.version_info >= (3, 11)  # what the suite runs on is what python_requires allows
+    tested = {f"Programming Language :: Python :: 3.{v}" for v in (11, 12)}  # CI's, the GPU machine's
+    assert tested <= set(re.findall(r"^Classifier: (.*)$", meta, re.M))
 
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)  # a pure-Python wheel: unpacking is installing
