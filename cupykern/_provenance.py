@@ -1,7 +1,8 @@
 """Where a notebook's stored outputs come from: the GPU, the versions, the commit, and a
-fingerprint of the code that produced them (cupykern's op, torch-layer and model
-sources, the kernels, and the notebook's own code cells), which a CPU test compares
-with the tree's (tests/test_notebook.py), so stored outputs cannot silently go stale."""
+fingerprint of what produced them (cupykern's op, torch-layer and model sources, the
+kernels, the stored sweeps the benchmarks notebook plots, and the notebook's own code
+cells), which a CPU test compares with the tree's (tests/test_notebook.py), so stored
+outputs cannot silently go stale."""
 from __future__ import annotations
 
 import datetime
@@ -32,9 +33,11 @@ def code_cells(notebook) -> str:
 
 
 def fingerprint(notebook) -> str:
-    """sha256 (16 hex digits) of the sources the notebook runs and its code cells."""
+    """sha256 (16 hex digits) of the sources the notebook runs, the sweeps' JSON it plots
+    (``docs/results/*_sweep.json`` beside its folder) and its code cells."""
     h = hashlib.sha256()
-    for p in _files():
+    results = pathlib.Path(notebook).resolve().parent.parent / "docs" / "results"
+    for p in _files() + sorted(results.glob("*_sweep.json")):
         h.update(f"{p.parent.name}/{p.name}\0".encode())
         h.update(p.read_bytes())
     h.update(code_cells(notebook).encode())
