@@ -170,7 +170,9 @@ def render(name: str, results: dict) -> str:
 
 def regenerate(text: str, results: dict) -> str:
     """``text`` with every marked table rendered afresh from ``results``."""
-    return _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), results) + m.group(4), text)
+    # (a blank line before the closing marker ends a table for every Markdown renderer)
+    return _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), results).rstrip("\n") + "\n\n"
+                      + m.group(4), text)
 
 
 def main(argv=None, root: pathlib.Path = ROOT) -> int:
