@@ -23,6 +23,7 @@ every precision, but without tensor cores.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -611,6 +612,165 @@ def _transpose_plan(o, ld: int):
     return planned, copy
 
 
+# ---- The dispatcher of plain products (linear, matmul): our kernels or the vendor's.
+# The fused ops (GemmScaleBatchNorm's statistics epilogue, the transposed stores, M4's
+# plan) and mm (their backward GEMMs) keep our kernels; only a product nothing is fused
+# into may go to the vendor library: cuBLAS through torch (F.linear / torch.matmul, on
+# torch's current stream) for torch tensors, through CuPy for CuPy arrays.
+OURS, VENDOR = "ours", "vendor"
+# Dtypes the vendor path takes per kind: CuPy's bfloat16 GEMM is not relied on (ours).
+_VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
+                  "cupy": ("float16", "float32", "float64")}
+# "highest" on the vendor is SGEMM (exact fp32 products, fp32 sums): it takes the products
+# that are memory-bound or too small to fill the GPU, where SGEMM runs as fast as the
+# bytes allow and 3xTF32's three tensor-core products buy nothing. A product is ours when
+# each of M and N fills a tile at least HIGHEST_MIN_MN deep, K at least HIGHEST_MIN_K,
+# and it has at least HIGHEST_MIN_WORK multiply-adds.
+_ROUTE = {"HIGHEST_MIN_MN": 64, "HIGHEST_MIN_K": 128, "HIGHEST_MIN_WORK": 2 ** 28,
+          "HIGH_MIN_MNK": 1024}
+
+
+def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
+          aligned: bool = True) -> str:
+    """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
+    (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
+    capability ``cc``; ``aligned``: the K-contiguous float32 rows are (or are made) 16-byte
+    aligned, so that Hopper runs them on wgmma. Each rule with its measurement (H200, same
+    run, host included, events around back-to-back calls):"""
+    if _FORCED[0] is not None:
+        return _FORCED[0]
+    if dtype not in _VENDOR_DTYPES.get(kind, ()):
+        return OURS  # (CuPy bfloat16)
+    # Below sm_80 ours runs on CUDA cores only, as cuBLAS's SGEMM/DGEMM do, while cuBLAS
+    # has Turing's fp16 tensor cores and tuned tiles (not measured: no sm_75 machine).
+    if cc < 80:
+        return VENDOR
+    # float64: ours is a CUDA-core kernel; cuBLAS runs Hopper's FP64 tensor cores (DMMA).
+    # 1x4096 @ 4096x4096: 440 us against 35 (0.08x).
+    if dtype == "float64":
+        return VENDOR
+    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192 @
+    # 8192x8192 bf16 560 us against 179 (0.32x); 16384x64 @ 64x4096 0.16x; 128x4096 @
+    # 4096x4096 fp16 0.22x.
+    if dtype != "float32":
+        return VENDOR
+    if precision == "highest":
+        c = _ROUTE
+        if min(M, N) < c["HIGHEST_MIN_MN"] or K < c["HIGHEST_MIN_K"] or M * N * K < c["HIGHEST_MIN_WORK"]:
+            return VENDOR  # 1x4096 @ 4096x4096: 42 us against SGEMM's 24 (0.58x); 333x777 @ 777x555 0.59x
+        return OURS  # 128x4096 @ 4096x4096: 3.75x SGEMM; 1024x8192 @ 8192x8192 2.53x
+    # "high" / "medium" (TF32): ours equals cuBLAS's TF32 at best (1024x8192 @ 8192x8192:
+    # 1.00x) and only on Hopper's wgmma; it loses at 1000^3 (0.76x), 8192x4096 @ 4096x16
+    # (0.38x) and 2048x1024 @ 1024x32000 (0.84x).
+    if cc == 90 and aligned and min(M, N, K) >= _ROUTE["HIGH_MIN_MNK"]:
+        return OURS
+    return VENDOR
+
+
+_FORCED = [None]  # forced_route's override
+
+
+@contextlib.contextmanager
+def forced_route(which):
+    """Within it, :func:`route` answers ``which`` (OURS or VENDOR) for every product: the
+    tests of our kernels at shapes the vendor would take, and the benchmark's timing of
+    each path. Plans made outside are dropped on the way in and out."""
+    if which not in (OURS, VENDOR):
+        raise ValueError(f"which: expected {OURS!r} or {VENDOR!r}, got {which!r}")
+    old = _FORCED[0]
+    _FORCED[0] = which
+    _drop_plans()
+    try:
+        yield
+    finally:
+        _FORCED[0] = old
+        _drop_plans()
+
+
+def _drop_plans():
+    _plans.clear()
+    _matmul_plans.clear()
+
+
+def _route_of(ao, bo_nk, precision: str) -> str:
+    """:func:`route` for GPU Operands ``ao`` (M, K) and ``bo_nk`` (N, K) as the GEMM reads
+    them (a transposed or misaligned operand that ours would copy counts as aligned)."""
+    (M, K), N = ao.shape, bo_nk.shape[0]
+    cc = _loader.device_cc(ao.device)
+    aligned = True
+    if ao.dtype == "float32" and cc == 90:
+        work = M * N * K
+        aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
+    return route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
+
+
+def _wgmma_rows(o, work: int) -> bool:
+    """Whether ours reads the 2-D float32 Operand ``o`` on Hopper's wgmma: rows (after any
+    copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed one."""
+    lay = layout(o)
+    if lay is None:
+        return True  # copied: a fresh array
+    mode = _read_mode(o, work)[0]
+    return mode != "view" or lay[0] or vector_aligned(o.ptr, lay[1], o.shape[1], 4)
+
+
+def _vendor(kind: str):
+    """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
+    precision)`` and ``matmul(a, b, precision)`` (NumPy semantics, batched)."""
+    return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
+
+
+class _CupyVendor:
+    """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM
+    itself (``cupy.cublas.gemm``: exact fp32 products whatever CUPY_TF32 says); "high" /
+    "medium" run cupy.matmul with CuPy's compute type set to TF32 for the call (cuBLAS's
+    CUBLAS_COMPUTE_32F_FAST_TF32); float64 / float16 cupy.matmul as it is (DGEMM on the
+    FP64 tensor cores; fp16 products with fp32 sums)."""
+
+    @staticmethod
+    def matmul(a, b, precision):
+        cupy = _loader.cupy()
+        if a.shape[-1] == 0:  # (cuBLAS is not asked to sum nothing)
+            return cupy.zeros(matmul_shape(a.shape, b.shape), a.dtype)
+        if a.dtype == np.float32 and precision == "highest":
+            return _CupyVendor._sgemm(a, b)
+        if a.dtype != np.float32:
+            return cupy.matmul(a, b)
+        lin = cupy._core._routines_linalg
+        old = lin.get_compute_type(a.dtype)
+        lin.set_compute_type(a.dtype, lin.COMPUTE_TYPE_TF32)
+        try:
+            return cupy.matmul(a, b)
+        finally:
+            lin.set_compute_type(a.dtype, old)
+
+    @staticmethod
+    def _sgemm(a, b):
+        cupy = _loader.cupy()
+        if a.ndim == 1 or b.ndim == 1:
+            shape = matmul_shape(a.shape, b.shape)
+            return _CupyVendor._sgemm(a[None] if a.ndim == 1 else a,
+                                      b[:, None] if b.ndim == 1 else b).reshape(shape)
+        if a.ndim == 2 and b.ndim == 2:
+            return cupy.cublas.gemm("N", "N", a, b, out=cupy.empty((a.shape[0], b.shape[1]), a.dtype))
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a = cupy.broadcast_to(a, shape + a.shape[-2:])
+        b = cupy.broadcast_to(b, shape + b.shape[-2:])
+        out = cupy.empty(shape + (a.shape[-2], b.shape[-1]), a.dtype)
+        for i in np.ndindex(*shape):  # (one SGEMM per matrix: cuBLAS's batched SGEMM takes no strides of 0)
+            cupy.cublas.gemm("N", "N", a[i], b[i], out=out[i])
+        return out
+
+    @staticmethod
+    def linear(x, w, b, precision):
+        lead = x.shape[:-1]
+        y = _CupyVendor.matmul(x.reshape(int(np.prod(lead)), x.shape[-1]), w.T, precision)
+        y = y.reshape(lead + (w.shape[0],))
+        if b is not None:
+            y += b
+        return y
+
+
 def reference(x, w, b=None):
     """NumPy reference in the accumulation type (float32 for 16-bit, as the GPU does)."""
     acc = np.float64 if x.dtype == np.float64 else np.float32
@@ -690,6 +850,12 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
+    if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
+        res = _vendor(xo.kind).linear(x, weight, bias, prec)
+        if o is None:
+            return res
+        copy_into(out, res)
+        return out
     work = int(np.prod(shape)) * xo.shape[-1]
     a, b = matrix(xo, work), matrix(wo, work)
     direct = o is not None and o.is_c_contiguous()
@@ -709,7 +875,11 @@ def _fresh(checked, x, weight, bias, precision, out):
     plan); None where the call needs the general path (CPU, empty, or an operand copied
     otherwise)."""
     xo, wo, bo, _, prec, shape = checked
-    if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
+    if xo.kind == "cpu" or 0 in shape:
+        return None
+    if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
+        return _VendorLinear(_vendor(xo.kind).linear, prec)
+    if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view
         if row_view_stride(xo) is None:
@@ -721,3 +891,194 @@ def _fresh(checked, x, weight, bias, precision, out):
         return None
     ptr = run.place.ptr
     return lambda x, weight, bias: run(ptr(x), ptr(weight), ptr(bias))
+
+
+def _rows_planned(xo):
+    """x (..., K) as the 2-D (M, K) Operand ours would read: in place where that is a view,
+    else a fresh contiguous array."""
+    if xo.ndim == 2:
+        return xo
+    if row_view_stride(xo) is None:
+        return fresh_like(xo, (xo.size // xo.shape[-1] if xo.shape[-1] else 0, xo.shape[-1]), "x")
+    return rows_2d(xo, "x")
+
+
+class _VendorLinear:
+    """linear's plan where :func:`route` chose the vendor: ``run(x, weight, bias)``."""
+
+    __slots__ = ("impl", "precision")
+
+    def __init__(self, impl, precision):
+        self.impl, self.precision = impl, precision
+
+    def __call__(self, x, weight, bias):
+        return self.impl(x, weight, bias, self.precision)
+
+
+def planned_vendor(x, weight, bias, precision) -> bool:
+    """Whether :func:`linear`'s cached plan for these arguments (checked precision) is the
+    vendor's: the torch layer then calls torch's own ``F.linear`` in plain eager mode,
+    without the op's boundary (False until a first call has planned them)."""
+    key = (signature(x), signature(weight), signature(bias), precision)
+    return type(_plans.get(key)) is _VendorLinear
+
+
+# ---- matmul: NumPy's matmul on the same dispatcher.
+
+def matmul_shape(a_shape, b_shape) -> tuple:
+    """NumPy matmul's result shape for operands of these shapes (ValueError naming the
+    argument that does not fit)."""
+    if len(a_shape) == 0:
+        raise ValueError("a: expected at least 1 dimension, got a 0-d array (use * to scale)")
+    if len(b_shape) == 0:
+        raise ValueError("b: expected at least 1 dimension, got a 0-d array (use * to scale)")
+    kb = b_shape[-2] if len(b_shape) > 1 else b_shape[0]
+    if a_shape[-1] != kb:
+        raise ValueError(f"b: its {'rows' if len(b_shape) > 1 else 'length'} ({kb}) do not "
+                         f"match a's last dimension ({a_shape[-1]}); shapes {tuple(a_shape)} "
+                         f"and {tuple(b_shape)}")
+    try:
+        batch = np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
+    except ValueError:
+        raise ValueError(f"b: batch dimensions {tuple(b_shape[:-2])} do not broadcast with "
+                         f"a's {tuple(a_shape[:-2])}") from None
+    return batch + tuple(a_shape[-2:-1]) + tuple(b_shape[-1:] if len(b_shape) > 1 else ())
+
+
+def check_matmul(a, b, precision, out):
+    """Validate :func:`matmul`'s arguments: (a, b Operands, precision, result shape, out
+    Operand or None)."""
+    ao, bo = operand(a, "a"), operand(b, "b")
+    same_place(ao, bo)
+    if ao.dtype != bo.dtype:
+        raise TypeError(f"b: dtype {bo.dtype} does not match a's dtype {ao.dtype}")
+    shape = matmul_shape(ao.shape, bo.shape)
+    prec = check_precision(precision)
+    o = check_out(out, ao, shape, inputs=(ao, bo)) if out is not None else None
+    return ao, bo, prec, shape, o
+
+
+def matmul(a, b, *, precision=None, out=None):
+    """``a @ b`` with NumPy's matmul semantics, on :func:`linear`'s dispatcher.
+
+    Args:
+        a, b: CuPy arrays, torch tensors (CUDA or CPU) or NumPy arrays of one kind,
+            device and dtype (float16, bfloat16, float32, float64). 1-D operands are
+            vectors (a row for ``a``, a column for ``b``, the dimension dropped from the
+            result); more than 2 dims are stacks of matrices whose batch dims broadcast.
+        precision: for float32 as in :func:`linear` ("highest": at least SGEMM's accuracy
+            on any data; "high": TF32; "medium"), ``None``: torch's float32 matmul
+            precision for torch inputs, "highest" otherwise.
+        out: optional array of the result's shape, kind and dtype (not sharing memory
+            with ``a`` or ``b``).
+
+    Returns an array of a's kind (torch: through ``torch.ops.cupykern.matmul``, with
+    autograd). Each matrix product goes where :func:`route` says: our tensor-core GEMM, or
+    cuBLAS through torch / CuPy (batched there, except float32 "highest" that ours takes:
+    a loop of our 2-D kernel, and CuPy bfloat16, ours). NumPy arrays use NumPy.
+    """
+    if is_torch(a):
+        return torch_layer("gemm").matmul(a, b, precision=precision, out=out)
+    return matmul_core(a, b, precision, out)
+
+
+_matmul_plans: dict = {}  # (signatures, precision) -> run(a, b), or None
+
+
+def matmul_core(a, b, precision=None, out=None):
+    """:func:`matmul` for CuPy arrays, NumPy arrays and (from the torch layer) torch CUDA
+    tensors."""
+    checked = None
+    if out is None and (precision is None or type(precision) is str):  # the common call
+        key = (signature(a), signature(b), precision)
+        run, checked = cached_checked(_matmul_plans, key, check_matmul, _matmul_fresh,
+                                      (a, b, precision, None))
+        if run is not None:
+            return run(a, b)
+    ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
+    if ao.kind == "cpu":
+        acc = np.float64 if ao.dtype == "float64" else np.float32
+        res = np.matmul(np.asarray(a, acc), np.asarray(b, acc)).astype(ao.array_dtype)
+    elif 0 in shape or ao.shape[-1] == 0:  # (K == 0: zeros)
+        res = empty(ao, shape)
+        res[...] = 0
+    else:
+        res = _matmul_gpu(ao, bo, prec, shape)
+    if o is None:
+        return res
+    copy_into(out, res)
+    return out
+
+
+def _as_matrices(ao, bo):
+    """``a`` and ``b`` with 1-D operands as a (1, K) row and a (K, 1) column (views)."""
+    a = ao.obj[None] if ao.ndim == 1 else ao.obj
+    b = bo.obj[:, None] if bo.ndim == 1 else bo.obj
+    return a, b
+
+
+def _matmul_route(ao, bo, prec) -> str:
+    """:func:`route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
+    a, b = _as_matrices(ao, bo)
+    a2 = operand(a[(0,) * (a.ndim - 2)], "a")
+    b2 = operand(b[(0,) * (b.ndim - 2)], "b")
+    return _route_of(a2, operand(b2.obj.T, "b"), prec)
+
+
+def _matmul_gpu(ao, bo, prec, shape):
+    """A new array of ``shape`` holding ``a @ b`` (GPU Operands, nothing empty)."""
+    a, b = _as_matrices(ao, bo)
+    if _matmul_route(ao, bo, prec) == VENDOR:
+        return _vendor(ao.kind).matmul(a, b, prec).reshape(shape)
+    if a.ndim == 2 and b.ndim == 2:
+        return mm(a, b, prec).reshape(shape)
+    # Stacks on ours (float32 "highest" 3xTF32, CuPy bfloat16): our 2-D GEMM per matrix.
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    a, b = (_broadcast_to(t, batch + t.shape[-2:]) for t in (a, b))
+    c = empty(ao, batch + (M, N))
+    for i in np.ndindex(*batch):
+        ci = operand(c[i], "out")
+        gemm(matrix(operand(a[i], "a"), M * N * K), matrix(operand(b[i].T, "b"), M * N * K), ci, prec)
+    return c.reshape(shape)
+
+
+def _broadcast_to(t, shape):
+    return t.expand(shape) if is_torch(t) else _loader.cupy().broadcast_to(t, shape)
+
+
+def _matmul_fresh(checked, a, b, precision, out):
+    """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
+    planned once: the vendor's call, or our planned 2-D GEMM (:func:`mm_plan`); None where
+    the call needs the general path (CPU, empty, a stack on ours, an operand copied
+    otherwise)."""
+    ao, bo, prec, shape, _ = checked
+    if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
+        return None
+    if _matmul_route(ao, bo, prec) == VENDOR:
+        return _VendorMatmul(_vendor(ao.kind).matmul, prec)
+    if ao.ndim != 2 or bo.ndim != 2:
+        return None
+    run = mm_plan(ao, bo, prec)
+    if run is None:
+        return None
+    ptr = run.place.ptr
+    return lambda a, b: run(ptr(a), ptr(b), 0)
+
+
+class _VendorMatmul:
+    """matmul's plan where :func:`route` chose the vendor: ``run(a, b)`` (operands of 2 or
+    more dims)."""
+
+    __slots__ = ("impl", "precision")
+
+    def __init__(self, impl, precision):
+        self.impl, self.precision = impl, precision
+
+    def __call__(self, a, b):
+        return self.impl(a, b, self.precision)
+
+
+def planned_vendor_matmul(a, b, precision) -> bool:
+    """As :func:`planned_vendor`, for :func:`matmul`."""
+    return type(_matmul_plans.get((signature(a), signature(b), precision))) is _VendorMatmul

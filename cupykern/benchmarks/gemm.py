@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 import cupykern
-from cupykern.benchmark import graph_us, require_gpu, tflops, time_ms, torch
+from cupykern.benchmark import (compiled, copy_ms, graph_us, print_rows, require_gpu, summarize,
+                                sweep_row, tflops, time_ms, torch, write_sweep)
 
 
 @contextlib.contextmanager
@@ -223,15 +225,159 @@ def bench_small():
                   f"{eager / ours:.2f}x")
 
 
+# The issue's envelope grid, (M, K, N): x (M, K) @ W (N, K)^T for linear, a (M, K) @ b (K, N)
+# for matmul; then matmul's batched (32, 512, 64) @ (32, 64, 512).
+GRID = [(2048, 2048, 2048), (6144, 6144, 6144), (3000, 5000, 700), (512, 512, 512),
+        (1536, 768, 3072), (16, 8192, 8192), (4, 2048, 2048), (1, 8192, 1024),
+        (256, 12288, 4096), (8192, 2048, 64), (100000, 64, 64), (8192, 1024, 50257)]
+BATCHED = ((32, 512, 64), (32, 64, 512))
+# (dtype, precision): float32 at both of PyTorch's float32 matmul precisions, then the
+# other dtypes (precision ignored)
+MODES = [("float32", "highest"), ("float32", "high"), ("bfloat16", None), ("float16", None),
+         ("float64", None)]
+
+
+def _peaks(quick):
+    """Same-run ceilings: cuBLAS's matrix rate per (dtype, precision) at a big square
+    product (3xTF32 "highest": a third of the TF32 rate, the tensor-core work it does),
+    and the device copy bandwidth (bytes/ms)."""
+    n = 4096 if quick else 8192
+    peaks = {}
+    for dtype, prec in MODES[1:]:
+        a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        with matmul_precision(prec or "highest"):
+            peaks[dtype, prec] = 2 * n ** 3 / time_ms(lambda: a @ a, iters=5)
+    peaks["float32", "highest"] = peaks["float32", "high"] / 3
+    x = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")
+    bw = 2 * x.nbytes / copy_ms(x, iters=5)
+    return peaks, bw
+
+
+def _operands(op, shape, dtype):
+    """(our call's arguments, PyTorch's function, the float64 reference, the problem's
+    M, K, N and batch) for one sweep point: fresh random data, weights scaled by
+    1/sqrt(K)."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    if op == "matmul" and shape == BATCHED:
+        (B, M, K), (_, _, N) = shape
+        a = torch.randn(B, M, K, device="cuda", dtype=dt)
+        b = (torch.randn(B, K, N, device="cuda") / K ** 0.5).to(dt)
+        return (a, b), torch.matmul, a.double() @ b.double(), (M, K, N, B)
+    M, K, N = shape
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(dt)
+    if op == "linear":
+        b = torch.randn(N, device="cuda", dtype=dt)
+        ref = torch.addmm(b.double(), x.double(), w.double().T)
+        return (x, w, b), torch.nn.functional.linear, ref, (M, K, N, 1)
+    wt = w.T.contiguous()
+    return (x, wt), torch.matmul, x.double() @ wt.double(), (M, K, N, 1)
+
+
+def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
+    """One row: ours (the dispatcher's choice), PyTorch eager and torch.compile at the same
+    precision, host time included; the ceiling; each one's max error against float64
+    over max |reference|; with ``paths`` (float32) also our kernel forced (ours_ms)."""
+    from cupykern import gemm
+
+    args, theirs, ref, (M, K, N, B) = _operands(op, shape, dtype)
+    fn = getattr(cupykern, op)
+    ours = lambda: fn(*args, precision=prec)  # noqa: E731
+    with matmul_precision(prec or "highest"):
+        eager = lambda: theirs(*args)  # noqa: E731
+        t_ours, t_eager = time_ms(ours, iters=iters), time_ms(eager, iters=iters)
+        t_comp = None
+        if compile_:
+            torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
+            comp = compiled(lambda *a: theirs(*a))
+            comp(*args)
+            t_comp = time_ms(lambda: comp(*args), iters=iters)
+        scale = ref.abs().max().item() or 1.0
+        err = {k: ((f().double() - ref).abs().max().item() / scale) for k, f in
+               (("err_ours", ours), ("err_torch", eager))}
+        extra = {}
+        if paths and dtype == "float32":
+            with gemm.forced_route(gemm.OURS):
+                extra["ours_ms"] = time_ms(ours, iters=iters)
+                extra["err_ours_kernel"] = (ours().double() - ref).abs().max().item() / scale
+        if prec == "highest":
+            extra["x_sgemm"] = t_eager / t_ours  # PyTorch's "highest" is cuBLAS's SGEMM
+    del ref
+    isz = torch.finfo(getattr(torch, dtype)).bits // 8
+    t_math = 2 * B * M * N * K / peaks[dtype, prec]
+    t_bytes = isz * B * (M * K + K * N + M * N) / bw
+    label = "x".join(map(str, (M, K, N))) + (f" b{B}" if B > 1 else "")
+    return sweep_row(op, label, dtype, prec or "-", t_ours, t_eager, t_comp,
+                     max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
+                     route=_route_name(op, args, prec), **err, **extra)
+
+
+def _route_name(op, args, prec):
+    """The dispatcher's choice for this call (first matrix of a stack)."""
+    from cupykern import gemm
+    from cupykern._array import operand
+
+    a, b = args[0], args[1]
+    if op == "linear":
+        return gemm._route_of(operand(a, "x"), operand(b, "w"), prec or "highest")
+    return gemm._matmul_route(operand(a, "a"), operand(b, "b"), prec or "highest")
+
+
+def sweep(quick, json_path, paths, budget_s):
+    """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED)."""
+    peaks, bw = _peaks(quick)
+    print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
+        f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
+    iters = 5 if quick else 10
+    start, rows = time.monotonic(), []
+    points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
+    todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
+    for i, (op, shape, dtype, prec) in enumerate(todo):
+        if time.monotonic() - start > budget_s:
+            print(f"(time budget of {budget_s} s spent: {len(todo) - i} points not run)")
+            break
+        rows.append(_sweep_point(op, shape, dtype, prec, peaks, bw, iters,
+                                 not quick and op == "linear", paths))
+        r = rows[-1]
+        print(f"{r['op']:<7} {r['shape']:<22} {r['dtype']:<9} {r['mode']:<8} {r['route']:<6} "
+              f"ours {r['ms']:.4f} eager {r['eager_ms']:.4f} x{r['x_eager']:.2f}"
+              + (f" comp x{r['x_compile']:.2f}" if r["x_compile"] else "")
+              + f" ceil x{r['x_ceiling']:.2f} err {r['err_ours']:.1e}/{r['err_torch']:.1e}"
+              + (f" kernel {r['ours_ms']:.4f} ({r['eager_ms'] / r['ours_ms']:.2f}x)"
+                 if "ours_ms" in r else ""), flush=True)
+        torch.cuda.empty_cache()
+    print()
+    print_rows(rows)
+    if json_path:
+        write_sweep(json_path, rows, "python -m cupykern.benchmarks.gemm --sweep"
+                    + (" --quick" if quick else ""))
+    else:
+        summarize(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training", "small"),
                     default="all", help="the GEMM alone, linear's backward GEMMs, "
                     "GemmScaleBatchNorm's forward, its training step, small grids, or all")
+    ap.add_argument("--sweep", action="store_true", help="the envelope sweep: linear and "
+                    "matmul against PyTorch eager and torch.compile over the issue's grid, "
+                    "every dtype and float32 precision (instead of --part)")
+    ap.add_argument("--quick", action="store_true", help="--sweep: 5 timed calls, no "
+                    "torch.compile")
+    ap.add_argument("--json", metavar="PATH", help="--sweep: write the rows and summary here")
+    ap.add_argument("--paths", action="store_true", help="--sweep: also time our float32 "
+                    "kernel where the dispatcher picks the vendor (ours_ms)")
+    ap.add_argument("--budget", type=float, default=1e9, metavar="S",
+                    help="--sweep: stop starting new points after S seconds")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.sweep:
+        sweep(args.quick, args.json, args.paths, args.budget)
+        return
     if args.part in ("all", "gemm"):
         bench_gemm(1024, 8192, 8192, args.iters)
     if args.part in ("all", "backward"):
