@@ -998,7 +998,7 @@ def matmul_core(a, b, precision=None, out=None):
     ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
     if ao.kind == "cpu":
         acc = np.float64 if ao.dtype == "float64" else np.float32
-        res = np.matmul(np.asarray(a, acc), np.asarray(b, acc)).astype(ao.array_dtype)
+        res = np.asarray(np.matmul(np.asarray(a, acc), np.asarray(b, acc))).astype(ao.array_dtype)
     elif 0 in shape or ao.shape[-1] == 0:  # (K == 0: zeros)
         res = empty(ao, shape)
         res[...] = 0
