@@ -194,3 +194,13 @@ def test_compile_fullgraph(path):
     a, b = (t.cuda() for t in _pair((2, 130, 300), (300, 70), torch.float32))
     fn = torch.compile(lambda a, b: cupykern.matmul(a, b, precision="highest") * 2, fullgraph=True)
     _check(fn(a, b) / 2, a, b, 1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sa, sb", [((2, 1, 4, 5), (3, 5, 6)), ((5,), (5, 3))], ids=str)
+def test_opcheck(sa, sb, device):
+    """torch.library.opcheck of cupykern::matmul: schema, fake tensor, autograd
+    registration, and its AOT dispatch."""
+    import cupykern.torch.gemm  # noqa: F401  (registers the op)
+    a, b = (t.to(device).requires_grad_() for t in _pair(sa, sb))
+    torch.library.opcheck(torch.ops.cupykern.matmul.default, (a, b, "highest"))

@@ -151,7 +151,9 @@ def _matmul_impl(a, b, precision):
 
 
 def _matmul_fake(a, b, precision):
-    return a.new_empty(core.matmul_shape(a.shape, b.shape))
+    # (torch.broadcast_shapes: batch sizes may be symbolic under torch.compile / export)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return a.new_empty((*batch, *a.shape[-2:-1], *(b.shape[-1:] if b.dim() > 1 else ())))
 
 
 def _matmul_setup_context(ctx, inputs, output):
