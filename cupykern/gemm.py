@@ -621,13 +621,8 @@ OURS, VENDOR = "ours", "vendor"
 # Dtypes the vendor path takes per kind: CuPy's bfloat16 GEMM is not relied on (ours).
 _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
-# "highest" on the vendor is SGEMM (exact fp32 products, fp32 sums): it takes the products
-# that are memory-bound or too small to fill the GPU, where SGEMM runs as fast as the
-# bytes allow and 3xTF32's three tensor-core products buy nothing. A product is ours when
-# each of M and N fills a tile at least HIGHEST_MIN_MN deep, K at least HIGHEST_MIN_K,
-# and it has at least HIGHEST_MIN_WORK multiply-adds.
-_ROUTE = {"HIGHEST_MIN_MN": 64, "HIGHEST_MIN_K": 128, "HIGHEST_MIN_WORK": 2 ** 28,
-          "HIGH_MIN_MNK": 1024}
+# Boundaries of the table below (route's comments give the measurements behind them).
+_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
@@ -635,8 +630,9 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
     (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
     capability ``cc``; ``aligned``: the K-contiguous float32 rows are (or are made) 16-byte
-    aligned, so that Hopper runs them on wgmma. Each rule with its measurement (H200, same
-    run, host included, events around back-to-back calls):"""
+    aligned, so that Hopper runs them on wgmma. Each rule with its measurement: H200, one
+    run, our kernel forced against the vendor (cuBLAS through torch; "highest": SGEMM),
+    events around each call, host included, shapes as M x K x N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
@@ -645,24 +641,38 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # has Turing's fp16 tensor cores and tuned tiles (not measured: no sm_75 machine).
     if cc < 80:
         return VENDOR
-    # float64: ours is a CUDA-core kernel; cuBLAS runs Hopper's FP64 tensor cores (DMMA).
-    # 1x4096 @ 4096x4096: 440 us against 35 (0.08x).
+    # float64: ours is a CUDA-core kernel; cuBLAS runs Hopper's FP64 tensor cores (DMMA):
+    # 1x4096x4096 440 us against 35 (0.08x, the issue's figure).
     if dtype == "float64":
         return VENDOR
-    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192 @
-    # 8192x8192 bf16 560 us against 179 (0.32x); 16384x64 @ 64x4096 0.16x; 128x4096 @
-    # 4096x4096 fp16 0.22x.
+    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192x8192 bf16
+    # 560 us against 179 (0.32x); 16384x64x4096 0.16x; 128x4096x4096 fp16 0.22x.
     if dtype != "float32":
         return VENDOR
+    c, work = _ROUTE, M * N * K
     if precision == "highest":
-        c = _ROUTE
-        if min(M, N) < c["HIGHEST_MIN_MN"] or K < c["HIGHEST_MIN_K"] or M * N * K < c["HIGHEST_MIN_WORK"]:
-            return VENDOR  # 1x4096 @ 4096x4096: 42 us against SGEMM's 24 (0.58x); 333x777 @ 777x555 0.59x
-        return OURS  # 128x4096 @ 4096x4096: 3.75x SGEMM; 1024x8192 @ 8192x8192 2.53x
-    # "high" / "medium" (TF32): ours equals cuBLAS's TF32 at best (1024x8192 @ 8192x8192:
-    # 1.00x) and only on Hopper's wgmma; it loses at 1000^3 (0.76x), 8192x4096 @ 4096x16
-    # (0.38x) and 2048x1024 @ 1024x32000 (0.84x).
-    if cc == 90 and aligned and min(M, N, K) >= _ROUTE["HIGH_MIN_MNK"]:
+        # The vendor's "highest" is SGEMM (exact fp32 products and sums). It takes what is
+        # memory-bound or too small to fill the GPU, where 3xTF32's three tensor-core
+        # products buy nothing and SGEMM runs as fast as the bytes allow:
+        #  M < 64: 16x8192x8192 ours 262 us against 204 (0.78x); 64x4096x4096 ours 1.96x.
+        #  N < 128: matmul 8192x2048x64 ours 74 us against 61 (0.82x; cuBLAS's NN kernel;
+        #    linear's NT one 95 us: 1.29x, given up for one rule); 8192x4096x16 1.01x.
+        #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x).
+        #  fewer than 2**28 multiply-adds: 333x777x555 0.74x; 512^3 0.84x (matmul) and
+        #    1.32x (linear); 256x1024x1024 (2**28) 2.11x; 1000^3 1.66x.
+        # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
+        # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
+        if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
+                or work < c["MIN_WORK"]):
+            return VENDOR
+        return OURS
+    # "high" / "medium" (TF32): ours on Hopper's wgmma ties cuBLAS's TF32 where cuBLAS has
+    # its aligned kernels (2048^3 1.01x, 6144^3 0.98x, 128x4096x4096 0.99x) and loses
+    # elsewhere (1000^3 0.78x, 2048x1024x32000 0.88x, 1536x768x3072 0.74x, 8192x4096x16
+    # 0.45x, matmul 256x12288x4096 0.42x): the vendor's. cuBLAS slows down where the rows
+    # of N are not 16-byte aligned (N % 4): 4097x1000x3001 ours 2.69x, 8192x1024x50257
+    # 2.71x (matmul 2.42x): ours there, for big products (2**28 multiply-adds, as above).
+    if cc == 90 and aligned and N % 4 and work >= c["MIN_WORK"]:
         return OURS
     return VENDOR
 
@@ -1032,15 +1042,50 @@ def _matmul_gpu(ao, bo, prec, shape):
         return _vendor(ao.kind).matmul(a, b, prec).reshape(shape)
     if a.ndim == 2 and b.ndim == 2:
         return mm(a, b, prec).reshape(shape)
-    # Stacks on ours (float32 "highest" 3xTF32, CuPy bfloat16): our 2-D GEMM per matrix.
+    return _stack_on_ours(ao, a, b, prec).reshape(shape)
+
+
+def _stack_on_ours(ao, a, b, prec):
+    """A stack of products (batch dims broadcast) on our 2-D GEMM, planned once for the
+    first matrix and launched per matrix with its offsets in one batch: each operand is
+    first made K-major in one copy where it is not (b: its transpose), so that every
+    matrix reads alike (float32 "highest" 3xTF32, CuPy bfloat16)."""
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    a, b = (_broadcast_to(t, batch + t.shape[-2:]) for t in (a, b))
+    at, bt = (_k_major(t) for t in (a, _swap_last(b)))
+    at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
+    isz = ITEMSIZE[ao.dtype]
+    a0, b0 = (Operand(o.obj, o.kind, o.dtype, o.shape[-2:], o.strides[-2:], o.ptr, o.device, o.name,
+                      o.torch) for o in (at, bt))
     c = empty(ao, batch + (M, N))
-    for i in np.ndindex(*batch):
-        ci = operand(c[i], "out")
-        gemm(matrix(operand(a[i], "a"), M * N * K), matrix(operand(b[i].T, "b"), M * N * K), ci, prec)
-    return c.reshape(shape)
+    # every matrix 16-byte aligned as the first (else its own plan each)
+    if any(n > 1 and (s * isz) % 16 for o in (at, bt) for n, s in zip(batch, o.strides[:-2])):
+        for i in np.ndindex(*batch):
+            gemm(operand(at.obj[i], "a"), operand(bt.obj[i], "b"), operand(c[i], "out"), prec)
+        return c
+    kernel = gemm_kernel(a0, b0, prec)
+    call, place = gemm_call(kernel, a0, b0, N), Place(ao)
+    ws = workspace(place, kernel)
+    wsp, cp = (data_ptr(ws) if ws is not None else 0), place.ptr(c)
+    launches = []
+    for j, i in enumerate(np.ndindex(*batch)):
+        oa = sum(k * s for k, s in zip(i, at.strides[:-2]))
+        ob = sum(k * s for k, s in zip(i, bt.strides[:-2]))
+        launches.extend(call(a0.ptr + oa * isz, b0.ptr + ob * isz, cp + j * M * N * isz, 0, 0,
+                             0, 0, wsp))
+    launch_all(place, launches)
+    return c
+
+
+def _swap_last(t):
+    """``t`` with its last two dims swapped (a view)."""
+    return t.mT if is_torch(t) else _loader.cupy().swapaxes(t, -1, -2)
+
+
+def _k_major(t):
+    """``t`` (..., rows, K) itself where its K dim is contiguous, else a C-contiguous copy."""
+    o = operand(t, "b")
+    return t if o.strides[-1] == 1 or o.shape[-1] == 1 else contiguous(o)
 
 
 def _broadcast_to(t, shape):
