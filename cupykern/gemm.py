@@ -756,6 +756,7 @@ class _CupyVendor:
 
     @staticmethod
     def _sgemm(a, b):
+        import cupy.cublas  # (a submodule `import cupy` leaves out)
         cupy = _loader.cupy()
         if a.ndim == 1 or b.ndim == 1:
             shape = matmul_shape(a.shape, b.shape)
