@@ -347,7 +347,7 @@ def sweep(quick, json_path, paths, budget_s):
               + (f" kernel {r['ours_ms']:.4f} ({r['eager_ms'] / r['ours_ms']:.2f}x)"
                  if "ours_ms" in r else ""), flush=True)
         torch.cuda.empty_cache()
-    print()
+    print(f"\n{len(rows)} of {len(todo)} points in {time.monotonic() - start:.0f} s")
     print_rows(rows)
     if json_path:
         write_sweep(json_path, rows, "python -m cupykern.benchmarks.gemm --sweep"
