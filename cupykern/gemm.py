@@ -428,6 +428,15 @@ def mm_plan(a, b, precision: str):
     return _planned_gemm(a, bt, work, precision, (M, N))
 
 
+def routed_mm_plan(a, b, precision: str):
+    """:func:`mm_plan` where :func:`route` gives ``a @ b`` to our kernels, else None: the
+    caller then computes it with :func:`matmul_core`, on the vendor (a fused op's backward
+    GEMMs are plain products)."""
+    bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
+                 b.name, b.torch)
+    return mm_plan(a, b, precision) if _route_of(a, bt, precision) == OURS else None
+
+
 class _Product:
     """A planned GEMM product: calling it with ``(a_ptr, b_ptr, bias_ptr)`` launches it
     and returns its new output. Its ``_stage(a_ptr, b_ptr, bias_ptr, launches, held) ->
