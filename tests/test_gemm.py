@@ -541,3 +541,45 @@ def test_dispatched_compiles_without_graph_break(dispatched):
                        + cupykern.matmul(x, w.T, precision="highest"), fullgraph=True)
     ref = 2 * torch.nn.functional.linear(x.double(), w.double(), b.double()) - b.double()
     assert torch.allclose(fn(x).double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_vendor_pads_a_misaligned_n(dtype, dispatched):
+    """16-bit products of an N off 16-byte alignment and at least 2**30 multiply-adds run
+    padded on the vendor (cupykern.gemm.padded_n): the N columns, contiguous, within
+    16-bit rounding of float64; gradients through the padding."""
+    from cupykern import gemm
+    m, n, k = 1024, 1025, 1024
+    assert gemm.padded_n(m, n, k, str(dtype)[6:]) == 1032
+    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    xg = x.clone().requires_grad_()
+    for _ in range(2):  # (the second call: the eager path without the op's boundary)
+        out = cupykern.linear(xg, w, b)
+        assert out.shape == (m, n) and out.is_contiguous()
+        err, mag = _errors(out, x, w, b)
+        assert err <= 1.6e-2 * mag
+        mm = cupykern.matmul(x, w.t().contiguous())
+        assert mm.shape == (m, n) and mm.is_contiguous()
+        err, mag = _errors(mm, x, w, torch.zeros_like(b))
+        assert err <= 1.6e-2 * mag
+    out.float().sum().backward()
+    assert_grad_close(xg.grad, w.double().sum(0).expand(m, -1), 3e-2)
+
+
+def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
+    """GPU-free: GemmScaleBatchNorm's backward plans dx / dW on ours only where the
+    dispatcher gives the product to ours (else matmul_core's call: the vendor)."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
+
+    def op(rows, cols):
+        return _array.Operand(torch.empty(0), "torch", "float32", (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+
+    assert gemm.routed_mm_plan(op(64, 512), op(512, 512), "highest") is None
+    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high") is None
+    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "highest") is not None

@@ -57,16 +57,31 @@ def _at_precision(fn, dtype, precision, *args):
         torch._C._set_cublas_allow_tf32(not tf32)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
-    :func:`cupykern.gemm.route` gives to the vendor."""
+    :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
+    computed padded, see :func:`cupykern.gemm.padded_n`)."""
 
     @staticmethod
     def linear(x, weight, bias, precision):
+        N, K = weight.shape
+        if x.dtype in _HALF and N % 8:
+            pad = core.padded_n(x.numel() // K if K else 0, N, K, str(x.dtype)[6:]) - N
+            if pad:
+                bias = None if bias is None else F.pad(bias, (0, pad))
+                return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
         return _at_precision(F.linear, x.dtype, precision, x, weight, bias)
 
     @staticmethod
     def matmul(a, b, precision):
+        if a.dtype in _HALF and b.dim() > 1 and b.shape[-1] % 8:
+            N, K = b.shape[-1], b.shape[-2]
+            pad = core.padded_n(a.numel() // K if K else 0, N, K, str(a.dtype)[6:]) - N
+            if pad:
+                return torch.matmul(a, F.pad(b, (0, pad)))[..., :N].contiguous()
         return _at_precision(torch.matmul, a.dtype, precision, a, b)
 
 
