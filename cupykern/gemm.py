@@ -428,13 +428,23 @@ def mm_plan(a, b, precision: str):
     return _planned_gemm(a, bt, work, precision, (M, N))
 
 
-def routed_mm_plan(a, b, precision: str):
-    """:func:`mm_plan` where :func:`route` gives ``a @ b`` to our kernels, else None: the
-    caller then computes it with :func:`matmul_core`, on the vendor (a fused op's backward
-    GEMMs are plain products)."""
+# A fused op's backward GEMMs (plain products) follow the dispatcher below this batch
+# (rows of its input), where it was measured (H200: GemmScaleBatchNorm 64x512->512 "highest"
+# dx 19.9 us on ours against cuBLAS's 7.1, dW 10.5 / 3.8; 256x4096->4096 "high" dx 90 /
+# 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
+# "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
+FUSED_VENDOR_BATCH = 1024
+
+
+def routed_mm_plan(a, b, precision: str, batch: int):
+    """:func:`mm_plan` of a fused op's backward product ``a @ b`` (its input of ``batch``
+    rows), or None where the dispatcher gives it to the vendor (FUSED_VENDOR_BATCH): the
+    caller then computes it with :func:`matmul_core`."""
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
-    return mm_plan(a, b, precision) if _route_of(a, bt, precision) == OURS else None
+    if batch < FUSED_VENDOR_BATCH and _route_of(a, bt, precision) == VENDOR:
+        return None
+    return mm_plan(a, b, precision)
 
 
 class _Product:

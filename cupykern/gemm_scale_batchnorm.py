@@ -578,10 +578,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
     has_k = xo.shape[1] > 0
-    # (each on ours or, where the dispatcher says so, the vendor's: H200 64x512->512, dx
-    # 19.9 us against cuBLAS's 7.1; 256x4096->4096 "high" 90 against 43)
-    dx_plan = routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
-    dw_plan = routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
+    # (each on ours or, at small batches where the dispatcher says so, the vendor's)
+    dx_plan = routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M) if input_grad and has_k else None
+    dw_plan = routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         # The three passes go out in one batch, then each GEMM as soon as it is ready: the
