@@ -29,9 +29,10 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _dask, _loader, _tma
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, check_out, contiguous,
-                     copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
-                     row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, check_out,
+                     contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
+                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
+                     torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
@@ -742,7 +743,10 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     if ao.dtype == "float32" and cc == 90:
         work = M * N * K
         aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
-    return route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
+    which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
+    if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
+        return OURS
+    return which
 
 
 def _wgmma_rows(o, work: int) -> bool:
@@ -757,16 +761,37 @@ def _wgmma_rows(o, work: int) -> bool:
 
 def _vendor(kind: str):
     """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
-    precision)`` and ``matmul(a, b, precision)`` (NumPy semantics, batched)."""
+    precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), ``takes(dtype,
+    precision)`` (whether the library's own float32 setting gives that precision now:
+    the vendor path never flips a library-wide switch, which other threads would see)
+    and ``state()`` (that setting, part of each plan's key)."""
     return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
+
+
+def _vendor_state(x):
+    """The float32 setting of ``x``'s library that :func:`_route_of` read (None for
+    anything else): calls under another setting plan again."""
+    if is_torch(x):
+        return _vendor("torch").state()
+    return _CupyVendor.state() if _is_cupy(x) else None
 
 
 class _CupyVendor:
     """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM
     itself (``cupy.cublas.gemm``: exact fp32 products whatever CUPY_TF32 says); "high" /
-    "medium" run cupy.matmul with CuPy's compute type set to TF32 for the call (cuBLAS's
-    CUBLAS_COMPUTE_32F_FAST_TF32); float64 / float16 cupy.matmul as it is (DGEMM on the
-    FP64 tensor cores; fp16 products with fp32 sums)."""
+    "medium" only where CuPy's float32 compute type is TF32 already (CUPY_TF32=1: cuBLAS's
+    CUBLAS_COMPUTE_32F_FAST_TF32), else ours; float64 / float16 cupy.matmul as it is
+    (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums)."""
+
+    @staticmethod
+    def state():
+        return _loader.cupy()._core._routines_linalg.get_compute_type(np.float32)
+
+    @staticmethod
+    def takes(dtype: str, precision: str) -> bool:
+        if dtype != "float32" or precision == "highest":
+            return True
+        return _CupyVendor.state() == _loader.cupy()._core._routines_linalg.COMPUTE_TYPE_TF32
 
     @staticmethod
     def matmul(a, b, precision):
@@ -775,15 +800,7 @@ class _CupyVendor:
             return cupy.zeros(matmul_shape(a.shape, b.shape), a.dtype)
         if a.dtype == np.float32 and precision == "highest":
             return _CupyVendor._sgemm(a, b)
-        if a.dtype != np.float32:
-            return cupy.matmul(a, b)
-        lin = cupy._core._routines_linalg
-        old = lin.get_compute_type(a.dtype)
-        lin.set_compute_type(a.dtype, lin.COMPUTE_TYPE_TF32)
-        try:
-            return cupy.matmul(a, b)
-        finally:
-            lin.set_compute_type(a.dtype, old)
+        return cupy.matmul(a, b)
 
     @staticmethod
     def _sgemm(a, b):
@@ -870,7 +887,7 @@ def check(x, weight, bias, precision, out):
     return xo, wo, bo, o, prec, shape
 
 
-_plans: dict = {}  # (signatures, precision) -> run(x, weight, bias), or None
+_plans: dict = {}  # (signatures, precision, vendor state) -> run(x, weight, bias), or None
 
 
 def linear_core(x, weight, bias=None, precision=None, out=None):
@@ -878,7 +895,7 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     CUDA tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(x), signature(weight), signature(bias), precision)
+        key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
         run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
@@ -961,7 +978,7 @@ def planned_vendor(x, weight, bias, precision) -> bool:
     """Whether :func:`linear`'s cached plan for these arguments (checked precision) is the
     vendor's: the torch layer then calls torch's own ``F.linear`` in plain eager mode,
     without the op's boundary (False until a first call has planned them)."""
-    key = (signature(x), signature(weight), signature(bias), precision)
+    key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
     return type(_plans.get(key)) is _VendorLinear
 
 
@@ -1024,7 +1041,7 @@ def matmul(a, b, *, precision=None, out=None):
     return matmul_core(a, b, precision, out)
 
 
-_matmul_plans: dict = {}  # (signatures, precision) -> run(a, b), or None
+_matmul_plans: dict = {}  # (signatures, precision, vendor state) -> run(a, b), or None
 
 
 def matmul_core(a, b, precision=None, out=None):
@@ -1032,7 +1049,7 @@ def matmul_core(a, b, precision=None, out=None):
     tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(a), signature(b), precision)
+        key = (signature(a), signature(b), precision, _vendor_state(a))
         run, checked = cached_checked(_matmul_plans, key, check_matmul, _matmul_fresh,
                                       (a, b, precision, None))
         if run is not None:
@@ -1158,4 +1175,5 @@ class _VendorMatmul:
 
 def planned_vendor_matmul(a, b, precision) -> bool:
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    return type(_matmul_plans.get((signature(a), signature(b), precision))) is _VendorMatmul
+    key = (signature(a), signature(b), precision, _vendor_state(a))
+    return type(_matmul_plans.get(key)) is _VendorMatmul

@@ -42,28 +42,24 @@ def resolve_precision(precision) -> str:
     return torch.get_float32_matmul_precision()
 
 
-def _at_precision(fn, dtype, precision, *args):
-    """``fn(*args)`` (a torch matmul) with cuBLAS's TF32 switch set for ``precision``:
-    float32 "highest" is SGEMM (TF32 off), "high" / "medium" TF32; restored after."""
-    if dtype is not torch.float32:
-        return fn(*args)
-    tf32 = precision != "highest"
-    if torch._C._get_cublas_allow_tf32() == tf32:
-        return fn(*args)
-    torch._C._set_cublas_allow_tf32(tf32)
-    try:
-        return fn(*args)
-    finally:
-        torch._C._set_cublas_allow_tf32(not tf32)
-
-
 _HALF = (torch.float16, torch.bfloat16)
 
 
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
     :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
-    computed padded, see :func:`cupykern.gemm.padded_n`)."""
+    computed padded, see :func:`cupykern.gemm.padded_n`). float32 only where torch's TF32
+    switch gives the precision asked ("highest": SGEMM, TF32 off; "high" / "medium": TF32
+    on), as it does for ``precision=None``; an explicit precision against the switch runs
+    on ours (flipping the switch for the call would change other threads' matmuls too)."""
+
+    @staticmethod
+    def state():
+        return torch._C._get_cublas_allow_tf32()
+
+    @staticmethod
+    def takes(dtype: str, precision: str) -> bool:
+        return dtype != "float32" or (precision != "highest") == torch._C._get_cublas_allow_tf32()
 
     @staticmethod
     def linear(x, weight, bias, precision):
@@ -73,7 +69,7 @@ class Vendor:
             if pad:
                 bias = None if bias is None else F.pad(bias, (0, pad))
                 return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
-        return _at_precision(F.linear, x.dtype, precision, x, weight, bias)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def matmul(a, b, precision):
@@ -82,7 +78,7 @@ class Vendor:
             pad = core.padded_n(a.numel() // K if K else 0, N, K, str(a.dtype)[6:]) - N
             if pad:
                 return torch.matmul(a, F.pad(b, (0, pad)))[..., :N].contiguous()
-        return _at_precision(torch.matmul, a.dtype, precision, a, b)
+        return torch.matmul(a, b)
 
 
 def _impl(x, weight, bias, precision):
