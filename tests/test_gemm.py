@@ -585,8 +585,12 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     assert gemm.routed_mm_plan(op(64, 512), op(512, 512), "highest", 64) is None
     # "high": the vendor's where torch's TF32 switch is on (as "high" sets it), else ours
     assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is not None
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is None
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
     assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "highest", 256) is not None
     # from FUSED_VENDOR_BATCH rows on, ours (dW = dz^T @ x: K is the batch)
     assert gemm.routed_mm_plan(op(4096, 1024), op(1024, 4096), "high", 1024) is not None
