@@ -589,9 +589,9 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is None
+        # from FUSED_VENDOR_BATCH rows on, ours (dW = dz^T @ x: K is the batch)
+        assert gemm.routed_mm_plan(op(4096, 1024), op(1024, 4096), "high", 1024) is not None
+        assert gemm.routed_mm_plan(op(4096, 1023), op(1023, 4096), "high", 1023) is None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "highest", 256) is not None
-    # from FUSED_VENDOR_BATCH rows on, ours (dW = dz^T @ x: K is the batch)
-    assert gemm.routed_mm_plan(op(4096, 1024), op(1024, 4096), "high", 1024) is not None
-    assert gemm.routed_mm_plan(op(4096, 1023), op(1023, 4096), "high", 1023) is None
