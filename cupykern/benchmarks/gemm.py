@@ -20,6 +20,14 @@ a captured training loop, or one whose host runs ahead, sees). Part 5 (``--part
 small``) times small grids, where K is split over the SMs, by their GPU time in a CUDA
 graph (no host time), against cuBLAS and, for GemmScaleBatchNorm's small shape,
 PyTorch eager.
+
+``--sweep`` (instead of the parts) is the envelope: ``linear`` and ``matmul`` (ours as
+the dispatcher routes them) against PyTorch eager and torch.compile at float32 "highest"
+(PyTorch's is cuBLAS's SGEMM) and "high", bfloat16, float16 and float64 over the issue's
+grid, each row with the same-run ceiling (tensor peak or copy bandwidth, whichever
+bounds the shape), the route taken and the error against float64 of ours and PyTorch's;
+then GemmScaleBatchNorm's forward and training step against eager. ``--json PATH``
+writes the rows and the summary (min and median per op, dtype and mode).
 """
 from __future__ import annotations
 
@@ -313,6 +321,61 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
                      route=_route_name(op, args, prec), **err, **extra)
 
 
+# GemmScaleBatchNorm's (M, in, out) shapes of the issue: its forward and training step.
+GSBN_GRID = [(64, 512, 512), (128, 1024, 512), (256, 4096, 4096), (2048, 2048, 2048),
+             (8192, 1024, 1024), (1024, 8192, 8192), (16384, 4096, 4096)]
+
+
+def _gsbn_point(kind, shape, prec, peaks, bw, iters):
+    """GemmScaleBatchNorm (training mode) against the PyTorch model, eager: the forward
+    (no grad) or a training step (forward + backward of every parameter and x), at
+    float32 ``prec``; errors against the model run in float64 (forward output; step: dW)."""
+    import copy
+
+    from cupykern.models import gemm_scale_batchnorm as model3
+
+    M, K, N = shape
+    torch.manual_seed(0)
+    ref = model3.Model(K, N, (N,)).cuda()
+    torch.manual_seed(0)
+    new = model3.ModelNew(K, N, (N,)).cuda()
+    ref64 = copy.deepcopy(ref).double()
+    x = torch.rand(M, K, device="cuda", requires_grad=kind == "step")
+    g = torch.randn(M, N, device="cuda")
+    x64 = x.detach().double().requires_grad_(kind == "step")
+    models = (ref, new, ref64)
+
+    def clear():
+        x.grad = x64.grad = None
+        for m in models:
+            for p in m.parameters():
+                p.grad = None
+
+    with matmul_precision(prec):
+        if kind == "forward":
+            with torch.no_grad():
+                t_new, t_ref = (time_ms(lambda m=m: m(x), iters=iters) for m in (new, ref))
+                want = ref64(x64)
+                err = {k: ((m(x).double() - want).abs().max() / want.abs().max()).item()
+                       for k, m in (("err_ours", new), ("err_torch", ref))}
+        else:
+            t_new, t_ref = (time_ms(lambda m=m: m(x).backward(g), iters=iters, setup=clear)
+                            for m in (new, ref))
+            clear()
+            for m, xi, gi in ((new, x, g), (ref, x, g), (ref64, x64, g.double())):
+                m(xi).backward(gi)
+            want = ref64.gemm.weight.grad
+            err = {k: ((m.gemm.weight.grad.double() - want).abs().max() / want.abs().max()).item()
+                   for k, m in (("err_ours", new), ("err_torch", ref))}
+            clear()
+    work = (1 if kind == "forward" else 3) * 2 * M * N * K
+    t_math = work / peaks["float32", prec]
+    t_bytes = 4 * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
+    return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", "float32", prec, t_new, t_ref, None,
+                     max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
+                     route="fused", **err)
+
+
 def _route_name(op, args, prec):
     """The dispatcher's choice for this call (first matrix of a stack)."""
     from cupykern import gemm
@@ -325,22 +388,29 @@ def _route_name(op, args, prec):
 
 
 def sweep(quick, json_path, paths, budget_s):
-    """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED)."""
+    """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED),
+    against PyTorch eager and (linear, without --quick) torch.compile; then
+    GemmScaleBatchNorm's forward and training step over GSBN_GRID against eager."""
     peaks, bw = _peaks(quick)
     print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
         f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
-    iters = 5 if quick else 10
+    iters = 5 if quick else 20
     start, rows = time.monotonic(), []
     points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
     todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
+    todo += [(f"gsbn {kind}", shape, "float32", prec) for kind in ("forward", "step")
+             for shape in GSBN_GRID for prec in ("highest", "high")]
     for i, (op, shape, dtype, prec) in enumerate(todo):
         if time.monotonic() - start > budget_s:
             print(f"(time budget of {budget_s} s spent: {len(todo) - i} points not run)")
             break
-        rows.append(_sweep_point(op, shape, dtype, prec, peaks, bw, iters,
-                                 not quick and op == "linear", paths))
+        if op.startswith("gsbn"):
+            rows.append(_gsbn_point(op[5:], shape, prec, peaks, bw, iters))
+        else:
+            rows.append(_sweep_point(op, shape, dtype, prec, peaks, bw, iters,
+                                     not quick and op == "linear", paths))
         r = rows[-1]
-        print(f"{r['op']:<7} {r['shape']:<22} {r['dtype']:<9} {r['mode']:<8} {r['route']:<6} "
+        print(f"{r['op']:<12} {r['shape']:<22} {r['dtype']:<9} {r['mode']:<8} {r['route']:<6} "
               f"ours {r['ms']:.4f} eager {r['eager_ms']:.4f} x{r['x_eager']:.2f}"
               + (f" comp x{r['x_compile']:.2f}" if r["x_compile"] else "")
               + f" ceil x{r['x_ceiling']:.2f} err {r['err_ours']:.1e}/{r['err_torch']:.1e}"
