@@ -394,7 +394,7 @@ def sweep(quick, json_path, paths, budget_s):
     peaks, bw = _peaks(quick)
     print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
         f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
-    iters = 5 if quick else 20
+    iters = 5 if quick else 15
     start, rows = time.monotonic(), []
     points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
     todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
