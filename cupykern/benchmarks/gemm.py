@@ -311,6 +311,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
                 extra["err_ours_kernel"] = (ours().double() - ref).abs().max().item() / scale
         if prec == "highest":
             extra["x_sgemm"] = t_eager / t_ours  # PyTorch's "highest" is cuBLAS's SGEMM
+        extra["route"] = _route_name(op, args, prec)  # (under the precision's TF32 switch)
     del ref
     isz = torch.finfo(getattr(torch, dtype)).bits // 8
     t_math = 2 * B * M * N * K / peaks[dtype, prec]
@@ -318,7 +319,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
     label = "x".join(map(str, (M, K, N))) + (f" b{B}" if B > 1 else "")
     return sweep_row(op, label, dtype, prec or "-", t_ours, t_eager, t_comp,
                      max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
-                     route=_route_name(op, args, prec), **err, **extra)
+                     **err, **extra)
 
 
 # GemmScaleBatchNorm's (M, in, out) shapes of the issue: its forward and training step.
