@@ -1,6 +1,11 @@
-"""``linear``: ``x @ weight.T + bias`` on our own tensor-core GEMM (kernels_cu/gemm.cu).
+"""``linear`` (``x @ weight.T + bias``) and ``matmul`` (NumPy's ``a @ b``): our own
+tensor-core GEMM (kernels_cu/gemm.cu) or, where the dispatcher (:func:`route`, one table,
+each boundary with its measurement) finds that no kernel of ours beats it for a plain
+product, cuBLAS through torch or CuPy. The fused ops (GemmScaleBatchNorm, M4) keep our
+kernels; ``mm`` is our GEMM for their backward passes.
 
-Precision of float32 inputs follows PyTorch's names:
+Precision of float32 inputs follows PyTorch's names (on our kernels; the vendor's
+"highest" is SGEMM, its "high" / "medium" TF32):
 
 * ``"highest"``: 3xTF32 (each operand split into a TF32 part and a
   remainder; three tensor-core products) with the tensor-core sum promoted into an
@@ -854,7 +859,10 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
         out: optional (..., N) array of x's kind, device and dtype.
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
-    through the custom op ``torch.ops.cupykern.linear``, with autograd). A Dask array x
+    through the custom op ``torch.ops.cupykern.linear``, with autograd). The product runs
+    on our kernels or cuBLAS as :func:`route` says (float32 on cuBLAS only where the
+    library's own TF32 setting gives ``precision``: torch's TF32 switch, CuPy's compute
+    type), decided once per argument signature. A Dask array x
     (CuPy or NumPy chunks; weight and bias concrete arrays of that kind) gives a Dask
     array computed block by block, K rechunked into one chunk where it is split
     (``out`` not supported).
