@@ -7,7 +7,7 @@ path, so the API works without a GPU).
 import sys as _sys
 
 from .normalize import l1_normalize, l2_normalize
-from .gemm import linear
+from .gemm import linear, matmul
 from .gemm_scale_batchnorm import gemm_scale_batchnorm
 from .matmul_sum_max_mean_logsumexp import MatmulSumPlan, matmul_sum_max_mean_logsumexp, prepare_matmul_sum
 
@@ -16,5 +16,5 @@ if _sys.modules.get("torch") is not None:  # register the ops now: torch.compile
 
 __version__ = "0.1.0"
 
-__all__ = ["l1_normalize", "l2_normalize", "linear", "gemm_scale_batchnorm",
+__all__ = ["l1_normalize", "l2_normalize", "linear", "matmul", "gemm_scale_batchnorm",
            "matmul_sum_max_mean_logsumexp", "MatmulSumPlan", "prepare_matmul_sum"]

@@ -1,6 +1,11 @@
-"""``linear``: ``x @ weight.T + bias`` on our own tensor-core GEMM (kernels_cu/gemm.cu).
+"""``linear`` (``x @ weight.T + bias``) and ``matmul`` (NumPy's ``a @ b``): our own
+tensor-core GEMM (kernels_cu/gemm.cu) or, where the dispatcher (:func:`route`, one table,
+each boundary with its measurement) finds that no kernel of ours beats it for a plain
+product, cuBLAS through torch or CuPy. The fused ops (GemmScaleBatchNorm, M4) keep our
+kernels; ``mm`` is our GEMM for their backward passes.
 
-Precision of float32 inputs follows PyTorch's names:
+Precision of float32 inputs follows PyTorch's names (on our kernels; the vendor's
+"highest" is SGEMM, its "high" / "medium" TF32):
 
 * ``"highest"``: 3xTF32 (each operand split into a TF32 part and a
   remainder; three tensor-core products) with the tensor-core sum promoted into an
@@ -23,14 +28,16 @@ every precision, but without tensor cores.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _dask, _loader, _tma
-from ._array import (CTYPE, ITEMSIZE, Operand, Place, cached_checked, check_out, contiguous,
-                     copy_into, data_ptr, empty, is_torch, launch_all, operand, require_writable,
-                     row_view_stride, rows_2d, same_place, scalar, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, check_out,
+                     contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
+                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
+                     torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
@@ -427,6 +434,25 @@ def mm_plan(a, b, precision: str):
     return _planned_gemm(a, bt, work, precision, (M, N))
 
 
+# A fused op's backward GEMMs (plain products) follow the dispatcher below this batch
+# (rows of its input), where it was measured (H200: GemmScaleBatchNorm 64x512->512 "highest"
+# dx 19.9 us on ours against cuBLAS's 7.1, dW 10.5 / 3.8; 256x4096->4096 "high" dx 90 /
+# 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
+# "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
+FUSED_VENDOR_BATCH = 1024
+
+
+def routed_mm_plan(a, b, precision: str, batch: int):
+    """:func:`mm_plan` of a fused op's backward product ``a @ b`` (its input of ``batch``
+    rows), or None where the dispatcher gives it to the vendor (FUSED_VENDOR_BATCH): the
+    caller then computes it with :func:`matmul_core`."""
+    bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
+                 b.name, b.torch)
+    if batch < FUSED_VENDOR_BATCH and _route_of(a, bt, precision) == VENDOR:
+        return None
+    return mm_plan(a, b, precision)
+
+
 class _Product:
     """A planned GEMM product: calling it with ``(a_ptr, b_ptr, bias_ptr)`` launches it
     and returns its new output. Its ``_stage(a_ptr, b_ptr, bias_ptr, launches, held) ->
@@ -611,6 +637,204 @@ def _transpose_plan(o, ld: int):
     return planned, copy
 
 
+# ---- The dispatcher of plain products (linear, matmul): our kernels or the vendor's.
+# The fused ops (GemmScaleBatchNorm's statistics epilogue, the transposed stores, M4's
+# plan) and mm (their backward GEMMs) keep our kernels; only a product nothing is fused
+# into may go to the vendor library: cuBLAS through torch (F.linear / torch.matmul, on
+# torch's current stream) for torch tensors, through CuPy for CuPy arrays.
+OURS, VENDOR = "ours", "vendor"
+# Dtypes the vendor path takes per kind: CuPy's bfloat16 GEMM is not relied on (ours).
+_VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
+                  "cupy": ("float16", "float32", "float64")}
+# Boundaries of the table below (route's comments give the measurements behind them).
+_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28}
+
+
+def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
+          aligned: bool = True) -> str:
+    """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
+    (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
+    capability ``cc``; ``aligned``: the K-contiguous float32 rows are (or are made) 16-byte
+    aligned, so that Hopper runs them on wgmma. Each rule with its measurement: H200, one
+    run, our kernel forced against the vendor (cuBLAS through torch; "highest": SGEMM),
+    events around each call, host included, shapes as M x K x N."""
+    if _FORCED[0] is not None:
+        return _FORCED[0]
+    if dtype not in _VENDOR_DTYPES.get(kind, ()):
+        return OURS  # (CuPy bfloat16)
+    # Below sm_80 ours runs on CUDA cores only, as cuBLAS's SGEMM/DGEMM do, while cuBLAS
+    # has Turing's fp16 tensor cores and tuned tiles (not measured: no sm_75 machine).
+    if cc < 80:
+        return VENDOR
+    # float64: ours is a CUDA-core kernel; cuBLAS runs Hopper's FP64 tensor cores (DMMA):
+    # 1x4096x4096 440 us against 35 (0.08x, the issue's figure).
+    if dtype == "float64":
+        return VENDOR
+    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192x8192 bf16
+    # 560 us against 179 (0.32x); 16384x64x4096 0.16x; 128x4096x4096 fp16 0.22x.
+    if dtype != "float32":
+        return VENDOR
+    c, work = _ROUTE, M * N * K
+    if precision == "highest":
+        # The vendor's "highest" is SGEMM (exact fp32 products and sums). It takes what is
+        # memory-bound or too small to fill the GPU, where 3xTF32's three tensor-core
+        # products buy nothing and SGEMM runs as fast as the bytes allow:
+        #  M < 64: 16x8192x8192 ours 262 us against 204 (0.78x); 64x4096x4096 ours 1.96x.
+        #  N < 128: matmul 8192x2048x64 ours 74 us against 61 (0.82x; cuBLAS's NN kernel;
+        #    linear's NT one 95 us: 1.29x, given up for one rule); 8192x4096x16 1.01x.
+        #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x).
+        #  fewer than 2**28 multiply-adds: 333x777x555 0.74x; 512^3 0.84x (matmul) and
+        #    1.32x (linear); 256x1024x1024 (2**28) 2.11x; 1000^3 1.66x.
+        # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
+        # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
+        if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
+                or work < c["MIN_WORK"]):
+            return VENDOR
+        return OURS
+    # "high" / "medium" (TF32): ours on Hopper's wgmma ties cuBLAS's TF32 where cuBLAS has
+    # its aligned kernels (2048^3 1.01x, 6144^3 0.98x, 128x4096x4096 0.99x) and loses
+    # elsewhere (1000^3 0.78x, 2048x1024x32000 0.88x, 1536x768x3072 0.74x, 8192x4096x16
+    # 0.45x, matmul 256x12288x4096 0.42x): the vendor's. cuBLAS slows down where the rows
+    # of N are not 16-byte aligned (N % 4): 4097x1000x3001 ours 2.69x, 8192x1024x50257
+    # 2.71x (matmul 2.42x): ours there, for big products (2**28 multiply-adds, as above).
+    if cc == 90 and aligned and N % 4 and work >= c["MIN_WORK"]:
+        return OURS
+    return VENDOR
+
+
+def padded_n(M: int, N: int, K: int, dtype: str) -> int:
+    """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
+    multiple of 8 where N leaves the output's rows (and a row-major b's) off 16-byte
+    alignment in a product of at least 2**30 multiply-adds. cuBLAS then runs slow
+    kernels (H200, linear 8192x1024x50257 bfloat16: 9.0 ms, torch.compile's padded GEMM
+    1.3 ms, 0.14x); the vendor path pads W (or b) with zero rows, computes the padded
+    product and copies its N columns out."""
+    if dtype in ("float16", "bfloat16") and N % 8 and M * N * K >= 2 ** 30:
+        return cdiv(N, 8) * 8
+    return N
+
+
+_FORCED = [None]  # forced_route's override
+
+
+@contextlib.contextmanager
+def forced_route(which):
+    """Within it, :func:`route` answers ``which`` (OURS or VENDOR) for every product: the
+    tests of our kernels at shapes the vendor would take, and the benchmark's timing of
+    each path. Plans made outside are dropped on the way in and out."""
+    if which not in (OURS, VENDOR):
+        raise ValueError(f"which: expected {OURS!r} or {VENDOR!r}, got {which!r}")
+    old = _FORCED[0]
+    _FORCED[0] = which
+    _drop_plans()
+    try:
+        yield
+    finally:
+        _FORCED[0] = old
+        _drop_plans()
+
+
+def _drop_plans():
+    _plans.clear()
+    _matmul_plans.clear()
+
+
+def _route_of(ao, bo_nk, precision: str) -> str:
+    """:func:`route` for GPU Operands ``ao`` (M, K) and ``bo_nk`` (N, K) as the GEMM reads
+    them (a transposed or misaligned operand that ours would copy counts as aligned)."""
+    (M, K), N = ao.shape, bo_nk.shape[0]
+    cc = _loader.device_cc(ao.device)
+    aligned = True
+    if ao.dtype == "float32" and cc == 90:
+        work = M * N * K
+        aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
+    which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
+    if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
+        return OURS
+    return which
+
+
+def _wgmma_rows(o, work: int) -> bool:
+    """Whether ours reads the 2-D float32 Operand ``o`` on Hopper's wgmma: rows (after any
+    copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed one."""
+    lay = layout(o)
+    if lay is None:
+        return True  # copied: a fresh array
+    mode = _read_mode(o, work)[0]
+    return mode != "view" or lay[0] or vector_aligned(o.ptr, lay[1], o.shape[1], 4)
+
+
+def _vendor(kind: str):
+    """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
+    precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), ``takes(dtype,
+    precision)`` (whether the library's own float32 setting gives that precision now:
+    the vendor path never flips a library-wide switch, which other threads would see)
+    and ``state()`` (that setting, part of each plan's key)."""
+    return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
+
+
+def _vendor_state(x):
+    """The float32 setting of ``x``'s library that :func:`_route_of` read (None for
+    anything else): calls under another setting plan again."""
+    if is_torch(x):
+        return _vendor("torch").state()
+    return _CupyVendor.state() if _is_cupy(x) else None
+
+
+class _CupyVendor:
+    """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM
+    itself (``cupy.cublas.gemm``: exact fp32 products whatever CUPY_TF32 says); "high" /
+    "medium" only where CuPy's float32 compute type is TF32 already (CUPY_TF32=1: cuBLAS's
+    CUBLAS_COMPUTE_32F_FAST_TF32), else ours; float64 / float16 cupy.matmul as it is
+    (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums)."""
+
+    @staticmethod
+    def state():
+        return _loader.cupy()._core._routines_linalg.get_compute_type(np.float32)
+
+    @staticmethod
+    def takes(dtype: str, precision: str) -> bool:
+        if dtype != "float32" or precision == "highest":
+            return True
+        return _CupyVendor.state() == _loader.cupy()._core._routines_linalg.COMPUTE_TYPE_TF32
+
+    @staticmethod
+    def matmul(a, b, precision):
+        cupy = _loader.cupy()
+        if a.shape[-1] == 0:  # (cuBLAS is not asked to sum nothing)
+            return cupy.zeros(matmul_shape(a.shape, b.shape), a.dtype)
+        if a.dtype == np.float32 and precision == "highest":
+            return _CupyVendor._sgemm(a, b)
+        return cupy.matmul(a, b)
+
+    @staticmethod
+    def _sgemm(a, b):
+        import cupy.cublas  # (a submodule `import cupy` leaves out)
+        cupy = _loader.cupy()
+        if a.ndim == 1 or b.ndim == 1:
+            shape = matmul_shape(a.shape, b.shape)
+            return _CupyVendor._sgemm(a[None] if a.ndim == 1 else a,
+                                      b[:, None] if b.ndim == 1 else b).reshape(shape)
+        if a.ndim == 2 and b.ndim == 2:
+            return cupy.cublas.gemm("N", "N", a, b, out=cupy.empty((a.shape[0], b.shape[1]), a.dtype))
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a = cupy.broadcast_to(a, shape + a.shape[-2:])
+        b = cupy.broadcast_to(b, shape + b.shape[-2:])
+        out = cupy.empty(shape + (a.shape[-2], b.shape[-1]), a.dtype)
+        for i in np.ndindex(*shape):  # (one SGEMM per matrix: cuBLAS's batched SGEMM takes no strides of 0)
+            cupy.cublas.gemm("N", "N", a[i], b[i], out=out[i])
+        return out
+
+    @staticmethod
+    def linear(x, w, b, precision):
+        lead = x.shape[:-1]
+        y = _CupyVendor.matmul(x.reshape(int(np.prod(lead)), x.shape[-1]), w.T, precision)
+        y = y.reshape(lead + (w.shape[0],))
+        if b is not None:
+            y += b
+        return y
+
+
 def reference(x, w, b=None):
     """NumPy reference in the accumulation type (float32 for 16-bit, as the GPU does)."""
     acc = np.float64 if x.dtype == np.float64 else np.float32
@@ -635,7 +859,10 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
         out: optional (..., N) array of x's kind, device and dtype.
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
-    through the custom op ``torch.ops.cupykern.linear``, with autograd). A Dask array x
+    through the custom op ``torch.ops.cupykern.linear``, with autograd). The product runs
+    on our kernels or cuBLAS as :func:`route` says (float32 on cuBLAS only where the
+    library's own TF32 setting gives ``precision``: torch's TF32 switch, CuPy's compute
+    type), decided once per argument signature. A Dask array x
     (CuPy or NumPy chunks; weight and bias concrete arrays of that kind) gives a Dask
     array computed block by block, K rechunked into one chunk where it is split
     (``out`` not supported).
@@ -668,7 +895,7 @@ def check(x, weight, bias, precision, out):
     return xo, wo, bo, o, prec, shape
 
 
-_plans: dict = {}  # (signatures, precision) -> run(x, weight, bias), or None
+_plans: dict = {}  # (signatures, precision, vendor state) -> run(x, weight, bias), or None
 
 
 def linear_core(x, weight, bias=None, precision=None, out=None):
@@ -676,7 +903,7 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     CUDA tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(x), signature(weight), signature(bias), precision)
+        key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
         run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
@@ -690,6 +917,12 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
+    if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
+        res = _vendor(xo.kind).linear(x, weight, bias, prec)
+        if o is None:
+            return res
+        copy_into(out, res)
+        return out
     work = int(np.prod(shape)) * xo.shape[-1]
     a, b = matrix(xo, work), matrix(wo, work)
     direct = o is not None and o.is_c_contiguous()
@@ -709,7 +942,11 @@ def _fresh(checked, x, weight, bias, precision, out):
     plan); None where the call needs the general path (CPU, empty, or an operand copied
     otherwise)."""
     xo, wo, bo, _, prec, shape = checked
-    if xo.kind == "cpu" or 0 in shape or (bo is not None and bo.obj is not bias):
+    if xo.kind == "cpu" or 0 in shape:
+        return None
+    if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
+        return _VendorLinear(_vendor(xo.kind).linear, prec)
+    if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view
         if row_view_stride(xo) is None:
@@ -721,3 +958,230 @@ def _fresh(checked, x, weight, bias, precision, out):
         return None
     ptr = run.place.ptr
     return lambda x, weight, bias: run(ptr(x), ptr(weight), ptr(bias))
+
+
+def _rows_planned(xo):
+    """x (..., K) as the 2-D (M, K) Operand ours would read: in place where that is a view,
+    else a fresh contiguous array."""
+    if xo.ndim == 2:
+        return xo
+    if row_view_stride(xo) is None:
+        return fresh_like(xo, (xo.size // xo.shape[-1] if xo.shape[-1] else 0, xo.shape[-1]), "x")
+    return rows_2d(xo, "x")
+
+
+class _VendorLinear:
+    """linear's plan where :func:`route` chose the vendor: ``run(x, weight, bias)``."""
+
+    __slots__ = ("impl", "precision")
+
+    def __init__(self, impl, precision):
+        self.impl, self.precision = impl, precision
+
+    def __call__(self, x, weight, bias):
+        return self.impl(x, weight, bias, self.precision)
+
+
+def planned_vendor(x, weight, bias, precision) -> bool:
+    """Whether :func:`linear`'s cached plan for these arguments (checked precision) is the
+    vendor's: the torch layer then calls torch's own ``F.linear`` in plain eager mode,
+    without the op's boundary (False until a first call has planned them)."""
+    key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
+    return type(_plans.get(key)) is _VendorLinear
+
+
+# ---- matmul: NumPy's matmul on the same dispatcher.
+
+def matmul_shape(a_shape, b_shape) -> tuple:
+    """NumPy matmul's result shape for operands of these shapes (ValueError naming the
+    argument that does not fit)."""
+    if len(a_shape) == 0:
+        raise ValueError("a: expected at least 1 dimension, got a 0-d array (use * to scale)")
+    if len(b_shape) == 0:
+        raise ValueError("b: expected at least 1 dimension, got a 0-d array (use * to scale)")
+    kb = b_shape[-2] if len(b_shape) > 1 else b_shape[0]
+    if a_shape[-1] != kb:
+        raise ValueError(f"b: its {'rows' if len(b_shape) > 1 else 'length'} ({kb}) do not "
+                         f"match a's last dimension ({a_shape[-1]}); shapes {tuple(a_shape)} "
+                         f"and {tuple(b_shape)}")
+    try:
+        batch = np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))
+    except ValueError:
+        raise ValueError(f"b: batch dimensions {tuple(b_shape[:-2])} do not broadcast with "
+                         f"a's {tuple(a_shape[:-2])}") from None
+    return batch + tuple(a_shape[-2:-1]) + tuple(b_shape[-1:] if len(b_shape) > 1 else ())
+
+
+def check_matmul(a, b, precision, out):
+    """Validate :func:`matmul`'s arguments: (a, b Operands, precision, result shape, out
+    Operand or None)."""
+    ao, bo = operand(a, "a"), operand(b, "b")
+    same_place(ao, bo)
+    if ao.dtype != bo.dtype:
+        raise TypeError(f"b: dtype {bo.dtype} does not match a's dtype {ao.dtype}")
+    shape = matmul_shape(ao.shape, bo.shape)
+    prec = check_precision(precision)
+    o = check_out(out, ao, shape, inputs=(ao, bo)) if out is not None else None
+    return ao, bo, prec, shape, o
+
+
+def matmul(a, b, *, precision=None, out=None):
+    """``a @ b`` with NumPy's matmul semantics, on :func:`linear`'s dispatcher.
+
+    Args:
+        a, b: CuPy arrays, torch tensors (CUDA or CPU) or NumPy arrays of one kind,
+            device and dtype (float16, bfloat16, float32, float64). 1-D operands are
+            vectors (a row for ``a``, a column for ``b``, the dimension dropped from the
+            result); more than 2 dims are stacks of matrices whose batch dims broadcast.
+        precision: for float32 as in :func:`linear` ("highest": at least SGEMM's accuracy
+            on any data; "high": TF32; "medium"), ``None``: torch's float32 matmul
+            precision for torch inputs, "highest" otherwise.
+        out: optional array of the result's shape, kind and dtype (not sharing memory
+            with ``a`` or ``b``).
+
+    Returns an array of a's kind (torch: through ``torch.ops.cupykern.matmul``, with
+    autograd). Each matrix product goes where :func:`route` says: our tensor-core GEMM, or
+    cuBLAS through torch / CuPy (batched there, except float32 "highest" that ours takes:
+    a loop of our 2-D kernel, and CuPy bfloat16, ours). NumPy arrays use NumPy.
+    """
+    if is_torch(a):
+        return torch_layer("gemm").matmul(a, b, precision=precision, out=out)
+    return matmul_core(a, b, precision, out)
+
+
+_matmul_plans: dict = {}  # (signatures, precision, vendor state) -> run(a, b), or None
+
+
+def matmul_core(a, b, precision=None, out=None):
+    """:func:`matmul` for CuPy arrays, NumPy arrays and (from the torch layer) torch CUDA
+    tensors."""
+    checked = None
+    if out is None and (precision is None or type(precision) is str):  # the common call
+        key = (signature(a), signature(b), precision, _vendor_state(a))
+        run, checked = cached_checked(_matmul_plans, key, check_matmul, _matmul_fresh,
+                                      (a, b, precision, None))
+        if run is not None:
+            return run(a, b)
+    ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
+    if ao.kind == "cpu":
+        acc = np.float64 if ao.dtype == "float64" else np.float32
+        res = np.asarray(np.matmul(np.asarray(a, acc), np.asarray(b, acc))).astype(ao.array_dtype)
+    elif 0 in shape or ao.shape[-1] == 0:  # (K == 0: zeros)
+        res = empty(ao, shape)
+        res[...] = 0
+    else:
+        res = _matmul_gpu(ao, bo, prec, shape)
+    if o is None:
+        return res
+    copy_into(out, res)
+    return out
+
+
+def _as_matrices(ao, bo):
+    """``a`` and ``b`` with 1-D operands as a (1, K) row and a (K, 1) column (views)."""
+    a = ao.obj[None] if ao.ndim == 1 else ao.obj
+    b = bo.obj[:, None] if bo.ndim == 1 else bo.obj
+    return a, b
+
+
+def _matmul_route(ao, bo, prec) -> str:
+    """:func:`route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
+    a, b = _as_matrices(ao, bo)
+    a2 = operand(a[(0,) * (a.ndim - 2)], "a")
+    b2 = operand(b[(0,) * (b.ndim - 2)], "b")
+    return _route_of(a2, operand(b2.obj.T, "b"), prec)
+
+
+def _matmul_gpu(ao, bo, prec, shape):
+    """A new array of ``shape`` holding ``a @ b`` (GPU Operands, nothing empty)."""
+    a, b = _as_matrices(ao, bo)
+    if _matmul_route(ao, bo, prec) == VENDOR:
+        return _vendor(ao.kind).matmul(a, b, prec).reshape(shape)
+    if a.ndim == 2 and b.ndim == 2:
+        return mm(a, b, prec).reshape(shape)
+    return _stack_on_ours(ao, a, b, prec).reshape(shape)
+
+
+def _stack_on_ours(ao, a, b, prec):
+    """A stack of products (batch dims broadcast) on our 2-D GEMM, planned once for the
+    first matrix and launched per matrix with its offsets in one batch: each operand is
+    first made K-major in one copy where it is not (b: its transpose), so that every
+    matrix reads alike (float32 "highest" 3xTF32, CuPy bfloat16)."""
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    at, bt = (_k_major(t) for t in (a, _swap_last(b)))
+    at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
+    isz = ITEMSIZE[ao.dtype]
+    a0, b0 = (Operand(o.obj, o.kind, o.dtype, o.shape[-2:], o.strides[-2:], o.ptr, o.device, o.name,
+                      o.torch) for o in (at, bt))
+    c = empty(ao, batch + (M, N))
+    # every matrix 16-byte aligned as the first (else its own plan each)
+    if any(n > 1 and (s * isz) % 16 for o in (at, bt) for n, s in zip(batch, o.strides[:-2])):
+        for i in np.ndindex(*batch):
+            gemm(operand(at.obj[i], "a"), operand(bt.obj[i], "b"), operand(c[i], "out"), prec)
+        return c
+    kernel = gemm_kernel(a0, b0, prec)
+    call, place = gemm_call(kernel, a0, b0, N), Place(ao)
+    ws = workspace(place, kernel)
+    wsp, cp = (data_ptr(ws) if ws is not None else 0), place.ptr(c)
+    launches = []
+    for j, i in enumerate(np.ndindex(*batch)):
+        oa = sum(k * s for k, s in zip(i, at.strides[:-2]))
+        ob = sum(k * s for k, s in zip(i, bt.strides[:-2]))
+        launches.extend(call(a0.ptr + oa * isz, b0.ptr + ob * isz, cp + j * M * N * isz, 0, 0,
+                             0, 0, wsp))
+    launch_all(place, launches)
+    return c
+
+
+def _swap_last(t):
+    """``t`` with its last two dims swapped (a view)."""
+    return t.mT if is_torch(t) else _loader.cupy().swapaxes(t, -1, -2)
+
+
+def _k_major(t):
+    """``t`` (..., rows, K) itself where its K dim is contiguous, else a C-contiguous copy."""
+    o = operand(t, "b")
+    return t if o.strides[-1] == 1 or o.shape[-1] == 1 else contiguous(o)
+
+
+def _broadcast_to(t, shape):
+    return t.expand(shape) if is_torch(t) else _loader.cupy().broadcast_to(t, shape)
+
+
+def _matmul_fresh(checked, a, b, precision, out):
+    """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
+    planned once: the vendor's call, or our planned 2-D GEMM (:func:`mm_plan`); None where
+    the call needs the general path (CPU, empty, a stack on ours, an operand copied
+    otherwise)."""
+    ao, bo, prec, shape, _ = checked
+    if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
+        return None
+    if _matmul_route(ao, bo, prec) == VENDOR:
+        return _VendorMatmul(_vendor(ao.kind).matmul, prec)
+    if ao.ndim != 2 or bo.ndim != 2:
+        return None
+    run = mm_plan(ao, bo, prec)
+    if run is None:
+        return None
+    ptr = run.place.ptr
+    return lambda a, b: run(ptr(a), ptr(b), 0)
+
+
+class _VendorMatmul:
+    """matmul's plan where :func:`route` chose the vendor: ``run(a, b)`` (operands of 2 or
+    more dims)."""
+
+    __slots__ = ("impl", "precision")
+
+    def __init__(self, impl, precision):
+        self.impl, self.precision = impl, precision
+
+    def __call__(self, a, b):
+        return self.impl(a, b, self.precision)
+
+
+def planned_vendor_matmul(a, b, precision) -> bool:
+    """As :func:`planned_vendor`, for :func:`matmul`."""
+    key = (signature(a), signature(b), precision, _vendor_state(a))
+    return type(_matmul_plans.get(key)) is _VendorMatmul

@@ -29,7 +29,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
-                   fresh_like, gemm_kernel, linear_core, mm, mm_plan, workspace)
+                   fresh_like, gemm_kernel, linear_core, matmul_core, routed_mm_plan, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -500,7 +500,7 @@ def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, train
 
     Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
     merge into the vector gradients, dz and its transpose), then dx = dz @ W and dW =
-    dz^T @ x on our GEMM at ``precision``, each reading dz K-major (x is read in place
+    dz^T @ x at ``precision`` on our GEMM (or cuBLAS where cupykern.gemm.route says so), each reading dz K-major (x is read in place
     where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other
     layouts are copied."""
     arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
@@ -564,8 +564,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
                    weight_grad):
     """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
     Operands (g with contiguous rows, vectors contiguous): the three passes and the two
-    GEMMs (:func:`cupykern.gemm.mm_plan`) with their sizes fixed (a GEMM of an empty
-    product, or one whose operand needs a general copy, is :func:`cupykern.gemm.mm`'s
+    GEMMs (:func:`cupykern.gemm.routed_mm_plan`: ours, or the vendor's where the
+    dispatcher says so) with their sizes fixed (any other GEMM, e.g. of an empty product
+    or of an operand that needs a general copy, is :func:`cupykern.gemm.matmul_core`'s
     call after them)."""
     prec = check_precision(precision)
     M, N = zo.shape
@@ -582,8 +583,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
     has_k = xo.shape[1] > 0
-    dx_plan = mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec) if input_grad and has_k else None
-    dw_plan = mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec) if weight_grad and has_k else None
+    # (each on ours or, at small batches where the dispatcher says so, the vendor's)
+    dx_plan = routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M) if input_grad and has_k else None
+    dw_plan = routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         # The three passes go out in one batch, then each GEMM as soon as it is ready: the
@@ -608,9 +610,9 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
         dx = dx_plan(ptr(dz), ptr(weight), 0) if dx_plan else None
         dw = dw_plan(ptr(dzt), ptr(x), 0) if dw_plan else None
         if input_grad and dx is None:
-            dx = mm(dz, weight, prec)
+            dx = matmul_core(dz, weight, prec)
         if weight_grad and dw is None:
-            dw = mm(dzt, x, prec)
+            dw = matmul_core(dzt, x, prec)
         return dx, dw, dvec
 
     return run

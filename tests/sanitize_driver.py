@@ -182,6 +182,19 @@ def check_linear(name, got, x, w, b, rtol):
 
 
 def run_linear():
+    """Our kernels at these small shapes (the dispatcher gives most of them to cuBLAS, whose
+    kernels are not ours to check); then matmul's stack of our 2-D GEMM per matrix."""
+    with cupykern.gemm.forced_route(cupykern.gemm.OURS):
+        _run_linear()
+        # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
+        for prec in ("highest", "high"):
+            a, b = dev(randn(3, 1, 37, 50, seed=12), torch.float32), dev(randn(2, 50, 23, seed=13), torch.float32)
+            want = (host(a) @ host(b))
+            check(f"matmul stack float32 {prec}", cupykern.matmul(a, b, precision=prec), want,
+                  tol(torch.float32, prec), host(a).abs() @ host(b).abs())
+
+
+def _run_linear():
     # (M, N, K): partial 128-row and 128/256-column tiles with 16-byte aligned rows (wgmma
     # on Hopper for float32 "highest"/"high"), K split in two chunks (float32 / float64,
     # added by splitk_reduce), the first of more K slices than pipeline stages (each

@@ -22,6 +22,23 @@ SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 
 REL_BOUND = {"high": 4e-3, "medium": 1.6e-2}
 
 
+@pytest.fixture(autouse=True)
+def _our_kernels(request):
+    """The kernel tests here run our kernels at every shape (the dispatcher gives many of
+    these small products to the vendor); tests of the dispatcher take ``dispatched``."""
+    from cupykern import gemm
+    if "dispatched" in request.fixturenames:
+        yield
+        return
+    with gemm.forced_route(gemm.OURS):
+        yield
+
+
+@pytest.fixture
+def dispatched():
+    """Products go where cupykern.gemm.route says (see _our_kernels)."""
+
+
 def _data(m, n, k, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
@@ -390,3 +407,191 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
     a, b = op(64 * bm, 256, True), op(1024, 256)  # the swapped product (a transposed A by TMA)
     assert gemm._choose(a, b, "high", True).cluster == 2
     assert gemm.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
+
+
+# (M, N, K, dtype, precision, kind, compute capability, aligned) -> route: the table's
+# boundaries, pinned (cupykern.gemm.route gives each one's measurement).
+ROUTES = [
+    ((1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
+    ((1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
+    ((1024, 8192, 8192, "float16", "highest", "cupy", 90, True), "vendor"),
+    ((1, 4096, 4096, "float64", "highest", "cupy", 90, True), "vendor"),
+    ((4096, 4096, 4096, "float32", "highest", "torch", 75, True), "vendor"),
+    ((1024, 8192, 8192, "float32", "highest", "torch", 90, True), "ours"),
+    ((1024, 8192, 8192, "float32", "highest", "cupy", 80, False), "ours"),
+    ((64, 4096, 4096, "float32", "highest", "torch", 90, True), "ours"),
+    ((63, 4096, 4096, "float32", "highest", "torch", 90, True), "vendor"),
+    ((8192, 128, 2048, "float32", "highest", "torch", 90, True), "ours"),
+    ((8192, 127, 2048, "float32", "highest", "torch", 90, True), "vendor"),
+    ((16384, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
+    ((16384, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
+    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**28
+    ((256, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
+    ((1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
+    ((4097, 3001, 1000, "float32", "high", "torch", 90, True), "ours"),
+    ((4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),
+    ((4097, 3001, 1000, "float32", "high", "torch", 90, False), "vendor"),
+    ((4097, 3001, 1000, "float32", "high", "torch", 80, True), "vendor"),
+    ((512, 1023, 1024, "float32", "high", "torch", 90, True), "ours"),
+    ((512, 1024, 1024, "float32", "high", "torch", 90, True), "vendor"),
+    ((256, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**28
+]
+
+
+@pytest.mark.parametrize("args, want", ROUTES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_route_table(args, want, dispatched):
+    """GPU-free: the dispatcher's choice at each boundary of its table."""
+    from cupykern import gemm
+    assert gemm.route(*args) == want
+
+
+def test_forced_route(dispatched):
+    from cupykern import gemm
+    with gemm.forced_route("ours"):
+        assert gemm.route(1, 1, 1, "float64", "highest", "torch", 90) == "ours"
+    assert gemm.route(1, 1, 1, "float64", "highest", "torch", 90) == "vendor"
+    with pytest.raises(ValueError, match="which"):
+        with gemm.forced_route("cublas"):
+            pass
+
+
+# (M, N, K) where the dispatcher picks either side, and edges: M, N or K of 1, K = 0.
+DISPATCHED = [(1, 300, 64), (4, 2048, 2048), (5, 1, 4), (64, 64, 4096), (130, 257, 33),
+              (1024, 1024, 1024), (1100, 1030, 260), (3, 9, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "highest"), (torch.float32, "high"),
+                                              (torch.float16, None), (torch.bfloat16, None),
+                                              (torch.float64, None)], ids=str)
+@pytest.mark.parametrize("shape", DISPATCHED, ids=lambda s: "x".join(map(str, s)))
+def test_dispatched_linear(shape, dtype, precision, dispatched):
+    """linear wherever the dispatcher sends it: within the precision's bound of float64,
+    and "highest" as accurate as SGEMM (the vendor's "highest" is SGEMM itself); twice,
+    the second call from the cached plan (the eager call without the op's boundary), with
+    torch's or the op's autograd."""
+    x, w, b = (t.cuda() for t in _data(*shape, dtype))
+    bound = {torch.float64: 1e-12, torch.float32: REL_BOUND["high"] if precision == "high"
+             else 1e-6}.get(dtype, 1.6e-2)
+    for _ in range(2):
+        xg = x.clone().requires_grad_()
+        out = cupykern.linear(xg, w, b, precision=precision)
+        assert out.dtype == dtype and out.shape == (shape[0], shape[1])
+        err, mag = _errors(out, x, w, b)
+        assert err <= bound * mag + (1e-300 if dtype == torch.float64 else 1e-30), (err, mag)
+        if precision == "highest":
+            with torch.no_grad():
+                err_cublas, _ = _errors(torch.nn.functional.linear(x, w, b), x, w, b)
+            assert err <= 2 * err_cublas + 5e-7 * mag, (err, err_cublas)
+        out.sum().backward()  # dx = ones @ W
+        grad_bound = {torch.float64: 1e-10, torch.float32: 1e-4 if precision == "highest"
+                      else 2e-2}.get(dtype, 3e-2)
+        assert_grad_close(xg.grad, w.double().sum(0).expand(shape[0], -1), grad_bound, 1e-30)
+
+
+@pytest.mark.gpu
+def test_vendor_precision_is_the_asked_one(dispatched):
+    """The vendor takes a float32 product only where torch's TF32 switch gives the precision
+    asked (it never flips the switch, which other threads would see): there the result is
+    torch's own, elsewhere ours (TF32 / 3xTF32) within that precision's bounds. The switch
+    is left as it was, and a plan made under one setting is not reused under the other."""
+    x, w, b = (t.cuda() for t in _data(4, 2048, 2048, torch.float32))
+    F = torch.nn.functional
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for setting in (False, True, False):
+            torch.backends.cuda.matmul.allow_tf32 = setting
+            theirs = F.linear(x, w, b)
+            for precision in ("highest", "high"):
+                out = cupykern.linear(x, w, b, precision=precision)
+                if (precision == "high") == setting:
+                    assert torch.equal(out, theirs), (setting, precision)
+                err, mag = _errors(out, x, w, b)
+                assert err <= (1e-6 if precision == "highest" else REL_BOUND["high"]) * mag
+                assert torch.backends.cuda.matmul.allow_tf32 == setting
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_dispatched_cupy(dtype, dispatched):
+    """CuPy arrays on the dispatcher: cuBLAS through CuPy ("highest": SGEMM, as accurate
+    as float32 allows; "high": TF32, whatever CUPY_TF32 says) or ours (bfloat16)."""
+    cp = pytest.importorskip("cupy")
+    tdt = getattr(torch, dtype)
+    for shape in ((4, 2048, 2048), (70, 33, 48), (1024, 1024, 1024)):
+        x, w, b = _data(*shape, tdt)
+        xc, wc, bc = (cp.from_dlpack(t.cuda()) for t in (x, w, b))
+        precisions = ("highest", "high") if dtype == "float32" else (None,)
+        for precision in precisions:
+            out = cupykern.linear(xc, wc, bc, precision=precision)
+            assert isinstance(out, cp.ndarray) and out.dtype == xc.dtype
+            err, mag = _errors(torch.from_dlpack(out), x.cuda(), w.cuda(), b.cuda())
+            bound = {"highest": 1e-6, "high": REL_BOUND["high"], None: 1.6e-2}[precision]
+            assert err <= (1e-12 if dtype == "float64" else bound) * mag, (shape, precision, err, mag)
+            if precision == "high":  # TF32 really used: not SGEMM's result
+                assert err > 1e-6 * mag
+
+
+@pytest.mark.gpu
+def test_dispatched_compiles_without_graph_break(dispatched):
+    """linear and matmul on the vendor path inside torch.compile(fullgraph=True): the
+    custom ops stay whole (the vendor runs inside their implementation)."""
+    x, w, b = (t.cuda() for t in _data(4, 2048, 2048, torch.float32))
+    fn = torch.compile(lambda x: cupykern.linear(x, w, b, precision="highest")
+                       + cupykern.matmul(x, w.T, precision="highest"), fullgraph=True)
+    ref = 2 * torch.nn.functional.linear(x.double(), w.double(), b.double()) - b.double()
+    assert torch.allclose(fn(x).double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_vendor_pads_a_misaligned_n(dtype, dispatched):
+    """16-bit products of an N off 16-byte alignment and at least 2**30 multiply-adds run
+    padded on the vendor (cupykern.gemm.padded_n): the N columns, contiguous, within
+    16-bit rounding of float64; gradients through the padding."""
+    from cupykern import gemm
+    m, n, k = 1024, 1025, 1024
+    assert gemm.padded_n(m, n, k, str(dtype)[6:]) == 1032
+    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    xg = x.clone().requires_grad_()
+    for _ in range(2):  # (the second call: the eager path without the op's boundary)
+        out = cupykern.linear(xg, w, b)
+        assert out.shape == (m, n) and out.is_contiguous()
+        err, mag = _errors(out, x, w, b)
+        assert err <= 1.6e-2 * mag
+        mm = cupykern.matmul(x, w.t().contiguous())
+        assert mm.shape == (m, n) and mm.is_contiguous()
+        err, mag = _errors(mm, x, w, torch.zeros_like(b))
+        assert err <= 1.6e-2 * mag
+    out.float().sum().backward()
+    assert_grad_close(xg.grad, w.double().sum(0).expand(m, -1), 3e-2)
+
+
+def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
+    """GPU-free: GemmScaleBatchNorm's backward plans dx / dW on ours only where the
+    dispatcher gives the product to ours (else matmul_core's call: the vendor)."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
+
+    def op(rows, cols):
+        return _array.Operand(torch.empty(0), "torch", "float32", (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+
+    assert gemm.routed_mm_plan(op(64, 512), op(512, 512), "highest", 64) is None
+    # "high": the vendor's where torch's TF32 switch is on (as "high" sets it), else ours
+    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is not None
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is None
+        # from FUSED_VENDOR_BATCH rows on, ours (dW = dz^T @ x: K is the batch)
+        assert gemm.routed_mm_plan(op(4096, 1024), op(1024, 4096), "high", 1024) is not None
+        assert gemm.routed_mm_plan(op(4096, 1023), op(1023, 4096), "high", 1023) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "highest", 256) is not None

@@ -62,6 +62,8 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    # our kernels at these small shapes, which the dispatcher would give to the vendor
+    monkeypatch.setattr(sys.modules["cupykern.gemm"], "_FORCED", ["ours"])
     # a tensor map as what it encodes (the driver's encoder needs a GPU), kept apart from
     # the maps real launches share
     monkeypatch.setattr(_tma.Rows2D, "_encode",
@@ -118,6 +120,10 @@ def _calls():
     # x read transposed (copied by a launch of the plan: 130 outputs a row), weight in place
     yield ("linear transposed x", lambda a: cupykern.gemm.linear_core(*a, "highest"),
            lambda: [r(24, 5).t(), r(130, 24), None], 1)
+    yield "matmul", lambda a: cupykern.gemm.matmul_core(*a, "highest"), lambda: [r(5, 24), r(24, 7)], 1
+    # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
+    yield ("matmul stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
+           lambda: [r(3, 1, 5, 24), r(2, 24, 8)], 1)
     yield ("mm transposed a", lambda a: cupykern.gemm.mm(*a, "highest"),
            lambda: [r(24, 5).t(), r(24, 130)], 1)
     # dx = dy @ W where W's transposed copy pays: on Hopper "high" read in place (below)

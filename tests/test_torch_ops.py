@@ -11,7 +11,7 @@ import torch.nn.utils.prune
 
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
-from cupykern.torch.gemm import linear_op, linear_out_op, mm_op
+from cupykern.torch.gemm import linear_op, linear_out_op, matmul_op, mm_op
 from cupykern.torch.gemm_scale_batchnorm import (GemmScaleBatchNormReference, backward_op,
                                                  batch_stats_op, gemm_scale_batchnorm_op)
 from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
@@ -51,6 +51,8 @@ def _opcheck_cases(device):
     yield linear_out_op, (x, w, b, "highest", x.new_empty(8, 16))
     yield mm_op, (x, w.t(), "highest")
     yield mm_op, (x.t(), r(8, 5), "high")
+    yield matmul_op, (r(2, 1, 8, 24), r(3, 24, 5), "highest")
+    yield matmul_op, (r(24), w.t(), "high")
     save = device == "cuda"  # (the fused backward's saved tensors are a GPU path)
     yield gemm_scale_batchnorm_op, (x, w, b, *v, rm, rv, nbt, True, 0.1, 1e-5, "highest", save)
     yield gemm_scale_batchnorm_op, (x, w, None, *v, rm.clone(), rv.clone(), nbt.clone(), True, None, 1e-5, "highest", False)

@@ -20,14 +20,24 @@ a captured training loop, or one whose host runs ahead, sees). Part 5 (``--part
 small``) times small grids, where K is split over the SMs, by their GPU time in a CUDA
 graph (no host time), against cuBLAS and, for GemmScaleBatchNorm's small shape,
 PyTorch eager.
+
+``--sweep`` (instead of the parts) is the envelope: ``linear`` and ``matmul`` (ours as
+the dispatcher routes them) against PyTorch eager and torch.compile at float32 "highest"
+(PyTorch's is cuBLAS's SGEMM) and "high", bfloat16, float16 and float64 over the issue's
+grid, each row with the same-run ceiling (tensor peak or copy bandwidth, whichever
+bounds the shape), the route taken and the error against float64 of ours and PyTorch's;
+then GemmScaleBatchNorm's forward and training step against eager. ``--json PATH``
+writes the rows and the summary (min and median per op, dtype and mode).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 import cupykern
-from cupykern.benchmark import graph_us, require_gpu, tflops, time_ms, torch
+from cupykern.benchmark import (compiled, copy_ms, graph_us, print_rows, require_gpu, summarize,
+                                sweep_row, tflops, time_ms, torch, write_sweep)
 
 
 @contextlib.contextmanager
@@ -223,6 +233,200 @@ def bench_small():
                   f"{eager / ours:.2f}x")
 
 
+# The issue's envelope grid, (M, K, N): x (M, K) @ W (N, K)^T for linear, a (M, K) @ b (K, N)
+# for matmul; then matmul's batched (32, 512, 64) @ (32, 64, 512).
+GRID = [(2048, 2048, 2048), (6144, 6144, 6144), (3000, 5000, 700), (512, 512, 512),
+        (1536, 768, 3072), (16, 8192, 8192), (4, 2048, 2048), (1, 8192, 1024),
+        (256, 12288, 4096), (8192, 2048, 64), (100000, 64, 64), (8192, 1024, 50257)]
+BATCHED = ((32, 512, 64), (32, 64, 512))
+# (dtype, precision): float32 at both of PyTorch's float32 matmul precisions, then the
+# other dtypes (precision ignored)
+MODES = [("float32", "highest"), ("float32", "high"), ("bfloat16", None), ("float16", None),
+         ("float64", None)]
+
+
+def _peaks(quick):
+    """Same-run ceilings: cuBLAS's matrix rate per (dtype, precision) at a big square
+    product (3xTF32 "highest": a third of the TF32 rate, the tensor-core work it does),
+    and the device copy bandwidth (bytes/ms)."""
+    n = 4096 if quick else 8192
+    peaks = {}
+    for dtype, prec in MODES[1:]:
+        a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        with matmul_precision(prec or "highest"):
+            peaks[dtype, prec] = 2 * n ** 3 / time_ms(lambda: a @ a, iters=5)
+    peaks["float32", "highest"] = peaks["float32", "high"] / 3
+    x = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")
+    bw = 2 * x.nbytes / copy_ms(x, iters=5)
+    return peaks, bw
+
+
+def _operands(op, shape, dtype):
+    """(our call's arguments, PyTorch's function, the float64 reference, the problem's
+    M, K, N and batch) for one sweep point: fresh random data, weights scaled by
+    1/sqrt(K)."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    if op == "matmul" and shape == BATCHED:
+        (B, M, K), (_, _, N) = shape
+        a = torch.randn(B, M, K, device="cuda", dtype=dt)
+        b = (torch.randn(B, K, N, device="cuda") / K ** 0.5).to(dt)
+        return (a, b), torch.matmul, a.double() @ b.double(), (M, K, N, B)
+    M, K, N = shape
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(dt)
+    if op == "linear":
+        b = torch.randn(N, device="cuda", dtype=dt)
+        ref = torch.addmm(b.double(), x.double(), w.double().T)
+        return (x, w, b), torch.nn.functional.linear, ref, (M, K, N, 1)
+    wt = w.T.contiguous()
+    return (x, wt), torch.matmul, x.double() @ wt.double(), (M, K, N, 1)
+
+
+def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
+    """One row: ours (the dispatcher's choice), PyTorch eager and torch.compile at the same
+    precision, host time included; the ceiling; each one's max error against float64
+    over max |reference|; with ``paths`` (float32) also our kernel forced (ours_ms)."""
+    from cupykern import gemm
+
+    args, theirs, ref, (M, K, N, B) = _operands(op, shape, dtype)
+    fn = getattr(cupykern, op)
+    ours = lambda: fn(*args, precision=prec)  # noqa: E731
+    with matmul_precision(prec or "highest"):
+        eager = lambda: theirs(*args)  # noqa: E731
+        t_ours, t_eager = time_ms(ours, iters=iters), time_ms(eager, iters=iters)
+        t_comp = None
+        if compile_:
+            torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
+            comp = compiled(lambda *a: theirs(*a))
+            comp(*args)
+            t_comp = time_ms(lambda: comp(*args), iters=iters)
+        scale = ref.abs().max().item() or 1.0
+        err = {k: ((f().double() - ref).abs().max().item() / scale) for k, f in
+               (("err_ours", ours), ("err_torch", eager))}
+        extra = {}
+        if paths and dtype == "float32":
+            with gemm.forced_route(gemm.OURS):
+                extra["ours_ms"] = time_ms(ours, iters=iters)
+                extra["err_ours_kernel"] = (ours().double() - ref).abs().max().item() / scale
+        if prec == "highest":
+            extra["x_sgemm"] = t_eager / t_ours  # PyTorch's "highest" is cuBLAS's SGEMM
+        extra["route"] = _route_name(op, args, prec)  # (under the precision's TF32 switch)
+    del ref
+    isz = torch.finfo(getattr(torch, dtype)).bits // 8
+    t_math = 2 * B * M * N * K / peaks[dtype, prec]
+    t_bytes = isz * B * (M * K + K * N + M * N) / bw
+    label = "x".join(map(str, (M, K, N))) + (f" b{B}" if B > 1 else "")
+    return sweep_row(op, label, dtype, prec or "-", t_ours, t_eager, t_comp,
+                     max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
+                     **err, **extra)
+
+
+# GemmScaleBatchNorm's (M, in, out) shapes of the issue: its forward and training step.
+GSBN_GRID = [(64, 512, 512), (128, 1024, 512), (256, 4096, 4096), (2048, 2048, 2048),
+             (8192, 1024, 1024), (1024, 8192, 8192), (16384, 4096, 4096)]
+
+
+def _gsbn_point(kind, shape, prec, peaks, bw, iters):
+    """GemmScaleBatchNorm (training mode) against the PyTorch model, eager: the forward
+    (no grad) or a training step (forward + backward of every parameter and x), at
+    float32 ``prec``; errors against the model run in float64 (forward output; step: dW)."""
+    import copy
+
+    from cupykern.models import gemm_scale_batchnorm as model3
+
+    M, K, N = shape
+    torch.manual_seed(0)
+    ref = model3.Model(K, N, (N,)).cuda()
+    torch.manual_seed(0)
+    new = model3.ModelNew(K, N, (N,)).cuda()
+    ref64 = copy.deepcopy(ref).double()
+    x = torch.rand(M, K, device="cuda", requires_grad=kind == "step")
+    g = torch.randn(M, N, device="cuda")
+    x64 = x.detach().double().requires_grad_(kind == "step")
+    models = (ref, new, ref64)
+
+    def clear():
+        x.grad = x64.grad = None
+        for m in models:
+            for p in m.parameters():
+                p.grad = None
+
+    with matmul_precision(prec):
+        if kind == "forward":
+            with torch.no_grad():
+                t_new, t_ref = (time_ms(lambda m=m: m(x), iters=iters) for m in (new, ref))
+                want = ref64(x64)
+                err = {k: ((m(x).double() - want).abs().max() / want.abs().max()).item()
+                       for k, m in (("err_ours", new), ("err_torch", ref))}
+        else:
+            t_new, t_ref = (time_ms(lambda m=m: m(x).backward(g), iters=iters, setup=clear)
+                            for m in (new, ref))
+            clear()
+            for m, xi, gi in ((new, x, g), (ref, x, g), (ref64, x64, g.double())):
+                m(xi).backward(gi)
+            want = ref64.gemm.weight.grad
+            err = {k: ((m.gemm.weight.grad.double() - want).abs().max() / want.abs().max()).item()
+                   for k, m in (("err_ours", new), ("err_torch", ref))}
+            clear()
+    work = (1 if kind == "forward" else 3) * 2 * M * N * K
+    t_math = work / peaks["float32", prec]
+    t_bytes = 4 * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
+    return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", "float32", prec, t_new, t_ref, None,
+                     max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
+                     route="fused", **err)
+
+
+def _route_name(op, args, prec):
+    """The dispatcher's choice for this call (first matrix of a stack)."""
+    from cupykern import gemm
+    from cupykern._array import operand
+
+    a, b = args[0], args[1]
+    if op == "linear":
+        return gemm._route_of(operand(a, "x"), operand(b, "w"), prec or "highest")
+    return gemm._matmul_route(operand(a, "a"), operand(b, "b"), prec or "highest")
+
+
+def sweep(quick, json_path, paths, budget_s):
+    """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED),
+    against PyTorch eager and (linear, without --quick) torch.compile; then
+    GemmScaleBatchNorm's forward and training step over GSBN_GRID against eager."""
+    peaks, bw = _peaks(quick)
+    print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
+        f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
+    iters = 5 if quick else 15
+    start, rows = time.monotonic(), []
+    points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
+    todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
+    todo += [(f"gsbn {kind}", shape, "float32", prec) for kind in ("forward", "step")
+             for shape in GSBN_GRID for prec in ("highest", "high")]
+    for i, (op, shape, dtype, prec) in enumerate(todo):
+        if time.monotonic() - start > budget_s:
+            print(f"(time budget of {budget_s} s spent: {len(todo) - i} points not run)")
+            break
+        if op.startswith("gsbn"):
+            rows.append(_gsbn_point(op[5:], shape, prec, peaks, bw, iters))
+        else:
+            rows.append(_sweep_point(op, shape, dtype, prec, peaks, bw, iters,
+                                     not quick and op == "linear", paths))
+        r = rows[-1]
+        print(f"{r['op']:<12} {r['shape']:<22} {r['dtype']:<9} {r['mode']:<8} {r['route']:<6} "
+              f"ours {r['ms']:.4f} eager {r['eager_ms']:.4f} x{r['x_eager']:.2f}"
+              + (f" comp x{r['x_compile']:.2f}" if r["x_compile"] else "")
+              + f" ceil x{r['x_ceiling']:.2f} err {r['err_ours']:.1e}/{r['err_torch']:.1e}"
+              + (f" kernel {r['ours_ms']:.4f} ({r['eager_ms'] / r['ours_ms']:.2f}x)"
+                 if "ours_ms" in r else ""), flush=True)
+        torch.cuda.empty_cache()
+    print(f"\n{len(rows)} of {len(todo)} points in {time.monotonic() - start:.0f} s")
+    print_rows(rows)
+    if json_path:
+        write_sweep(json_path, rows, "python -m cupykern.benchmarks.gemm --sweep"
+                    + (" --quick" if quick else ""))
+    else:
+        summarize(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m cupykern.benchmarks.gemm", description=__doc__.splitlines()[0])
@@ -230,9 +434,22 @@ def main(argv=None):
     ap.add_argument("--part", choices=("all", "gemm", "backward", "model", "training", "small"),
                     default="all", help="the GEMM alone, linear's backward GEMMs, "
                     "GemmScaleBatchNorm's forward, its training step, small grids, or all")
+    ap.add_argument("--sweep", action="store_true", help="the envelope sweep: linear and "
+                    "matmul against PyTorch eager and torch.compile over the issue's grid, "
+                    "every dtype and float32 precision (instead of --part)")
+    ap.add_argument("--quick", action="store_true", help="--sweep: 5 timed calls, no "
+                    "torch.compile")
+    ap.add_argument("--json", metavar="PATH", help="--sweep: write the rows and summary here")
+    ap.add_argument("--paths", action="store_true", help="--sweep: also time our float32 "
+                    "kernel where the dispatcher picks the vendor (ours_ms)")
+    ap.add_argument("--budget", type=float, default=1e9, metavar="S",
+                    help="--sweep: stop starting new points after S seconds")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.sweep:
+        sweep(args.quick, args.json, args.paths, args.budget)
+        return
     if args.part in ("all", "gemm"):
         bench_gemm(1024, 8192, 8192, args.iters)
     if args.part in ("all", "backward"):

@@ -1,11 +1,18 @@
-"""``linear`` for torch: the ``cupykern::linear`` ops.
+"""``linear`` and ``matmul`` for torch: the ``cupykern::linear`` / ``matmul`` ops.
 
 ``linear(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor`` with autograd
-(dx = dy @ W and dW = dy^T @ x on our GEMM at the forward's precision, reading the
-transposes in place through ``mm(Tensor a, Tensor b, str precision) -> Tensor``;
-db = sum(dy)) and ``linear_out(..., Tensor(a!) out) -> ()``. ``precision=None`` resolves to
-``torch.get_float32_matmul_precision()`` here, in the torch layer, so that
-torch.compile sees (and guards on) it too (see :func:`resolve_precision`).
+(dx = dy @ W and dW = dy^T @ x through ``matmul`` at the forward's precision, reading the
+transposes in place; db = sum(dy)) and ``linear_out(..., Tensor(a!) out) -> ()``;
+``matmul(Tensor a, Tensor b, str precision) -> Tensor`` (NumPy semantics) with autograd;
+``mm(Tensor a, Tensor b, str precision) -> Tensor``, our own GEMM for the fused ops'
+backward passes. ``precision=None`` resolves to ``torch.get_float32_matmul_precision()``
+here, in the torch layer, so that torch.compile sees (and guards on) it too (see
+:func:`resolve_precision`).
+
+Where :func:`cupykern.gemm.route` gives a product to the vendor, the op computes it with
+torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`); in plain eager mode, once
+a call has planned that, ``linear`` / ``matmul`` call them directly, with torch's own
+autograd, without the op's boundary (its microseconds are most of a small product's time).
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import gemm as core
-from ._op import Op, lower_precision
+from ._op import Op, _direct, lower_precision
 
 
 def resolve_precision(precision) -> str:
@@ -35,6 +42,45 @@ def resolve_precision(precision) -> str:
     return torch.get_float32_matmul_precision()
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Vendor:
+    """cuBLAS through torch, on torch's current stream: the products that
+    :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
+    computed padded, see :func:`cupykern.gemm.padded_n`). float32 only where torch's TF32
+    switch gives the precision asked ("highest": SGEMM, TF32 off; "high" / "medium": TF32
+    on), as it does for ``precision=None``; an explicit precision against the switch runs
+    on ours (flipping the switch for the call would change other threads' matmuls too)."""
+
+    @staticmethod
+    def state():
+        return torch._C._get_cublas_allow_tf32()
+
+    @staticmethod
+    def takes(dtype: str, precision: str) -> bool:
+        return dtype != "float32" or (precision != "highest") == torch._C._get_cublas_allow_tf32()
+
+    @staticmethod
+    def linear(x, weight, bias, precision):
+        N, K = weight.shape
+        if x.dtype in _HALF and N % 8:
+            pad = core.padded_n(x.numel() // K if K else 0, N, K, str(x.dtype)[6:]) - N
+            if pad:
+                bias = None if bias is None else F.pad(bias, (0, pad))
+                return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def matmul(a, b, precision):
+        if a.dtype in _HALF and b.dim() > 1 and b.shape[-1] % 8:
+            N, K = b.shape[-1], b.shape[-2]
+            pad = core.padded_n(a.numel() // K if K else 0, N, K, str(a.dtype)[6:]) - N
+            if pad:
+                return torch.matmul(a, F.pad(b, (0, pad)))[..., :N].contiguous()
+        return torch.matmul(a, b)
+
+
 def _impl(x, weight, bias, precision):
     if x.is_cuda:
         return core.linear_core(x, weight, bias, precision)
@@ -51,15 +97,21 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
 
 
+def _products(ctx):
+    """``a @ b`` for a backward: torch's matmul when a double backward needs a
+    differentiable graph (create_graph), else :data:`matmul_op` at the forward's precision."""
+    if torch.is_grad_enabled():
+        return torch.matmul
+    return lambda a, b: matmul_op(a, b, ctx.precision)
+
+
 def _backward(ctx, g):
     x, weight = ctx.saved_tensors
     n, k = weight.shape
     g2 = g.reshape(-1, n)
-    # Double backward (create_graph) needs a differentiable graph: PyTorch's matmuls.
-    matmul = torch.matmul if torch.is_grad_enabled() else (
-        lambda a, b: mm_op(a, b, ctx.precision))
-    dx = matmul(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-    dw = matmul(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
+    mm = _products(ctx)
+    dx = mm(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    dw = mm(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
     db = g2.sum(0) if ctx.needs_input_grad[2] else None
     return dx, dw, db, None
 
@@ -93,7 +145,67 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops."""
     prec = resolve_precision(precision)
     if out is None:
+        if _direct((x, weight) if bias is None else (x, weight, bias)) and \
+                core.planned_vendor(x, weight, bias, prec):
+            return Vendor.linear(x, weight, bias, prec)
         return linear_op(x, weight, bias, prec)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
+    return out
+
+
+def _matmul_impl(a, b, precision):
+    if a.is_cuda:
+        return core.matmul_core(a, b, precision)
+    core.check_matmul(a, b, precision, None)
+    return torch.matmul(a, b)
+
+
+def _matmul_fake(a, b, precision):
+    # (torch.broadcast_shapes: batch sizes may be symbolic under torch.compile / export)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return a.new_empty((*batch, *a.shape[-2:-1], *(b.shape[-1:] if b.dim() > 1 else ())))
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    a, b, ctx.precision = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _matmul_backward(ctx, g):
+    """NumPy matmul's gradients: 1-D operands as a row / a column, each gradient summed
+    over the batch dims its operand was broadcast along."""
+    a, b = ctx.saved_tensors
+    a2 = a.unsqueeze(0) if a.dim() == 1 else a
+    b2 = b.unsqueeze(-1) if b.dim() == 1 else b
+    g2 = g.unsqueeze(-1) if b.dim() == 1 else g
+    g2 = g2.unsqueeze(-2) if a.dim() == 1 else g2
+    mm = _products(ctx)
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        da = mm(g2, b2.mT).sum_to_size(a2.shape).reshape(a.shape)
+    if ctx.needs_input_grad[1]:
+        db = mm(a2.mT, g2).sum_to_size(b2.shape).reshape(b.shape)
+    return da, db, None
+
+
+matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_impl,
+               _matmul_fake, _matmul_setup_context, _matmul_backward, autocast=lower_precision)
+
+
+def matmul(a, b, *, precision=None, out=None):
+    """:func:`cupykern.matmul` for torch tensors, through the custom op. With ``out``
+    (validated as the op's arguments are), the result is copied into it; as torch's own
+    ``out=`` it takes no gradient."""
+    prec = resolve_precision(precision)
+    if out is None:
+        if _direct((a, b)) and core.planned_vendor_matmul(a, b, prec):
+            return Vendor.matmul(a, b, prec)
+        return matmul_op(a, b, prec)
+    core.check_matmul(a, b, prec, out)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
+        raise ValueError("out: matmul with out= does not support autograd (an input requires "
+                         "grad); call it under torch.no_grad() or without out=")
+    with torch.no_grad():
+        out.copy_(matmul_op(a, b, prec))
     return out

@@ -1,0 +1,222 @@
+"""cupykern.matmul: NumPy's matmul semantics (1-D, 2-D, batched with broadcasting) on the
+dispatcher's two paths (our kernels, the vendor's), every dtype and float32 precision,
+against float64; autograd (gradcheck); bad input."""
+import numpy as np
+import pytest
+
+import cupykern
+
+torch = pytest.importorskip("torch")
+from support import assert_grad_close  # noqa: E402
+
+# (a shape, b shape): vectors, matrices, stacks, broadcast batch dims (either side, size-1
+# dims), a vector against a stack.
+SEMANTICS = [((5,), (5,)), ((5,), (5, 3)), ((4, 5), (5,)), ((4, 5), (5, 3)),
+             ((2, 4, 5), (5, 3)), ((4, 5), (2, 5, 3)), ((2, 1, 4, 5), (3, 5, 6)),
+             ((5,), (2, 5, 3)), ((2, 3, 4, 5), (5,)), ((1, 4, 5), (3, 5, 2))]
+
+
+def _pair(sa, sb, dtype=torch.float64, seed=0, same_sign=False):
+    g = torch.Generator().manual_seed(seed)
+    draw = torch.rand if same_sign else torch.randn
+    a = draw(*sa, generator=g, dtype=torch.float64)
+    b = draw(*sb, generator=g, dtype=torch.float64) / sa[-1] ** 0.5
+    return a.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("sa, sb", SEMANTICS, ids=str)
+def test_numpy_semantics(sa, sb):
+    a, b = (t.numpy() for t in _pair(sa, sb, torch.float32))
+    got = cupykern.matmul(a, b)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-6)
+    ta, tb = _pair(sa, sb)
+    assert torch.allclose(cupykern.matmul(ta, tb), torch.matmul(ta, tb))
+
+
+@pytest.mark.parametrize("sa, sb", SEMANTICS, ids=str)
+def test_gradcheck_cpu(sa, sb):
+    a, b = (t.requires_grad_() for t in _pair(sa, sb))
+    assert torch.autograd.gradcheck(lambda a, b: cupykern.matmul(a, b), (a, b))
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda a, b: cupykern.matmul(a, b[:-1]), ValueError, "b: its rows"),
+    (lambda a, b: cupykern.matmul(a, b[0]), ValueError, "b: its length"),
+    (lambda a, b: cupykern.matmul(np.float32(1), b), TypeError, "a: expected"),
+    (lambda a, b: cupykern.matmul(a, np.zeros((), np.float32)), ValueError, "b: expected at least 1"),
+    (lambda a, b: cupykern.matmul(np.zeros((), np.float32), b), ValueError, "a: expected at least 1"),
+    (lambda a, b: cupykern.matmul(np.zeros((2, 4, 5), np.float32), np.zeros((3, 5, 2), np.float32)),
+     ValueError, "b: batch dimensions"),
+    (lambda a, b: cupykern.matmul(a, b.astype(np.float64)), TypeError, "b: dtype"),
+    (lambda a, b: cupykern.matmul(a.astype(np.int32), b), TypeError, "a: unsupported dtype"),
+    (lambda a, b: cupykern.matmul(a, torch.from_numpy(b)), TypeError, "do not mix"),
+    (lambda a, b: cupykern.matmul(a, b, precision="low"), ValueError, "precision"),
+    (lambda a, b: cupykern.matmul(a, b, out=np.zeros((4, 2), np.float32)), ValueError, "out: expected shape"),
+    (lambda a, b: cupykern.matmul(a, b, out=np.zeros((4, 3), np.float64)), TypeError, "out: expected dtype"),
+])
+def test_bad_input(bad, exc, match):
+    a, b = (t.numpy() for t in _pair((4, 5), (5, 3), torch.float32))
+    with pytest.raises(exc, match=match):
+        bad(a, b)
+
+
+def test_out_cpu():
+    a, b = (t.numpy() for t in _pair((2, 4, 5), (5, 3), torch.float32))
+    out = np.empty((2, 4, 3), np.float32)
+    assert cupykern.matmul(a, b, out=out) is out
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-6)
+
+
+# (M, K, N) on the GPU: M, N, K of 1; tile edges +-1 (128x128 mma.sync, 128x256 wgmma TF32
+# tiles, the 32-float K slice); K split (few tiles, long K); a product big enough for our
+# 3xTF32 ("highest") and TF32 ("high") kernels under the dispatcher.
+GPU_SHAPES = [(1, 1, 1), (1, 64, 300), (300, 64, 1), (5, 4, 1), (127, 33, 129), (128, 32, 128),
+              (129, 31, 255), (257, 129, 256), (64, 4100, 200), (1024, 1024, 1024)]
+# (dtype, precision, max |error| / max (|a| @ |b|)).
+CASES = [(torch.float32, "highest", 1e-6), (torch.float32, "high", 4e-3),
+         (torch.float16, None, 1.6e-2), (torch.bfloat16, None, 1.6e-2),
+         (torch.float64, None, 1e-12)]
+
+
+def _check(got, a, b, bound, sgemm=None):
+    ref = torch.matmul(a.double(), b.double())
+    mag = torch.matmul(a.double().abs(), b.double().abs()).max().item() if ref.numel() else 0.0
+    assert got.shape == ref.shape and got.dtype == a.dtype
+    err = (got.double() - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= bound * mag + 1e-30, (err, mag)
+    if sgemm is not None:  # "highest": at least SGEMM's accuracy (a few ulps at tiny K)
+        err_sgemm = (sgemm.double() - ref).abs().max().item()
+        assert err <= 2 * err_sgemm + 5e-7 * mag, (err, err_sgemm)
+
+
+def _sgemm(a, b):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return torch.matmul(a, b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(params=["ours", "dispatched"])
+def path(request):
+    """Every GPU check twice: our kernels forced, then where the dispatcher sends it."""
+    from cupykern import gemm
+    if request.param == "dispatched":
+        yield request.param
+        return
+    with gemm.forced_route(gemm.OURS):
+        yield request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision, bound", CASES, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_2d(shape, dtype, precision, bound, path):
+    m, k, n = shape
+    a, b = (t.cuda() for t in _pair((m, k), (k, n), dtype))
+    sgemm = _sgemm(a, b) if precision == "highest" else None
+    _check(cupykern.matmul(a, b, precision=precision), a, b, bound, sgemm)
+    # misaligned rows (a view 1 element past the start) and a transposed b
+    a_off = torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view(m, k)
+    _check(cupykern.matmul(a_off, b.t().contiguous().t(), precision=precision), a, b, bound, sgemm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision, bound", CASES, ids=str)
+@pytest.mark.parametrize("sa, sb", SEMANTICS + [((32, 512, 64), (32, 64, 512)),
+                                                ((3, 1, 130, 300), (2, 300, 70))], ids=str)
+def test_batched_and_vectors(sa, sb, dtype, precision, bound, path):
+    a, b = (t.cuda() for t in _pair(sa, sb, dtype))
+    sgemm = _sgemm(a, b) if precision == "highest" else None
+    _check(cupykern.matmul(a, b, precision=precision), a, b, bound, sgemm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(198, 3000, 256), (2, 5000, 3)], ids=str)
+def test_highest_same_sign(shape, path):
+    """Same-sign data, where the tensor core's truncating sums would drift: "highest" stays
+    as accurate as SGEMM (a stack of two, each matrix on ours or on SGEMM)."""
+    m, k, n = shape
+    a, b = (t.cuda() for t in _pair((2, m, k), (k, n), torch.float32, same_sign=True))
+    _check(cupykern.matmul(a, b, precision="highest"), a, b, 1e-6, _sgemm(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_cupy(dtype, path):
+    cp = pytest.importorskip("cupy")
+    for sa, sb in (((70, 48), (48, 33)), ((2, 1, 70, 48), (3, 48, 33)), ((48,), (48, 33))):
+        a, b = (t.cuda() for t in _pair(sa, sb, getattr(torch, dtype)))
+        for precision in (("highest", "high") if dtype == "float32" else (None,)):
+            got = cupykern.matmul(cp.from_dlpack(a), cp.from_dlpack(b), precision=precision)
+            assert isinstance(got, cp.ndarray)
+            bound = {"highest": 1e-6, "high": 4e-3}.get(precision, 1e-12 if dtype == "float64" else 1.6e-2)
+            _check(torch.from_dlpack(got), a, b, bound)
+
+
+@pytest.mark.gpu
+def test_gradcheck_gpu(path):
+    for sa, sb in (((2, 1, 4, 5), (3, 5, 6)), ((5,), (5, 3)), ((4, 5), (5,)), ((5,), (5,))):
+        a, b = (t.cuda().requires_grad_() for t in _pair(sa, sb))
+        assert torch.autograd.gradcheck(lambda a, b: cupykern.matmul(a, b), (a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
+def test_gradients_float32(precision, bound, path):
+    a, b = (t.cuda().requires_grad_() for t in _pair((3, 130, 300), (300, 70), torch.float32))
+    g = torch.randn(3, 130, 70, device="cuda")
+    cupykern.matmul(a, b, precision=precision).backward(g)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    torch.matmul(a64, b64).backward(g.double())
+    assert_grad_close(a.grad, a64.grad, bound, what="a")
+    assert_grad_close(b.grad, b64.grad, bound, what="b")
+
+
+@pytest.mark.gpu
+def test_out_and_empty(path):
+    a, b = (t.cuda() for t in _pair((2, 4, 5), (5, 3), torch.float32))
+    out = torch.empty(2, 4, 3, device="cuda")
+    assert cupykern.matmul(a, b, out=out) is out
+    _check(out, a, b, 1e-6)
+    with pytest.raises(ValueError, match="out: overlaps"):
+        cupykern.matmul(a, b, out=a[..., :3])
+    assert cupykern.matmul(a[:, :0], b).shape == (2, 0, 3)
+    assert torch.equal(cupykern.matmul(a[..., :0], b[:0]), torch.zeros(2, 4, 3, device="cuda"))
+    with pytest.raises(ValueError, match="autograd"):
+        cupykern.matmul(a.requires_grad_(), b, out=out)
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph(path):
+    a, b = (t.cuda() for t in _pair((2, 130, 300), (300, 70), torch.float32))
+    fn = torch.compile(lambda a, b: cupykern.matmul(a, b, precision="highest") * 2, fullgraph=True)
+    _check(fn(a, b) / 2, a, b, 1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sa, sb", [((2, 1, 4, 5), (3, 5, 6)), ((5,), (5, 3))], ids=str)
+def test_opcheck(sa, sb, device):
+    """torch.library.opcheck of cupykern::matmul: schema, fake tensor, autograd
+    registration, and its AOT dispatch."""
+    import cupykern.torch.gemm  # noqa: F401  (registers the op)
+    a, b = (t.to(device).requires_grad_() for t in _pair(sa, sb))
+    torch.library.opcheck(torch.ops.cupykern.matmul.default, (a, b, "highest"))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_more_than_2_to_the_31_outputs(path):
+    """65537 x 32768 outputs (> 2**31, 4.3 GB of float16): every offset 64-bit; rows and
+    columns at both ends against float64."""
+    a = torch.randn(65537, 8, device="cuda", dtype=torch.float16)
+    b = torch.randn(8, 32768, device="cuda", dtype=torch.float16)
+    out = cupykern.matmul(a, b)
+    assert out.shape == (65537, 32768) and out.numel() > 2 ** 31
+    rows, cols = [0, 1, 32768, 65535, 65536], [0, 1, 16384, 32766, 32767]
+    want = a[rows].double() @ b.double()
+    assert (out[rows].double() - want).abs().max().item() <= 1.6e-2 * want.abs().max().item()
+    want = a.double() @ b[:, cols].double()
+    assert (out[:, cols].double() - want).abs().max().item() <= 1.6e-2 * want.abs().max().item()
