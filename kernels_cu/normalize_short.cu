@@ -53,16 +53,17 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
   U bx[ROWS][UNITS], bg[BWD ? ROWS : 1][BWD ? UNITS : 1];
   for (long long base = warp * (W * ROWS); base < nrows; base += nwarps * (W * ROWS)) {
     // (every lane runs every step: the butterflies below need the whole warp)
-    long long off[ROWS];  // each row's first unit, elements from the row start
-    int nunits[ROWS], nscalar[ROWS];
+    // Each row's units: VEC, RowSplit's (its vectors from `head`, then the scalars: [0,
+    // head) and [tail0, ncols)); else ncols elements. A row past the end has none.
+    int head[ROWS], nunits[ROWS], nscalar[ROWS], tail0[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const long long row = base + r * W + grp;
-      nunits[r] = 0, nscalar[r] = 0, off[r] = 0;
+      head[r] = 0, nunits[r] = 0, nscalar[r] = 0, tail0[r] = 0;
       if (row < nrows) {
         if constexpr (VEC) {
           const RowSplit rs(x + row * xs, ncols);
-          nunits[r] = (int)rs.nvec, nscalar[r] = rs.nscalar, off[r] = rs.head;
+          head[r] = rs.head, nunits[r] = (int)rs.nvec, nscalar[r] = rs.nscalar, tail0[r] = (int)rs.tail0;
         } else {
           nunits[r] = (int)ncols;
         }
@@ -71,11 +72,12 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
       for (int u = 0; u < UNITS; ++u) {
         const int c = u * G + l;
         if (c < nunits[r]) {
-          bx[r][u].load(x + row * xs + off[r] + c * N);
-          if constexpr (BWD) bg[r][u].load(dy + row * dys + off[r] + c * N);
+          bx[r][u].load(x + row * xs + head[r] + c * N);
+          if constexpr (BWD) bg[r][u].load(dy + row * dys + head[r] + c * N);
         }
       }
     }
+    auto scalar_pos = [&](int r, int k) { return k < head[r] ? k : tail0[r] + (k - head[r]); };
     A s[ROWS], t[ROWS];  // norm-term and (BWD) dy.x sums
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -93,9 +95,8 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
       }
       if constexpr (VEC) {
         const long long row = base + r * W + grp;
-        const RowSplit rs(x + row * xs, ncols);  // (only read where row < nrows)
         for (int k = l; k < nscalar[r]; k += G) {
-          const long long c = rs.scalar_pos(k);
+          const long long c = scalar_pos(r, k);
           const A xv = to_acc(x[row * xs + c]);
           s[r] += norm_term<P>(xv);
           if constexpr (BWD) t[r] += to_acc(dy[row * dys + c]) * xv;
@@ -112,7 +113,7 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
       const long long row = base + r * W + grp;
       if (row >= nrows) continue;
       auto store_row = [&](auto f) {  // f(x value, dy value) -> output value
-        T* yr = y + row * ys + off[r];
+        T* yr = y + row * ys + head[r];
 #pragma unroll
         for (int u = 0; u < UNITS; ++u) {
           const int c = u * G + l;
@@ -122,9 +123,8 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
             });
         }
         if constexpr (VEC) {
-          const RowSplit rs(x + row * xs, ncols);
           for (int k = l; k < nscalar[r]; k += G) {
-            const long long c = rs.scalar_pos(k);
+            const long long c = scalar_pos(r, k);
             y[row * ys + c] = from_acc<T>(f(to_acc(x[row * xs + c]), BWD ? to_acc(dy[row * dys + c]) : (A)0));
           }
         }

@@ -139,11 +139,37 @@ def run_normalize():
                 for cfg in bconfigs:
                     check(f"{tag} backward config {cfg} many rows",
                           nz.normalize_backward(x, gy, 2, 1, cfg), dx, t, scale)
-            # Rows longer than any cluster holds: the two-pass kernel (aligned, then offset).
+            # Rows longer than any cluster holds: the chunked two-pass kernels (aligned, then
+            # offset), and chunks of 3 vectors (a partial last chunk), forward and backward.
             x = dev(randn(3, 300_001, seed=4), dtype)
             check(f"{tag} two-pass", fn(x), norm_ref(host(x), kind), t)
             x = dev(randn(2, 300_002, seed=5), dtype)[:, 1:]
             check(f"{tag} two-pass offset rows", fn(x), norm_ref(host(x), kind), t)
+            for ncols in (5, 1001):
+                x = dev(randn(3, ncols + 1, seed=12), dtype)[:, 1:]
+                gy = dev(randn(3, ncols + 1, seed=13), dtype)[:, 1:]
+                check(f"{tag} chunks of 3 ncols {ncols}", fn(x, config=(-1, 3)),
+                      norm_ref(host(x), kind), t)
+                dx, scale = grad_ref(host(x), host(gy), kind)
+                check(f"{tag} backward chunks of 3 ncols {ncols}",
+                      nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
+            # Short rows: every configuration of the group-per-row kernel at its capacity
+            # and a shorter row, offset rows, a row count that leaves the last step part
+            # empty; forward and backward.
+            for cfg in nz._short_table():
+                g, units, rows, vec = cfg
+                per_unit = per_vec if vec else 1
+                for ncols in sorted({1, 7, g * units * per_unit}):
+                    if (ncols // per_unit if vec else ncols) > g * units:
+                        continue
+                    shape = ((256 // g) * rows + 3, ncols + 1)
+                    x = dev(randn(*shape, seed=14), dtype)[:, 1:]
+                    gy = dev(randn(*shape, seed=15), dtype)[:, 1:]
+                    check(f"{tag} short {cfg} ncols {ncols}", fn(x, config=(0,) + cfg),
+                          norm_ref(host(x), kind), t)
+                    dx, scale = grad_ref(host(x), host(gy), kind)
+                    check(f"{tag} backward short {cfg} ncols {ncols}",
+                          nz.normalize_backward(x, gy, nz.P[kind], 1, (0,) + cfg), dx, t, scale)
             # Public paths: cached plan (twice), offset rows, another axis, 3-D, out=.
             x = dev(randn(5, 1000, seed=6), dtype)
             for i in range(2):

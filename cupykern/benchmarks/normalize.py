@@ -212,12 +212,14 @@ def sweep_shape(shape, dtype, iters, rows):
     torch.cuda.empty_cache()
 
 
-def envelope(quick, huge, iters, json_path, workers, command):
+def envelope(quick, huge, iters, json_path, workers, command, warm_only=False):
     shapes = QUICK if quick else GRID[:-1] + EXTRA
     if huge or not quick:
         shapes = shapes + (HUGE,)
     points = [(s, d, k) for s in shapes if s != HUGE for d in _DTYPES for k in REF]
     warm_compiles(points, workers)
+    if warm_only:
+        return
     rows = []
     for shape in shapes:
         for dtype in _DTYPES:
@@ -286,6 +288,8 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="with --sweep: write the rows as JSON")
     ap.add_argument("--workers", type=int, default=8,
                     help="with --sweep: processes compiling the torch.compile baselines first")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="with --sweep: only compile the torch.compile baselines (fills the caches)")
     ap.add_argument("--tune", action="store_true", help="the dispatcher's alternatives")
     args = ap.parse_args(argv)
     require_gpu()
@@ -295,7 +299,8 @@ def main(argv=None):
             tune(args.iters)
         if args.sweep:
             command = "python -m cupykern.benchmarks.normalize " + " ".join(argv or sys.argv[1:])
-            envelope(args.quick, args.huge, args.iters, args.json, args.workers, command)
+            envelope(args.quick, args.huge, args.iters, args.json, args.workers, command,
+                     args.warm_only)
         return
     shape = (4096, 65535) if args.quick else (32768, 65535)
     if not args.training_only:
