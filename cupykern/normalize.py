@@ -27,25 +27,30 @@ P = {"l1": 1, "l2": 2}
 # 1. Short rows (normalize_short.cu): rows of at most SHORT_MAX_VECTORS 16-byte vectors
 #    (4 KB) go to a group of G lanes per row, many rows per warp. H200, same run, float32
 #    L2, host included (issue 38): with one CTA per row 262144x7 took 342 us against
-#    eager's 20, 1048576x32 1286 us against 335.
+#    eager's 20, 1048576x32 1286 us against 335. GPU time (graph replay), H200: 8192x768
+#    float32 13.9 us with (32, 8, 1) against 15.0 for a 128-thread CTA per row; 16384x1024
+#    36.5 us against 37.0 (the boundary: past 4 KB the CTA kernel holds the row).
 # 2. Medium rows: a thread-block cluster per row (CONFIGS below), the row in registers.
-# 3. Rows longer than the largest cluster holds, and rows of at least CHUNKED_MIN_BYTES
-#    of which too few to give every SM a CTA of a cluster (nrows * C < SMs), split into
-#    chunks over all SMs (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576
-#    float32 took 90 us on a 16-CTA two-pass launch against eager's 22.
+#    Also for few such rows: 2x65535 float32 4.5 us GPU time either way and 6.9 us host
+#    included against 8.7 chunked; 16x65535 4.9 us against 6.0-8.6 chunked.
+# 3. Rows longer than the largest cluster holds: chunks of every row over all SMs
+#    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
+#    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
+#    1024 vectors (6.4 us at 512, 8.7 at 256).
 SHORT_MAX_VECTORS = 256
-CHUNKED_MIN_BYTES = 64 * 1024
 
 # Short-row kernel configurations (G lanes per row, UNITS per lane, ROWS rows per lane per
 # step), smallest capacity G * UNITS first: the first that holds a row is taken. Rows of
 # at least two vectors' worth use 16-byte vector units (head and tail scalars apart),
 # shorter rows (under 16 elements) single elements. ROWS keeps ~4-8 loads in flight per
-# lane.
+# lane. Scalar rows, H200 GPU time: 262144x7 float32 6.3 us with (4, 2, 4), 7.3 with
+# (8, 1, 4), 16.7 with one lane per row (1, 8, 2); 2000000x5 35.5 / 48.8 / 60.8 us (copy
+# 30.7).
 SHORT_VECTOR = ((1, 1, 8), (2, 1, 8), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 2), (32, 2, 2),
                 (32, 4, 1), (32, 8, 1))
-SHORT_SCALAR = ((1, 8, 2), (2, 8, 2))
+SHORT_SCALAR = ((4, 2, 4), (8, 2, 4))
 # Alternatives the benchmark's tuning section times: (G, UNITS, ROWS, vector units).
-SHORT_TUNING = ((8, 1, 4, False), (4, 2, 4, False))
+SHORT_TUNING = ((8, 1, 4, False), (2, 4, 4, False), (4, 1, 8, True), (8, 1, 8, True))
 _SHORT_THREADS = 256
 _SHORT_CTAS_PER_SM = 8  # a full SM of 256-thread CTAs; more CTAs walk more steps
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
@@ -81,7 +86,7 @@ BACKWARD_CONFIGS = {
 _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
 # Chunked two-pass kernels: THREADS per CTA, UNROLL vectors in flight per thread; about
 # CHUNK_ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors.
-_CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 256}
+_CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 
 
 def _kernel_of(cfg) -> tuple:
@@ -355,9 +360,7 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
     if short is not None:
         return (0,) + short
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
-    if cfg is None or (nrows * cfg[0] < sms and ncols * ITEMSIZE[dtype] >= CHUNKED_MIN_BYTES):
-        return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
-    return cfg
+    return (-1, _chunk_vectors(nrows, ncols, dtype, sms)) if cfg is None else cfg
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:

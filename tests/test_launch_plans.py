@@ -118,8 +118,8 @@ def _calls():
     yield "normalize short scalar rows", lambda a: nz.normalize(a[0], 1, 1), lambda: [r(300, 7)], 1
     yield "normalize cluster rows", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(40, 3000)], 1
     # few long rows: chunks over every SM, two passes and a scratch buffer of partial sums
-    yield "normalize chunked", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(3, 70001)[:, 1:]], 1
-    for shape in ((300, 7), (40, 3000), (3, 70000)):
+    yield "normalize chunked", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(2, 140002)[:, 1:]], 1
+    for shape in ((300, 7), (40, 3000), (2, 140000)):
         yield (f"normalize backward {shape}", lambda a: nz.normalize_backward(a[0], a[1], 2, 1),
                lambda s=shape: [r(s), r(s)], 1)
     yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)], 1
@@ -276,8 +276,9 @@ def test_cpu_call_validates_once(monkeypatch, stem, name, call):
 # The normalize dispatcher's table (cupykern/normalize.py, _route), pinned: H100/H200
 # (132 SMs, sm_90), then a Turing without clusters.
 ROUTES = [
-    ((262144, 7, "float32"), (0, 1, 8, 2, False)),  # under 2 vectors: one lane per row
-    ((2000000, 5, "bfloat16"), (0, 1, 8, 2, False)),
+    ((262144, 7, "float32"), (0, 4, 2, 4, False)),  # under 2 vectors: scalar units
+    ((2000000, 5, "bfloat16"), (0, 4, 2, 4, False)),
+    ((100, 15, "bfloat16"), (0, 8, 2, 4, False)),
     ((524288, 16, "bfloat16"), (0, 2, 1, 8, True)),  # 2 vectors: 2 lanes, 16-byte units
     ((1048576, 32, "float32"), (0, 8, 1, 4, True)),
     ((65536, 256, "bfloat16"), (0, 32, 1, 2, True)),
@@ -287,10 +288,10 @@ ROUTES = [
     ((32768, 65535, "float32"), (4, 512, 8)),  # the benchmark shape: unchanged
     ((32768, 65535, "bfloat16"), (4, 512, 4, False)),
     ((300, 50000, "float32"), (4, 512, 8)),
-    ((2, 65535, "float32"), (-1, 256)),  # 2 rows x 4 CTAs < 132 SMs: chunked
-    ((33, 65535, "float32"), (4, 512, 8)),  # 132 CTAs: clusters
-    ((2, 8000, "float32"), (1, 512, 4)),  # few rows, but under 64 KB each: one CTA each
-    ((1, 4194304, "float32"), (-1, 993)),  # ~8 items per SM
+    ((2, 65535, "float32"), (4, 512, 8)),  # few rows: still a cluster per row
+    ((2, 8000, "float32"), (1, 512, 4)),
+    ((2, 140001, "float32"), (-1, 1024)),  # 35000 vectors: no cluster holds it
+    ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
     ((3, 2000001, "float32"), (-1, 1421)),
     ((8, 4194304, "float32"), (-1, 7944)),
     ((100, 200000, "float32"), (-1, 4546)),  # longer than any cluster holds
