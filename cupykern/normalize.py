@@ -50,7 +50,8 @@ SHORT_VECTOR = ((1, 1, 8), (2, 1, 8), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 
                 (32, 4, 1), (32, 8, 1))
 SHORT_SCALAR = ((4, 2, 4), (8, 2, 4))
 # Alternatives the benchmark's tuning section times: (G, UNITS, ROWS, vector units).
-SHORT_TUNING = ((8, 1, 4, False), (2, 4, 4, False), (4, 1, 8, True), (8, 1, 8, True))
+SHORT_TUNING = ((8, 1, 4, False), (2, 4, 4, False), (4, 1, 8, True), (8, 1, 8, True),
+                (2, 1, 2, True))
 _SHORT_THREADS = 256
 _SHORT_CTAS_PER_SM = 8  # a full SM of 256-thread CTAs; more CTAs walk more steps
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch

@@ -14,6 +14,7 @@ ceiling is 1.5x the copy time; targets <= 1.15x that ceiling, and forward + back
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -228,6 +229,9 @@ def envelope(quick, huge, iters, json_path, workers, command, warm_only=False):
     for shape in shapes:
         for dtype in _DTYPES:
             sweep_shape(shape, dtype, iters, rows)
+        if json_path:  # the rows so far (a cut-off run keeps them)
+            with open(json_path, "w") as f:
+                json.dump({"rows": rows}, f)
     print("\n== sweep (time_ms: host included; x ceil: ratio to the same-run ceiling)")
     print_rows(rows)
     summarize(rows)
@@ -246,8 +250,9 @@ def envelope(quick, huge, iters, json_path, workers, command, warm_only=False):
 # configuration at shapes on either side of its boundaries.
 TUNE = (((262144, 7), "float32", ((0, 4, 2, 4, False), (0, 8, 1, 4, False), (0, 2, 4, 4, False))),
         ((2000000, 5), "bfloat16", ((0, 4, 2, 4, False), (0, 8, 1, 4, False), (0, 2, 4, 4, False))),
-        ((524288, 16), "bfloat16", ((0, 2, 1, 8, True), (0, 4, 1, 4, True), (0, 4, 1, 8, True),
-                                    (0, 8, 1, 4, True), (0, 8, 1, 8, True), (0, 8, 2, 4, False))),
+        ((524288, 16), "bfloat16", ((0, 2, 1, 8, True), (0, 2, 1, 2, True), (0, 4, 1, 4, True),
+                                    (0, 4, 1, 8, True), (0, 8, 1, 4, True), (0, 8, 1, 8, True),
+                                    (0, 8, 2, 4, False))),
         ((524288, 16), "float32", ((0, 4, 1, 4, True), (0, 4, 1, 8, True), (0, 8, 1, 4, True),
                                    (0, 8, 1, 8, True), (0, 16, 1, 2, True))),
         ((1048576, 32), "float32", ((0, 8, 1, 4, True), (0, 8, 1, 8, True), (0, 16, 1, 2, True),
