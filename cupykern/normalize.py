@@ -38,20 +38,29 @@ P = {"l1": 1, "l2": 2}
 #    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
 #    1024 vectors (6.4 us at 512, 8.7 at 256).
 SHORT_MAX_VECTORS = 256
+# The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
+# (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
+# us with (32, 8, 1) against 56.
+SHORT_MAX_VECTORS_BACKWARD = 128
 
 # Short-row kernel configurations (G lanes per row, UNITS per lane, ROWS rows per lane per
 # step), smallest capacity G * UNITS first: the first that holds a row is taken. Rows of
 # at least two vectors' worth use 16-byte vector units (head and tail scalars apart),
-# shorter rows (under 16 elements) single elements. ROWS keeps ~4-8 loads in flight per
-# lane. Scalar rows, H200 GPU time: 262144x7 float32 6.3 us with (4, 2, 4), 7.3 with
-# (8, 1, 4), 16.7 with one lane per row (1, 8, 2); 2000000x5 35.5 / 48.8 / 60.8 us (copy
-# 30.7).
-SHORT_VECTOR = ((1, 1, 8), (2, 1, 8), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 2), (32, 2, 2),
-                (32, 4, 1), (32, 8, 1))
-SHORT_SCALAR = ((4, 2, 4), (8, 2, 4))
+# shorter rows single elements (per item size). H200 GPU time (graph replay):
+# - vector units: one per lane (G = the row's vectors) and a few rows in flight per
+#   lane win: 524288x16 bfloat16 (2 vectors) 9.5 us with (2, 1, 2), 12.5 with (2, 1, 8),
+#   19.3 with (4, 1, 4) (copy 5.9); 524288x16 float32 18.5 us with (4, 1, 4), 23.0 with
+#   (4, 1, 8), 25.5 with (8, 1, 4) (copy 17.5); 1048576x32 float32 70.1 us with (8, 1, 4),
+#   80.8 with (8, 1, 8), 103 with (16, 1, 2) (copy 64.8); 131072x100 float32 32.7 us with
+#   (32, 1, 2), 35.5 with (32, 2, 2) (copy 26.5).
+# - single elements: 262144x7 float32 6.2 us with (4, 2, 4), 7.4 with (8, 1, 4), 9.9 with
+#   (2, 4, 4), 16.7 with one lane per row (1, 8, 2); 2000000x5 bfloat16 24.5 us with
+#   (2, 4, 4), 31.6 with (4, 2, 4), 49.0 with (8, 1, 4) (copy 13.7).
+SHORT_VECTOR = ((2, 1, 2), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 2), (32, 2, 2), (32, 4, 1),
+                (32, 8, 1))
+SHORT_SCALAR = {2: ((2, 4, 4), (8, 2, 4)), 4: ((4, 2, 4),), 8: ((4, 2, 4),)}
 # Alternatives the benchmark's tuning section times: (G, UNITS, ROWS, vector units).
-SHORT_TUNING = ((8, 1, 4, False), (2, 4, 4, False), (4, 1, 8, True), (8, 1, 8, True),
-                (2, 1, 2, True))
+SHORT_TUNING = ((8, 1, 4, False), (2, 1, 8, True))
 _SHORT_THREADS = 256
 _SHORT_CTAS_PER_SM = 8  # a full SM of 256-thread CTAs; more CTAs walk more steps
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
@@ -128,10 +137,10 @@ def _chunk_exprs(p, dtype, bwd):
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
 
 
-def _short_table():
-    """Every short-row configuration as (G, UNITS, ROWS, vector units)."""
-    return (tuple(c + (True,) for c in SHORT_VECTOR) + tuple(c + (False,) for c in SHORT_SCALAR)
-            + SHORT_TUNING)
+def _short_table(itemsize: int):
+    """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units)."""
+    return (tuple(c + (True,) for c in SHORT_VECTOR)
+            + tuple(c + (False,) for c in SHORT_SCALAR[itemsize]) + SHORT_TUNING)
 
 
 for _p in P.values():
@@ -142,7 +151,7 @@ for _p in P.values():
         for _cfg in BACKWARD_CONFIGS[_isz] + CONFIGS[_isz] + TUNING_CONFIGS[_isz]:
             _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
         for _bwd in (False, True):
-            _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table()])
+            _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
             _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
 
 
@@ -159,8 +168,8 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             a tuple: (cluster CTAs, threads, 16-byte vectors per thread[, prefetch[,
             rows per cluster]]) from :data:`CONFIGS` or :data:`TUNING_CONFIGS` whose
             capacity C*T*V holds a row; (0, G, UNITS, ROWS, vector units) for the
-            short-row kernel (:data:`SHORT_VECTOR`, :data:`SHORT_SCALAR`,
-            :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
+            short-row kernel (:data:`SHORT_VECTOR`, :data:`SHORT_SCALAR` of x's item
+            size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
             two-pass kernel with chunks of VC 16-byte vectors. ``None`` (default): the
             dispatcher's choice (see ``_route``).
 
@@ -240,9 +249,10 @@ def _require_config(config, dtype, backward=False):
             raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
         return
     if len(config) == 5 and config[0] == 0:
-        if (config[1], config[2], config[3], bool(config[4])) not in _short_table():
+        table = _short_table(ITEMSIZE[dtype])
+        if (config[1], config[2], config[3], bool(config[4])) not in table:
             raise ValueError(f"config: {config} is not a short-row configuration (0, G, UNITS, "
-                             f"ROWS, vector units) of {_short_table()}")
+                             f"ROWS, vector units) of {dtype}: {table}")
         return
     if not 3 <= len(config) <= 5 or config[0] < 1:
         raise ValueError(f"config: expected (cluster CTAs, threads, vectors[, prefetch[, rows "
@@ -343,21 +353,22 @@ def _pick_config(ncols: int, dtype: str, cc: int, table=CONFIGS):
     return None
 
 
-def _pick_short(ncols: int, dtype: str):
+def _pick_short(ncols: int, dtype: str, backward=False):
     """The short-row configuration (G, UNITS, ROWS, vector units) for rows of ``ncols``:
     vector units from two vectors' worth of elements on, the first that holds a row."""
-    vec = ncols >= 2 * (16 // ITEMSIZE[dtype])
+    isz = ITEMSIZE[dtype]
+    vec = ncols >= 2 * (16 // isz)
     need = _row_vectors(ncols, dtype) if vec else ncols
-    if vec and need > SHORT_MAX_VECTORS:
+    if vec and need > (SHORT_MAX_VECTORS_BACKWARD if backward else SHORT_MAX_VECTORS):
         return None
-    return next((c + (vec,) for c in (SHORT_VECTOR if vec else SHORT_SCALAR)
+    return next((c + (vec,) for c in (SHORT_VECTOR if vec else SHORT_SCALAR[isz])
                  if c[0] * c[1] >= need), None)
 
 
 def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
     """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
     configuration, or ``(-1, VC)`` (chunked), per the table at the top of this module."""
-    short = _pick_short(ncols, dtype)
+    short = _pick_short(ncols, dtype, backward)
     if short is not None:
         return (0,) + short
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)

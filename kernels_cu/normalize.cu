@@ -221,14 +221,14 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           const A xv = to_acc(bx[i].e[j]);
-          sn += norm_term<P>(xv);
+          sn += norm_term<P, true>(xv);
           sg += to_acc(bg[i].e[j]) * xv;
         }
       }
     }
     const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
     if (has_scalar) {  // after the vectors, as the forward adds it: the same d
-      sn += norm_term<P>(xsc);
+      sn += norm_term<P, true>(xsc);
       sg += gsc * xsc;
     }
     if (PREFETCH && row + nclusters < nrows) fetch(row + nclusters);

@@ -4,7 +4,11 @@
 #pragma once
 #include "common.cuh"
 
-template <int P, typename A> __device__ __forceinline__ A norm_term(A v) {
+// A row's norm term. BWD (the backward's own sum for d): nan for an infinite element, so
+// that such a row's dx is nan as torch's backward gives it (its x / d^2 is inf / inf),
+// while a row of finite elements whose sum overflows keeps d = inf (and dx = 0: Grad).
+template <int P, bool BWD = false, typename A> __device__ __forceinline__ A norm_term(A v) {
+  if (BWD && fabs(v) == infinity<A>()) return quiet_nan<A>();
   return P == 1 ? fabs(v) : v * v;
 }
 
@@ -55,7 +59,9 @@ template <int P, typename T, typename A> struct Grad {
   A d, c;
   __device__ __forceinline__ Grad(A norm_sum, A dot, long long n) {
     d = row_divisor<P, T>(norm_sum, n);
-    c = P == 1 ? dot / (d * d * (A)n) : dot / (d * d * d);
+    // d = inf from a sum of finite terms that overflowed: torch's x / d^2 is 0 term by
+    // term, where dot / d^3 could be inf / inf
+    c = d == infinity<A>() ? (A)0 : P == 1 ? dot / (d * d * (A)n) : dot / (d * d * d);
   }
   __device__ __forceinline__ A operator()(A xv, A gv) const {
     const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign

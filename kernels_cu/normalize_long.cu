@@ -52,7 +52,7 @@ normalize_chunk_sums(const T* __restrict__ x, const T* __restrict__ dy,
 #pragma unroll
           for (int j = 0; j < N; ++j) {
             const A xv = to_acc(b[i].e[j]);
-            s += norm_term<P>(xv);
+            s += norm_term<P, BWD>(xv);
             if constexpr (BWD) t += to_acc(g[BWD ? i : 0].e[j]) * xv;
           }
         }
@@ -61,7 +61,7 @@ normalize_chunk_sums(const T* __restrict__ x, const T* __restrict__ dy,
     if (ch.k == 0 && (int)threadIdx.x < rs.nscalar) {
       const long long c = rs.scalar_pos(threadIdx.x);
       const A xv = to_acc(xr[c]);
-      s += norm_term<P>(xv);
+      s += norm_term<P, BWD>(xv);
       if constexpr (BWD) t += to_acc(gr[c]) * xv;
     }
     s = block_sum(s, scratch);

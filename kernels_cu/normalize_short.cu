@@ -88,7 +88,7 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
 #pragma unroll
           for (int j = 0; j < N; ++j) {
             const A xv = to_acc(bx[r][u][j]);
-            s[r] += norm_term<P>(xv);
+            s[r] += norm_term<P, BWD>(xv);
             if constexpr (BWD) t[r] += to_acc(bg[r][u][j]) * xv;
           }
         }
@@ -98,7 +98,7 @@ normalize_short_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __res
         for (int k = l; k < nscalar[r]; k += G) {
           const long long c = scalar_pos(r, k);
           const A xv = to_acc(x[row * xs + c]);
-          s[r] += norm_term<P>(xv);
+          s[r] += norm_term<P, BWD>(xv);
           if constexpr (BWD) t[r] += to_acc(dy[row * dys + c]) * xv;
         }
       }
