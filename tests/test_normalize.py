@@ -237,10 +237,20 @@ def test_more_than_2_31_elements():
         for rows in (slice(0, 4), slice(32700, 32769)):  # last rows sit past 2**31
             assert_matches(got[rows], torch_ref(x[rows], kind), torch.float16)
         del got
-    one_row = torch.rand(1, 2**31 + 5, device="cuda", dtype=torch.float16)  # two-pass path
+    del x
+    one_row = torch.rand(1, 2**31 + 5, device="cuda", dtype=torch.float16)  # chunked path
     got = cupykern.l1_normalize(one_row)
     d = one_row.float().abs().mean().half().float()
     assert_matches(got[:, -1000:], (one_row[:, -1000:].float() / d).half(), torch.float16)
+    del got
+    # the chunked backward: dx = g / d - sign(x) * sum(g * x) / (d * d * n), its last elements
+    g = torch.rand_like(one_row)
+    dx = _core().normalize_backward(one_row, g, 1, 1)
+    s = (one_row.float() * g.float()).sum().double()  # (64-bit indexing; cuBLAS dot has not)
+    d, n = float(d), one_row.shape[1]
+    xt, gt = one_row[0, -1000:].double(), g[0, -1000:].double()
+    want = gt / d - xt.sign() * s / (d * d * n)
+    torch.testing.assert_close(dx[0, -1000:].double(), want, rtol=2e-3, atol=2e-3 * 2 / d)
 
 
 @pytest.mark.gpu
