@@ -88,7 +88,9 @@ normalize_chunk_apply(const T* __restrict__ x, const T* __restrict__ dy,
   typedef Vec16<T> V;
   constexpr int N = V::N, K = BWD ? 2 : 1;
   __shared__ A scratch[THREADS / 32];
-  for (long long item = blockIdx.x; item < nrows * nchunks; item += gridDim.x) {
+  // Items in reverse: the last items pass 1 read are the likeliest still in L2.
+  for (long long it = blockIdx.x; it < nrows * nchunks; it += gridDim.x) {
+    const long long item = nrows * nchunks - 1 - it;
     const long long row = item / nchunks;
     const T* xr = x + row * xs;
     const T* gr = dy + row * dys;
