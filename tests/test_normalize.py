@@ -515,16 +515,19 @@ def test_special_rows_in_every_family(kind, ncols):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, (0, 4, 2, 4, False), (0, 8, 1, 4, True), (0, 32, 8, 1, True),
+@pytest.mark.parametrize("config", [None, "scalar", (0, 8, 1, 4, True), (0, 32, 8, 1, True),
                                     (1, 128, 4), (-1, 3)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_nothing_written_outside_the_view(config, dtype):
     """x and out inside nan-filled buffers (rows of a wider array, one element past a
-    16-byte boundary): x untouched, out written only inside its view, in every family."""
+    16-byte boundary): x untouched, out written only inside its view, in every family
+    ("scalar": the short-row kernel's first single-element configuration)."""
     from support import Layout, guarded
 
-    ncols = {None: 37, (0, 4, 2, 4, False): 7, (0, 8, 1, 4, True): 30,
-             (0, 32, 8, 1, True): 1000, (1, 128, 4): 1500, (-1, 3): 1001}[config]
+    if config == "scalar":
+        config = (0,) + _core().SHORT_SCALAR[dtype.itemsize][0] + (False,)
+    ncols = {None: 37, (0, 8, 1, 4, True): 30, (0, 32, 8, 1, True): 1000, (1, 128, 4): 1500,
+             (-1, 3): 1001}.get(config, 7)
     shape = (70, ncols)
     lay = Layout.make(shape, pads=(0, 5), misalign=1)
     vals = torch.randn(shape, dtype=torch.float64).to(dtype)
