@@ -36,7 +36,8 @@ P = {"l1": 1, "l2": 2}
 # 3. Rows longer than the largest cluster holds: chunks of every row over all SMs
 #    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
 #    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
-#    1024 vectors (6.4 us at 512, 8.7 at 256).
+#    1024 vectors (6.4 us at 512, 8.7 at 256). x is read twice: 1x4194304 float32 12.8 us
+#    (torch.compile 10.8 us, copy 5.9); 8x4194304 (x > L2) 1.8x copy time.
 SHORT_MAX_VECTORS = 256
 # The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
 # (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
@@ -63,6 +64,7 @@ SHORT_SCALAR = {2: ((2, 4, 4), (8, 2, 4)), 4: ((4, 2, 4),), 8: ((4, 2, 4),)}
 SHORT_TUNING = ((8, 1, 4, False), (2, 1, 8, True))
 _SHORT_THREADS = 256
 _SHORT_CTAS_PER_SM = 8  # a full SM of 256-thread CTAs; more CTAs walk more steps
+
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
 # [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
 # (16 // itemsize) vectors. Prefetch stages the next row in shared memory (cp.async)
@@ -95,7 +97,7 @@ BACKWARD_CONFIGS = {
     8: _NO_PREFETCH + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
 # Chunked two-pass kernels: THREADS per CTA, UNROLL vectors in flight per thread; about
-# CHUNK_ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors.
+# ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors (see 3. above).
 _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 
 
