@@ -1,10 +1,13 @@
 """L1 / L2 row normalisation: ``x / mean(|x|)`` and ``x / sqrt(sum(x*x))`` along an axis.
 
-GPU design (kernels_cu/normalize.cu): one thread-block cluster per row keeps the
-row in registers between the reduction and the scaling, so x is read from DRAM
-once and y written once (copy-bandwidth bound); the next row loads into shared memory
-meanwhile. Rows longer than a cluster can
-hold fall back to a deterministic two-pass kernel (reads x twice).
+GPU design: three kernel families, one dispatcher (``_route``, its table below).
+Short rows (kernels_cu/normalize_short.cu): a group of lanes per row, many rows per warp.
+Medium rows (kernels_cu/normalize.cu): one thread-block cluster per row keeps the row in
+registers between the reduction and the scaling, so x is read from DRAM once and y
+written once (copy-bandwidth bound); the next row loads into shared memory meanwhile.
+Long rows, and few rows (kernels_cu/normalize_long.cu): chunks of every row spread over
+all SMs, two passes (x read twice; the second read hits L2 where x fits it). Every
+family has a fused backward, and adds in a fixed order (deterministic).
 """
 from __future__ import annotations
 
@@ -12,12 +15,56 @@ import numpy as np
 
 from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, contiguous,
-                     copy_into, data_ptr, empty, is_torch, launch, moveaxis, normalize_axis,
+                     copy_into, data_ptr, empty, is_torch, launch, launch_all, moveaxis,
+                     normalize_axis,
                      operand, same_place, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
-_FILE = "normalize.cu"
+_FILE, _SHORT_FILE, _LONG_FILE = "normalize.cu", "normalize_short.cu", "normalize_long.cu"
 P = {"l1": 1, "l2": 2}
+
+# ---- The dispatcher: which kernel family a geometry gets (_route), in this order.
+# 1. Short rows (normalize_short.cu): rows of at most SHORT_MAX_VECTORS 16-byte vectors
+#    (4 KB) go to a group of G lanes per row, many rows per warp. H200, same run, float32
+#    L2, host included (issue 38): with one CTA per row 262144x7 took 342 us against
+#    eager's 20, 1048576x32 1286 us against 335. GPU time (graph replay), H200: 8192x768
+#    float32 13.9 us with (32, 8, 1) against 15.0 for a 128-thread CTA per row; 16384x1024
+#    36.5 us against 37.0 (the boundary: past 4 KB the CTA kernel holds the row).
+# 2. Medium rows: a thread-block cluster per row (CONFIGS below), the row in registers.
+#    Also for few such rows: 2x65535 float32 4.5 us GPU time either way and 6.9 us host
+#    included against 8.7 chunked; 16x65535 4.9 us against 6.0-8.6 chunked.
+# 3. Rows longer than the largest cluster holds: chunks of every row over all SMs
+#    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
+#    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
+#    1024 vectors (6.4 us at 512, 8.7 at 256). x is read twice: 1x4194304 float32 12.8 us
+#    (torch.compile 10.8 us, copy 5.9); 8x4194304 (x > L2) 1.8x copy time.
+SHORT_MAX_VECTORS = 256
+# The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
+# (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
+# us with (32, 8, 1) against 56.
+SHORT_MAX_VECTORS_BACKWARD = 128
+
+# Short-row kernel configurations (G lanes per row, UNITS per lane, ROWS rows per lane per
+# step), smallest capacity G * UNITS first: the first that holds a row is taken. Rows of
+# at least two vectors' worth use 16-byte vector units (head and tail scalars apart),
+# shorter rows single elements (per item size). H200 GPU time (graph replay):
+# - vector units: one per lane (G = the row's vectors) and a few rows in flight per
+#   lane win: 524288x16 bfloat16 (2 vectors) 9.5 us with (2, 1, 2), 12.5 with (2, 1, 8),
+#   19.3 with (4, 1, 4) (copy 5.9); 524288x16 float32 18.5 us with (4, 1, 4), 23.0 with
+#   (4, 1, 8), 25.5 with (8, 1, 4) (copy 17.5); 1048576x32 float32 70.1 us with (8, 1, 4),
+#   80.8 with (8, 1, 8), 103 with (16, 1, 2) (copy 64.8); 131072x100 float32 32.7 us with
+#   (32, 1, 2), 35.5 with (32, 2, 2) (copy 26.5).
+# - single elements: 262144x7 float32 6.2 us with (4, 2, 4), 7.4 with (8, 1, 4), 9.9 with
+#   (2, 4, 4), 16.7 with one lane per row (1, 8, 2); 2000000x5 bfloat16 24.5 us with
+#   (2, 4, 4), 31.6 with (4, 2, 4), 49.0 with (8, 1, 4) (copy 13.7).
+SHORT_VECTOR = ((2, 1, 2), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 2), (32, 2, 2), (32, 4, 1),
+                (32, 8, 1))
+SHORT_SCALAR = {2: ((2, 4, 4), (8, 2, 4)), 4: ((4, 2, 4),), 8: ((4, 2, 4),)}
+# Alternatives the benchmark's tuning section times: (G, UNITS, ROWS, vector units).
+SHORT_TUNING = ((8, 1, 4, False), (2, 1, 8, True))
+_SHORT_THREADS = 256
+_SHORT_CTAS_PER_SM = 8  # a full SM of 256-thread CTAs; more CTAs walk more steps
+
 # Kernel configurations (cluster CTAs, threads per CTA, 16-byte vectors per thread[, prefetch
 # [, rows per cluster]]), smallest first. A row of ncols elements needs C*T*V >= ncols //
 # (16 // itemsize) vectors. Prefetch stages the next row in shared memory (cp.async)
@@ -49,7 +96,9 @@ BACKWARD_CONFIGS = {
     4: _NO_PREFETCH + ((2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8)),
     8: _NO_PREFETCH + ((2, 256, 8), (4, 256, 8), (8, 256, 8), (8, 512, 8))}
 _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it scales one
-_TWO_PASS = {"THREADS": 256, "CHUNK": 65536, "MAX_CHUNKS": 1024}
+# Chunked two-pass kernels: THREADS per CTA, UNROLL vectors in flight per thread; about
+# ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors (see 3. above).
+_CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 
 
 def _kernel_of(cfg) -> tuple:
@@ -65,30 +114,47 @@ def _staging(cfg, arrays: int) -> int:
     return arrays * t * v * 16 if prefetch else 0
 
 
+def _tf(b) -> str:
+    return "true" if b else "false"
+
+
 def _cluster_expr(p, dtype, cfg):
     c, t, v, prefetch = _kernel_of(cfg)
-    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {'true' if prefetch else 'false'}>"
-
-
-def _two_pass_exprs(p, dtype):
-    t = _TWO_PASS["THREADS"]
-    return (f"normalize_partials<{p}, {CTYPE[dtype]}, {t}>", f"normalize_apply<{p}, {CTYPE[dtype]}, {t}>")
+    return f"normalize_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {_tf(prefetch)}>"
 
 
 def _backward_expr(p, dtype, cfg):
     c, t, v, prefetch = _kernel_of(cfg)
-    return (f"normalize_backward_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, "
-            f"{'true' if prefetch else 'false'}>")
+    return f"normalize_backward_rows<{p}, {CTYPE[dtype]}, {c}, {t}, {v}, {_tf(prefetch)}>"
+
+
+def _short_expr(p, dtype, short, bwd):
+    g, units, rows, vec = short
+    return (f"normalize_short_rows<{p}, {CTYPE[dtype]}, {g}, {units}, {_tf(vec)}, {rows}, "
+            f"{_SHORT_THREADS}, {_tf(bwd)}>")
+
+
+def _chunk_exprs(p, dtype, bwd):
+    tail = f"{p}, {CTYPE[dtype]}, {_CHUNK['THREADS']}, {_CHUNK['UNROLL']}, {_tf(bwd)}>"
+    return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
+
+
+def _short_table(itemsize: int):
+    """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units)."""
+    return (tuple(c + (True,) for c in SHORT_VECTOR)
+            + tuple(c + (False,) for c in SHORT_SCALAR[itemsize]) + SHORT_TUNING)
 
 
 for _p in P.values():
     for _dt in CTYPE:
-        _loader.register(_FILE, _two_pass_exprs(_p, _dt))
         _isz = ITEMSIZE[_dt]
         for _cfg in CONFIGS[_isz] + TUNING_CONFIGS[_isz]:
             _loader.register(_FILE, [_cluster_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
         for _cfg in BACKWARD_CONFIGS[_isz] + CONFIGS[_isz] + TUNING_CONFIGS[_isz]:
             _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
+        for _bwd in (False, True):
+            _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
+            _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -100,11 +166,14 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
         axis: the axis to reduce (negative counts from the end).
         out: optional array of x's kind, device, shape and dtype to write into
             (may be ``x`` itself).
-        config: for tuning and tests on the GPU: force one kernel configuration, a
-            tuple (cluster CTAs, threads, 16-byte vectors per thread[, prefetch[, rows
-            per cluster]]) from :data:`CONFIGS` or :data:`TUNING_CONFIGS` whose capacity
-            C*T*V holds a row. ``None`` (default) picks the measured best, or the
-            two-pass kernel for rows longer than any configuration holds.
+        config: for tuning and tests on the GPU: force one kernel and configuration,
+            a tuple: (cluster CTAs, threads, 16-byte vectors per thread[, prefetch[,
+            rows per cluster]]) from :data:`CONFIGS` or :data:`TUNING_CONFIGS` whose
+            capacity C*T*V holds a row; (0, G, UNITS, ROWS, vector units) for the
+            short-row kernel (:data:`SHORT_VECTOR`, :data:`SHORT_SCALAR` of x's item
+            size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
+            two-pass kernel with chunks of VC 16-byte vectors. ``None`` (default): the
+            dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
     torch's current stream). torch tensors go through the custom op
@@ -185,11 +254,22 @@ def config_tuple(config) -> tuple:
 
 
 def _require_config(config, dtype, backward=False):
-    """ValueError unless ``config`` names a known kernel configuration of ``dtype``,
-    optionally with a 5th entry (rows per cluster, >= 1: it changes only the launch)."""
-    if not 3 <= len(config) <= 5:
+    """ValueError unless ``config`` names a known kernel configuration of ``dtype`` (see
+    :func:`l1_normalize`'s ``config``)."""
+    if len(config) == 2 and config[0] == -1:
+        if config[1] < 1:
+            raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
+        return
+    if len(config) == 5 and config[0] == 0:
+        table = _short_table(ITEMSIZE[dtype])
+        if (config[1], config[2], config[3], bool(config[4])) not in table:
+            raise ValueError(f"config: {config} is not a short-row configuration (0, G, UNITS, "
+                             f"ROWS, vector units) of {dtype}: {table}")
+        return
+    if not 3 <= len(config) <= 5 or config[0] < 1:
         raise ValueError(f"config: expected (cluster CTAs, threads, vectors[, prefetch[, rows "
-                         f"per cluster]]), got {config}")
+                         f"per cluster]]), (0, G, UNITS, ROWS, vector units) or (-1, chunk "
+                         f"vectors), got {config}")
     if len(config) == 5 and config[4] < 1:
         raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
     isz = ITEMSIZE[dtype]
@@ -285,6 +365,36 @@ def _pick_config(ncols: int, dtype: str, cc: int, table=CONFIGS):
     return None
 
 
+def _pick_short(ncols: int, dtype: str, backward=False):
+    """The short-row configuration (G, UNITS, ROWS, vector units) for rows of ``ncols``:
+    vector units from two vectors' worth of elements on, the first that holds a row."""
+    isz = ITEMSIZE[dtype]
+    vec = ncols >= 2 * (16 // isz)
+    need = _row_vectors(ncols, dtype) if vec else ncols
+    if vec and need > (SHORT_MAX_VECTORS_BACKWARD if backward else SHORT_MAX_VECTORS):
+        return None
+    return next((c + (vec,) for c in (SHORT_VECTOR if vec else SHORT_SCALAR[isz])
+                 if c[0] * c[1] >= need), None)
+
+
+def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
+    """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
+    configuration, or ``(-1, VC)`` (chunked), per the table at the top of this module."""
+    short = _pick_short(ncols, dtype, backward)
+    if short is not None:
+        return (0,) + short
+    cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
+    return (-1, _chunk_vectors(nrows, ncols, dtype, sms)) if cfg is None else cfg
+
+
+def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:
+    """Vectors per chunk: about _CHUNK["ITEMS_PER_SM"] items per SM over all rows, each
+    at least MIN_CHUNK vectors."""
+    nvec = max(1, _row_vectors(ncols, dtype))
+    per_row = max(1, cdiv(_CHUNK["ITEMS_PER_SM"] * sms, nrows))
+    return max(_CHUNK["MIN_CHUNK"], cdiv(nvec, per_row))
+
+
 def _clusters(cfg, nrows: int, device: int) -> int:
     """Clusters to launch for ``nrows`` rows: each walks about ``cfg``'s 5th entry (default
     _ROWS_PER_CLUSTER) rows, so that its next row loads while it scales one; at least 4
@@ -294,53 +404,78 @@ def _clusters(cfg, nrows: int, device: int) -> int:
 
 
 def _check_capacity(cfg, ncols: int, dtype: str) -> None:
-    """ValueError unless a cluster of ``cfg`` holds a whole row (only a given config can
-    be short: :func:`_pick_config` picks one that holds it)."""
+    """ValueError unless a configuration holds a whole row (only a given config can be
+    short: the dispatcher picks one that holds it)."""
+    if cfg[0] == -1:
+        return
+    if cfg[0] == 0:
+        need = _row_vectors(ncols, dtype) if cfg[4] else ncols
+        if cfg[1] * cfg[2] < need:
+            raise ValueError(f"config: {cfg} holds {cfg[1] * cfg[2]} {'16-byte vectors' if cfg[4] else 'elements'}"
+                             f" per row, fewer than a row of {ncols} {dtype} needs")
+        return
     held = cfg[0] * cfg[1] * cfg[2]
     if held < _row_vectors(ncols, dtype):
         raise ValueError(f"config: {cfg} holds {held} 16-byte vectors per row, fewer than "
                          f"a row of {ncols} {dtype} needs")
 
 
+def _launcher(src, p, nrows, ncols, strides, cfg, backward):
+    """``go(place, x, dy, out)`` launching the kernel(s) of ``cfg`` for this geometry
+    (``strides``: the row strides of x, dy and out; dy and its stride unused forward)."""
+    dt, dev = src.dtype, src.device
+    _check_capacity(cfg, ncols, dt)
+    xs, gs, ys = strides
+    if cfg[0] == 0:  # short rows
+        fn = _loader.function(_SHORT_FILE, _short_expr(p, dt, cfg[1:], backward), dev)
+        g, _, rows = cfg[1:4]
+        per_cta = _SHORT_THREADS // g * rows
+        grid = (min(cdiv(nrows, per_cta), _SHORT_CTAS_PER_SM * _loader.sm_count(dev)),)
+        tail = (nrows, ncols, xs, gs, ys)
+        return lambda a, x, dy, y: launch(a, fn, grid, (_SHORT_THREADS,), (x, dy, y) + tail)
+    if cfg[0] == -1:  # chunked, two passes
+        vc = cfg[1]
+        nchunks = cdiv(max(1, _row_vectors(ncols, dt)), vc)
+        items, k = nrows * nchunks, 2 if backward else 1
+        k1, k2 = (_loader.function(_LONG_FILE, e, dev) for e in _chunk_exprs(p, dt, backward))
+        grid = (min(items, _CHUNK["ITEMS_PER_SM"] * _loader.sm_count(dev), 2**31 - 1),)
+        block = (_CHUNK["THREADS"],)
+
+        def chunked(a, x, dy, y):
+            partial = empty(a, (items * k,), acc_dtype(dt))
+            pp = data_ptr(partial)
+            launch_all(a, ((k1, grid, block, (x, dy, pp, nrows, ncols, xs, gs, vc, nchunks), 0),
+                           (k2, grid, block, (x, dy, pp, y, nrows, ncols, xs, gs, ys, vc, nchunks), 0)))
+
+        return chunked
+    smem = _staging(cfg, 2 if backward else 1)
+    expr = (_backward_expr if backward else _cluster_expr)(p, dt, cfg)
+    fn = _loader.function(_FILE, expr, dev, smem)
+    grid, block = (_clusters(cfg, nrows, dev) * cfg[0],), (cfg[1],)
+    if backward:
+        return lambda a, x, dy, y: launch(a, fn, grid, block, (x, dy, y, nrows, ncols, xs, gs, ys), smem)
+    return lambda a, x, dy, y: launch(a, fn, grid, block, (x, y, nrows, ncols, xs, ys), smem)
+
+
 def _plan(src, xs, ys, p, config=None):
     """A callable ``plan(src, x_ptr, y_ptr)`` launching the kernel(s) for this geometry."""
     ncols = src.shape[-1]
     nrows = src.size // ncols
-    dt, dev = src.dtype, src.device
-    cfg = config or _pick_config(ncols, dt, _loader.device_cc(dev))
-    if cfg is not None:
-        _check_capacity(cfg, ncols, dt)
-        c, t = cfg[:2]
-        smem = _staging(cfg, 1)
-        fn = _loader.function(_FILE, _cluster_expr(p, dt, cfg), dev, smem)
-        nclusters = _clusters(cfg, nrows, dev)
-        tail = (nrows, ncols, xs, ys)
-        return lambda a, x, y: launch(a, fn, (nclusters * c,), (t,), (x, y) + tail, smem)
-
-    # Two passes; at most MAX_CHUNKS chunks per row so pass 2's partial sums stay cheap.
-    chunk = max(_TWO_PASS["CHUNK"], cdiv(ncols, _TWO_PASS["MAX_CHUNKS"]))
-    nchunks = cdiv(ncols, chunk)
-    k1, k2 = (_loader.function(_FILE, e, dev) for e in _two_pass_exprs(p, dt))
-    grid, block = (min(nrows * nchunks, 1 << 20),), (_TWO_PASS["THREADS"],)
-
-    def two_pass(a, x, y):
-        partial = empty(a, (nrows * nchunks,), acc_dtype(dt))
-        pp = data_ptr(partial)
-        launch(a, k1, grid, block, (x, pp, nrows, ncols, xs, chunk, nchunks))
-        launch(a, k2, grid, block, (x, y, pp, nrows, ncols, xs, ys, chunk, nchunks))
-
-    return two_pass
+    dev = src.device
+    cfg = config or _route(nrows, ncols, src.dtype, _loader.device_cc(dev), _loader.sm_count(dev))
+    go = _launcher(src, p, nrows, ncols, (xs, 0, ys), cfg, False)
+    return lambda a, x, y: go(a, x, 0, y)
 
 
 def normalize_backward(x, dy, p: int, axis, config=None):
     """dx for ``y = normalize(x, p, axis)`` and the gradient ``dy`` of y, GPU arrays of one
     kind, shape and dtype: one read of x and dy and one write of dx (the divisor is
-    recomputed from x, so a forward need keep only x). Returns None where the kernel does
-    not apply (CPU or empty arrays, ``axis`` not the last, x or dy not row views whose
-    rows start alike modulo 16 bytes, rows longer than a cluster holds); the caller then
-    computes dx another way. ``config``: for tuning, a configuration as the forward's
-    (cluster CTAs, threads, vectors[, prefetch[, rows per cluster]]) from
-    :data:`BACKWARD_CONFIGS`, :data:`CONFIGS` or :data:`TUNING_CONFIGS`."""
+    recomputed from x, so a forward need keep only x; rows too long for a cluster read x
+    and dy twice). Returns None where the kernels do not apply (CPU or empty arrays,
+    ``axis`` not the last, x or dy not row views whose rows start alike modulo 16 bytes);
+    the caller then computes dx another way. ``config``: for tuning, a configuration as
+    the forward's (see :func:`l1_normalize`), the cluster ones also from
+    :data:`BACKWARD_CONFIGS`."""
     run = cached(_plans, ("backward", signature(x), signature(dy), p, axis, config),
                  lambda: _backward_fresh(x, dy, p, axis, config))
     return None if run is None else run(x, dy)
@@ -364,20 +499,15 @@ def _backward_fresh(x, dy, p, axis, config):
     if (xs is None or gs is None or not co_aligned(a.ptr, xs, g.ptr, gs, isz)
             or not co_aligned(a.ptr, xs, 0, ncols, isz)):  # (dx: fresh, aligned)
         return None
-    cfg = config or _pick_config(ncols, a.dtype, _loader.device_cc(a.device), BACKWARD_CONFIGS)
-    if cfg is None:
-        return None
-    _check_capacity(cfg, ncols, a.dtype)
-    c, t = cfg[:2]
-    smem = _staging(cfg, 2)
-    fn = _loader.function(_FILE, _backward_expr(p, a.dtype, cfg), a.device, smem)
     nrows = a.size // ncols
-    grid, block, tail = (_clusters(cfg, nrows, a.device) * c,), (t,), (nrows, ncols, xs, gs, ncols)
+    cfg = config or _route(nrows, ncols, a.dtype, _loader.device_cc(a.device),
+                           _loader.sm_count(a.device), backward=True)
+    go = _launcher(a, p, nrows, ncols, (xs, gs, ncols), cfg, True)
     place, shape = Place(a), a.shape
 
     def run(x, dy):
         dx = empty(place, shape)
-        launch(place, fn, grid, block, (place.ptr(x), place.ptr(dy), place.ptr(dx)) + tail, smem)
+        go(place, place.ptr(x), place.ptr(dy), place.ptr(dx))
         return dx
 
     return run

@@ -2,50 +2,7 @@
 //   P == 1: d = mean(|x|)      (L1Norm)
 //   P == 2: d = sqrt(sum(x^2))  (L2Norm)
 // Rows may have any stride; elements within a row are contiguous.
-#include "common.cuh"
-
-template <int P, typename A> __device__ __forceinline__ A norm_term(A v) {
-  return P == 1 ? fabs(v) : v * v;
-}
-
-// The divisor from the row's reduction, rounded to T first as torch does
-// (torch computes mean/norm in the accumulation type, then stores it as T).
-template <int P, typename T, typename A> __device__ __forceinline__ A row_divisor(A s, long long n) {
-  A d = P == 1 ? s / (A)n : sqrt(s);
-  return to_acc(from_acc<T>(d));
-}
-
-// y = x / d. For ordinary d a reciprocal multiply is within an ulp of the
-// division; 0, inf, nan, denormal and huge d (whose reciprocal would flush to
-// zero under -ftz) use the true division so special rows match torch exactly.
-template <typename A> struct Scaler {
-  A d, r;
-  bool exact;
-  __device__ __forceinline__ explicit Scaler(A d_) : d(d_), r((A)1 / d_) {
-    const A lo = sizeof(A) == 4 ? (A)1.2e-38 : (A)2.3e-308;
-    const A hi = sizeof(A) == 4 ? (A)8.5e37 : (A)4.4e307;
-    exact = !(d >= lo && d <= hi);
-  }
-  __device__ __forceinline__ A operator()(A x) const { return exact ? x / d : x * r; }
-};
-
-// Where a row's 16-byte vectors are: `head` scalar elements before the first
-// 16-byte boundary, `nvec` whole vectors, then scalars from `tail0` to the end.
-struct RowSplit {
-  int head, nscalar;
-  long long nvec, tail0;
-  template <typename T> __device__ __forceinline__ RowSplit(const T* xr, long long ncols) {
-    head = (int)(((16u - ((unsigned)(size_t)xr & 15u)) & 15u) / sizeof(T));
-    if (head > ncols) head = (int)ncols;
-    nvec = (ncols - head) / (16 / sizeof(T));
-    tail0 = head + nvec * (16 / sizeof(T));
-    nscalar = head + (int)(ncols - tail0);
-  }
-  // Position of scalar k < nscalar: [0, head) then [tail0, ncols).
-  __device__ __forceinline__ long long scalar_pos(int k) const {
-    return k < head ? (long long)k : tail0 + (k - head);
-  }
-};
+#include "normalize.cuh"
 
 // The launch configuration both row kernels check: a portable cluster of C CTAs
 // (clusters need sm_90), whole warps, at least one vector per thread.
@@ -187,53 +144,7 @@ normalize_rows(const T* __restrict__ x, T* __restrict__ y, long long nrows, long
   }
 }
 
-// Rows too long for a cluster's registers: two passes over fixed chunks.
-// Pass 1 writes one partial per (row, chunk); pass 2 sums a row's partials in
-// chunk order (deterministic) and scales its chunk. Reads x twice.
-// Block THREADS (normalize_apply too); grid-stride over the (row, chunk) items.
-template <int P, typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS)
-normalize_partials(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
-                   long long nrows, long long ncols, long long xs, long long chunk,
-                   long long nchunks) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_partials: THREADS must be whole warps, at most 1024");
-  typedef typename acc_of<T>::type A;
-  __shared__ A scratch[THREADS / 32];
-  for (long long item = blockIdx.x; item < nrows * nchunks; item += gridDim.x) {
-    const long long row = item / nchunks, c0 = (item % nchunks) * chunk;
-    const long long c1 = min(c0 + chunk, ncols);
-    const T* xr = x + row * xs;
-    A s = 0;
-    for (long long c = c0 + threadIdx.x; c < c1; c += blockDim.x) s += norm_term<P>(to_acc(xr[c]));
-    s = block_sum(s, scratch);
-    if (threadIdx.x == 0) partial[item] = s;
-  }
-}
-
-template <int P, typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS)
-normalize_apply(const T* __restrict__ x, T* __restrict__ y,
-                const typename acc_of<T>::type* __restrict__ partial, long long nrows,
-                long long ncols, long long xs, long long ys, long long chunk, long long nchunks) {
-  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_apply: THREADS must be whole warps, at most 1024");
-  typedef typename acc_of<T>::type A;
-  for (long long item = blockIdx.x; item < nrows * nchunks; item += gridDim.x) {
-    const long long row = item / nchunks, c0 = (item % nchunks) * chunk;
-    const long long c1 = min(c0 + chunk, ncols);
-    A total = 0;
-    for (long long k = 0; k < nchunks; ++k) total += partial[row * nchunks + k];
-    const Scaler<A> scale(row_divisor<P, T>(total, ncols));
-    const T* xr = x + row * xs;
-    T* yr = y + row * ys;
-    for (long long c = c0 + threadIdx.x; c < c1; c += blockDim.x)
-      yr[c] = from_acc<T>(scale(to_acc(xr[c])));
-  }
-}
-
-// Backward of y = x / d: with s = sum(dy * x) over the row,
-//   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
-//   P == 2: dx = dy / d - x * s / (d * d * d)
-// d recomputed from x (rounded to T as the forward rounds it), so the forward saves only
+// Backward of y = x / d (the formula: Grad in normalize.cuh), d recomputed from x (rounded to T as the forward rounds it), so the forward saves only
 // x. One cluster of C CTAs per row holds the row of x and of dy on chip: x and dy are
 // read once and dx written once. Rows of x, dy and dx start at the same offset modulo 16
 // bytes (the caller checks it). Rows are walked, and PREFETCH stages the next row's x
@@ -310,26 +221,21 @@ normalize_backward_rows(const T* __restrict__ x, const T* __restrict__ dy, T* __
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           const A xv = to_acc(bx[i].e[j]);
-          sn += norm_term<P>(xv);
+          sn += norm_term<P, true>(xv);
           sg += to_acc(bg[i].e[j]) * xv;
         }
       }
     }
     const bool has_scalar = rank == 0 && (int)threadIdx.x < rs.nscalar;
     if (has_scalar) {  // after the vectors, as the forward adds it: the same d
-      sn += norm_term<P>(xsc);
+      sn += norm_term<P, true>(xsc);
       sg += gsc * xsc;
     }
     if (PREFETCH && row + nclusters < nrows) fetch(row + nclusters);
 
     A t[2] = {block_sum(sn, scratch), block_sum(sg, scratch)};
     if constexpr (C > 1) cs.sum(t, step, rank);
-    const A d = row_divisor<P, T>(t[0], ncols);
-    const A c = P == 1 ? t[1] / (d * d * (A)ncols) : t[1] / (d * d * d);
-    auto grad = [&](A xv, A gv) {
-      const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
-      return gv / d - t * c;
-    };
+    const Grad<P, T, A> grad(t[0], t[1], ncols);
     T* dr = dx + row * dxs + rs.head;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {

@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck python tests/sanitize_driver.py [--only GROUP ...]
 
-GROUP is one of normalize, linear, gemm_scale_batchnorm, matmul_sum (racecheck is slow: run the groups
+GROUP is one of normalize, normalize_rows, linear, gemm_scale_batchnorm, matmul_sum (racecheck is slow: run the groups
 separately). Every result is checked loosely against a float64 reference, so a run under
 the sanitizer also proves that the kernels ran and computed the right thing; the script
 exits 1 on a wrong result and prints "sanitize driver done" when all is well.
@@ -139,7 +139,8 @@ def run_normalize():
                 for cfg in bconfigs:
                     check(f"{tag} backward config {cfg} many rows",
                           nz.normalize_backward(x, gy, 2, 1, cfg), dx, t, scale)
-            # Rows longer than any cluster holds: the two-pass kernel (aligned, then offset).
+            # Rows longer than any cluster holds: the chunked two-pass kernels (aligned, then
+            # offset).
             x = dev(randn(3, 300_001, seed=4), dtype)
             check(f"{tag} two-pass", fn(x), norm_ref(host(x), kind), t)
             x = dev(randn(2, 300_002, seed=5), dtype)[:, 1:]
@@ -170,6 +171,43 @@ def run_normalize():
         for dtype in (torch.float32, torch.bfloat16):
             x = dev(randn(4, 777, seed=11), dtype)
             check(f"{type(mod).__name__} {NAME[dtype]}", mod(x), norm_ref(host(x), kind), tol(dtype))
+
+
+def run_normalize_rows():
+    """The short-row and chunked kernel families (forward and fused backward) with forced
+    configurations: chunks of 3 vectors (a partial last chunk) and every short-row
+    configuration at its capacity and shorter rows, on rows of odd lengths (head and tail
+    scalars differ row to row)."""
+    for dtype in DTYPES:
+        isz = dtype.itemsize
+        per_vec = 16 // isz
+        for kind in ("l1", "l2"):
+            t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
+            tag = f"{kind} {NAME[dtype]}"
+            for ncols in (5, 1001):
+                x = dev(randn(3, ncols, seed=12), dtype)
+                gy = dev(randn(3, ncols, seed=13), dtype)
+                check(f"{tag} chunks of 3 ncols {ncols}", fn(x, config=(-1, 3)),
+                      norm_ref(host(x), kind), t)
+                dx, scale = grad_ref(host(x), host(gy), kind)
+                check(f"{tag} backward chunks of 3 ncols {ncols}",
+                      nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
+            # a row count that leaves the last step part empty
+            for cfg in nz._short_table(isz):
+                g, units, rows, vec = cfg
+                per_unit = per_vec if vec else 1
+                cap = g * units * per_unit
+                for ncols in sorted({1, 7, cap - 1, cap}):  # (cap - 1: rows off 16 bytes)
+                    if (ncols // per_unit if vec else ncols) > g * units:
+                        continue
+                    shape = ((256 // g) * rows + 3, ncols)
+                    x = dev(randn(*shape, seed=14), dtype)
+                    gy = dev(randn(*shape, seed=15), dtype)
+                    check(f"{tag} short {cfg} ncols {ncols}", fn(x, config=(0,) + cfg),
+                          norm_ref(host(x), kind), t)
+                    dx, scale = grad_ref(host(x), host(gy), kind)
+                    check(f"{tag} backward short {cfg} ncols {ncols}",
+                          nz.normalize_backward(x, gy, nz.P[kind], 1, (0,) + cfg), dx, t, scale)
 
 
 # ---------------------------------------------------------------- linear
@@ -414,8 +452,8 @@ def run_matmul_sum():
         check("MatmulSumMaxMeanLogSumExp", mod(x), want, tol(torch.float32), bound)
 
 
-GROUPS = {"normalize": run_normalize, "linear": run_linear, "gemm_scale_batchnorm": run_gemm_scale_batchnorm,
-          "matmul_sum": run_matmul_sum}
+GROUPS = {"normalize": run_normalize, "normalize_rows": run_normalize_rows, "linear": run_linear,
+          "gemm_scale_batchnorm": run_gemm_scale_batchnorm, "matmul_sum": run_matmul_sum}
 
 
 def main():

@@ -115,7 +115,15 @@ def _calls():
     gs = sys.modules["cupykern.gemm_scale_batchnorm"]
     m4 = sys.modules["cupykern.matmul_sum_max_mean_logsumexp"]
     r = torch.randn
-    yield "normalize", lambda a: cupykern.normalize.normalize(a[0], 2, 1), lambda: [r(6, 100)[:, 2:98]], 1
+    nz = cupykern.normalize
+    yield "normalize", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(6, 100)[:, 2:98]], 1
+    yield "normalize short scalar rows", lambda a: nz.normalize(a[0], 1, 1), lambda: [r(300, 7)], 1
+    yield "normalize cluster rows", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(40, 3000)], 1
+    # few long rows: chunks over every SM, two passes and a scratch buffer of partial sums
+    yield "normalize chunked", lambda a: nz.normalize(a[0], 2, 1), lambda: [r(2, 140002)[:, 1:]], 1
+    for shape in ((300, 7), (40, 3000), (2, 140000)):
+        yield (f"normalize backward {shape}", lambda a: nz.normalize_backward(a[0], a[1], 2, 1),
+               lambda s=shape: [r(s), r(s)], 1)
     yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)], 1
     # x read transposed (copied by a launch of the plan: 130 outputs a row), weight in place
     yield ("linear transposed x", lambda a: cupykern.gemm.linear_core(*a, "highest"),
@@ -269,3 +277,47 @@ def test_cpu_call_validates_once(monkeypatch, stem, name, call):
         calls.clear()
         call(m)
         assert len(calls) == 1
+
+
+# The normalize dispatcher's table (cupykern/normalize.py, _route), pinned: H100/H200
+# (132 SMs, sm_90), then a Turing without clusters.
+ROUTES = [
+    ((262144, 7, "float32"), (0, 4, 2, 4, False)),  # under 2 vectors: scalar units
+    ((2000000, 5, "bfloat16"), (0, 2, 4, 4, False)),
+    ((100, 15, "bfloat16"), (0, 8, 2, 4, False)),
+    ((524288, 16, "bfloat16"), (0, 2, 1, 2, True)),  # 2 vectors: 2 lanes, 16-byte units
+    ((1048576, 32, "float32"), (0, 8, 1, 4, True)),
+    ((65536, 256, "bfloat16"), (0, 32, 1, 2, True)),
+    ((100000, 300, "bfloat16"), (0, 32, 2, 2, True)),  # unaligned rows: head/tail scalars
+    ((1024, 1024, "float32"), (0, 32, 8, 1, True)),  # 256 vectors: the short kernel's last
+    ((1024, 1028, "float32"), (1, 128, 4)),  # 257 vectors: a CTA per row
+    ((32768, 65535, "float32"), (4, 512, 8)),  # the benchmark shape: unchanged
+    ((32768, 65535, "bfloat16"), (4, 512, 4, False)),
+    ((300, 50000, "float32"), (4, 512, 8)),
+    ((2, 65535, "float32"), (4, 512, 8)),  # few rows: still a cluster per row
+    ((2, 8000, "float32"), (1, 512, 4)),
+    ((2, 140001, "float32"), (-1, 1024)),  # 35000 vectors: no cluster holds it
+    ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
+    ((3, 2000001, "float32"), (-1, 1421)),
+    ((8, 4194304, "float32"), (-1, 7944)),
+    ((100, 200000, "float32"), (-1, 4546)),  # longer than any cluster holds
+]
+
+
+@pytest.mark.parametrize("geometry, want", ROUTES, ids=lambda v: str(v))
+def test_normalize_dispatcher_table(geometry, want):
+    nz = sys.modules["cupykern.normalize"]
+    assert nz._route(*geometry, 90, 132) == want
+    family = min(want[0], 1)  # -1 chunked, 0 short rows, 1 clusters (the backward's own sizes)
+    backward = nz._route(*geometry, 90, 132, backward=True)
+    if want[0] == 0 and want[4] and nz._row_vectors(*geometry[1:]) > 128:
+        assert backward == (1, 128, 4, False)  # the backward's short rows end at 128 vectors
+    else:
+        assert min(backward[0], 1) == family
+
+
+def test_normalize_dispatcher_without_clusters():
+    nz = sys.modules["cupykern.normalize"]
+    assert nz._route(32768, 65535, "float32", 75, 40) == (-1, 16383)  # no cluster: a chunk a row
+    assert nz._route(64, 4000, "float32", 75, 40) == (1, 256, 4)
+    assert nz._route(64, 1000, "float32", 75, 40) == (0, 32, 8, 1, True)

@@ -237,10 +237,20 @@ def test_more_than_2_31_elements():
         for rows in (slice(0, 4), slice(32700, 32769)):  # last rows sit past 2**31
             assert_matches(got[rows], torch_ref(x[rows], kind), torch.float16)
         del got
-    one_row = torch.rand(1, 2**31 + 5, device="cuda", dtype=torch.float16)  # two-pass path
+    del x
+    one_row = torch.rand(1, 2**31 + 5, device="cuda", dtype=torch.float16)  # chunked path
     got = cupykern.l1_normalize(one_row)
     d = one_row.float().abs().mean().half().float()
     assert_matches(got[:, -1000:], (one_row[:, -1000:].float() / d).half(), torch.float16)
+    del got
+    # the chunked backward: dx = g / d - sign(x) * sum(g * x) / (d * d * n), its last elements
+    g = torch.rand_like(one_row)
+    dx = _core().normalize_backward(one_row, g, 1, 1)
+    s = (one_row.float() * g.float()).sum().double()  # (64-bit indexing; cuBLAS dot has not)
+    d, n = float(d), one_row.shape[1]
+    xt, gt = one_row[0, -1000:].double(), g[0, -1000:].double()
+    want = gt / d - xt.sign() * s / (d * d * n)
+    torch.testing.assert_close(dx[0, -1000:].double(), want, rtol=2e-3, atol=2e-3 * 2 / d)
 
 
 @pytest.mark.gpu
@@ -381,3 +391,150 @@ def test_given_config_too_small_for_the_row():
         cupykern.l2_normalize(x, config=small)
     with pytest.raises(ValueError, match=r"config: \(1, 128, 4\) holds 512 16-byte vectors"):
         core.normalize_backward(x, torch.randn_like(x), 2, 1, config=small)
+
+
+# ---------------------------------------------------------------- short rows and chunks
+
+def _core():
+    return __import__("sys").modules["cupykern.normalize"]
+
+
+def _check_forward_backward(x, g, kind, dtype, config, what):
+    """Forward and fused backward under ``config`` on contiguous x and g: against PyTorch
+    (forward) and float64 autograd (backward), and bit-identical on a second run."""
+    core = _core()
+    y = FUNCS[kind](x, config=config)
+    assert_matches(y, torch_ref(x, kind), dtype)
+    assert torch.equal(FUNCS[kind](x, config=config), y), what  # deterministic
+    dx = core.normalize_backward(x, g, core.P[kind], 1, config)
+    assert dx is not None, what
+    want = _grad64(x, g, kind)
+    xd = x.double()
+    d = xd.abs().mean(1, keepdim=True) if kind == "l1" else xd.norm(2, 1, keepdim=True)
+    scale = float((g.double() / d).abs().max())
+    tol = TOL[dtype]
+    torch.testing.assert_close(dx.double(), want, rtol=tol, atol=tol * scale, msg=what)
+    assert torch.equal(core.normalize_backward(x, g, core.P[kind], 1, config), dx), what
+
+
+def _check_offset_rows(x, kind, dtype, config, what):
+    """The forward on rows one element past a 16-byte boundary, written straight into an
+    ``out`` laid out alike (head and tail scalars in every row)."""
+    base = torch.empty(x.shape[0], x.shape[1] + 3, dtype=dtype, device="cuda")
+    xo, out = base.clone()[:, 1:1 + x.shape[1]], base[:, 1:1 + x.shape[1]]
+    xo.copy_(x)
+    assert FUNCS[kind](xo, out=out, config=config) is out
+    assert_matches(out, torch_ref(x, kind), dtype)
+
+
+def _short_configs():
+    core = _core()
+    return [(dt, (0,) + c) for dt in (torch.float32, torch.bfloat16)
+            for c in core._short_table(dt.itemsize)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,config", _short_configs(), ids=str)
+def test_short_row_kernel_edges(config, dtype):
+    """Every short-row configuration at its edge lengths (1, 2, 31, 32, 33 where they fit,
+    lane and vector boundaries, its full capacity), on contiguous and offset rows (head
+    and tail scalars), with a row count that leaves the last step part empty."""
+    _, g, units, rows, vec = config
+    n = 16 // dtype.itemsize if vec else 1
+    cap = g * units * n  # elements a group holds (vector units: plus < 2 vectors of scalars)
+    lens = {1, 2, 31, 32, 33, g * n, g * n + 1, cap - 1, cap, cap + n - 1}
+    lens = sorted(c for c in lens if c >= 1 and (c // n if vec else c) <= g * units)
+    nrows = (256 // g) * rows * 2 + 3
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for ncols in lens:
+        x = torch.randn(nrows, ncols, device="cuda", generator=gen).to(dtype)
+        gy = torch.randn(nrows, ncols, device="cuda", generator=gen).to(dtype)
+        for kind in FUNCS:
+            _check_forward_backward(x, gy, kind, dtype, config, f"{kind} ncols {ncols}")
+            _check_offset_rows(x, kind, dtype, config, f"{kind} ncols {ncols} offset")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunked_rows_edges(dtype):
+    """The chunked two-pass kernels: chunks of a few vectors (a row over many chunks, its
+    last chunk partial), rows starting off 16-byte boundaries (head and tail scalars in
+    chunk 0), rows shorter than one vector, and the dispatcher's own chunk size."""
+    core = _core()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    n = 16 // dtype.itemsize
+    for ncols, vc in ((1, 1), (7, 1), (33, 2), (1001, 3), (4096 + 5, 64), (80000, None)):
+        x = torch.randn(5, ncols, device="cuda", generator=gen).to(dtype)
+        gy = torch.randn(5, ncols, device="cuda", generator=gen).to(dtype)
+        vc = vc or core._chunk_vectors(5, ncols, str(dtype)[6:], 132)
+        assert vc * 2 < ncols // n or ncols < 64
+        for kind in FUNCS:
+            _check_forward_backward(x, gy, kind, dtype, (-1, vc), f"{kind} ncols {ncols}")
+            _check_offset_rows(x, kind, dtype, (-1, vc), f"{kind} ncols {ncols} offset")
+
+
+ROUTED = [(4096, 7), (2049, 5), (1000, 33), (513, 64), (300, 255), (100, 300), (64, 1024),
+          (40, 1025), (3, 100000), (2, 140001), (1, 2**20 + 3), (2, 65535)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROUTED, ids=str)
+def test_dispatched_shapes_forward_backward(shape, dtype):
+    """Shapes that the dispatcher sends to each family (short scalar and vector, cluster,
+    chunked for few long rows), through the public functions and autograd."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    x[0, 0] = 0  # (a zero somewhere: nothing special)
+    for kind in FUNCS:
+        _check_forward_backward(x, g, kind, dtype, None, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FUNCS)
+@pytest.mark.parametrize("ncols", [1, 7, 33, 300, 140001], ids=str)
+def test_special_rows_in_every_family(kind, ncols):
+    """Zero, inf, nan and overflowing rows as PyTorch gives them, forward and backward, in
+    the short-row (1, 7, 33, 300) and chunked (140001) kernels."""
+    x = torch.rand(6, ncols, device="cuda")
+    g = torch.randn(6, ncols, device="cuda")
+    x[0] = 0
+    x[1, ncols // 2] = float("inf")
+    x[2, 0] = float("nan")
+    x[3, 0], x[3, -1] = float("inf"), float("-inf")
+    x[4] = 3e38
+    x[5] = 1e-30
+    assert_matches(FUNCS[kind](x), torch_ref(x, kind), torch.float32)
+    xr = x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(FUNCS[kind](xr), xr, g)
+    (want,) = torch.autograd.grad(torch_ref(xr, kind), xr, g)
+    for row in range(5):
+        assert torch.equal(got[row].isnan(), want[row].isnan()), row
+        assert torch.equal(got[row].isinf(), want[row].isinf()), row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, "scalar", (0, 8, 1, 4, True), (0, 32, 8, 1, True),
+                                    (1, 128, 4), (-1, 3)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nothing_written_outside_the_view(config, dtype):
+    """x and out inside nan-filled buffers (rows of a wider array, one element past a
+    16-byte boundary): x untouched, out written only inside its view, in every family
+    ("scalar": the short-row kernel's first single-element configuration)."""
+    from support import Layout, guarded
+
+    if config == "scalar":
+        config = (0,) + _core().SHORT_SCALAR[dtype.itemsize][0] + (False,)
+    ncols = {None: 37, (0, 8, 1, 4, True): 30, (0, 32, 8, 1, True): 1000, (1, 128, 4): 1500,
+             (-1, 3): 1001}.get(config, 7)
+    shape = (70, ncols)
+    lay = Layout.make(shape, pads=(0, 5), misalign=1)
+    vals = torch.randn(shape, dtype=torch.float64).to(dtype)
+    for kind in FUNCS:
+        x = guarded(vals, lay, "torch")
+        out = guarded(torch.zeros(shape, dtype=dtype), lay, "torch")
+        assert FUNCS[kind](x.view, out=out.view, config=config) is out.view
+        x.check_unchanged("x")
+        out.check_outside_unchanged("out")
+        assert_matches(out.view, torch_ref(x.view, kind), dtype)

@@ -20,7 +20,8 @@ CLEAN = {"racecheck": r"RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 war
 CLEAN_DEFAULT = r"ERROR SUMMARY: 0 errors"
 # racecheck is by far the slowest tool: one run per kernel family.
 CASES = [("memcheck", None), ("initcheck", None), ("synccheck", None)] + [
-    ("racecheck", g) for g in ("normalize", "linear", "gemm_scale_batchnorm", "matmul_sum")]
+    ("racecheck", g) for g in ("normalize", "normalize_rows", "linear", "gemm_scale_batchnorm",
+                               "matmul_sum")]
 TIMEOUT = 1800  # seconds per sanitizer run
 
 

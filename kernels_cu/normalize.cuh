@@ -1,0 +1,70 @@
+// Shared by the normalize kernels (normalize.cu, normalize_short.cu, normalize_long.cu):
+// y = x / d(row) over the last (contiguous) axis, P == 1: d = mean(|x|), P == 2:
+// d = sqrt(sum(x^2)); the backward dx from x and dy.
+#pragma once
+#include "common.cuh"
+
+// A row's norm term. BWD (the backward's own sum for d): nan for an infinite element, so
+// that such a row's dx is nan as torch's backward gives it (its x / d^2 is inf / inf),
+// while a row of finite elements whose sum overflows keeps d = inf (and dx = 0: Grad).
+template <int P, bool BWD = false, typename A> __device__ __forceinline__ A norm_term(A v) {
+  if (BWD && fabs(v) == infinity<A>()) return quiet_nan<A>();
+  return P == 1 ? fabs(v) : v * v;
+}
+
+// The divisor from the row's reduction, rounded to T first as torch does
+// (torch computes mean/norm in the accumulation type, then stores it as T).
+template <int P, typename T, typename A> __device__ __forceinline__ A row_divisor(A s, long long n) {
+  A d = P == 1 ? s / (A)n : sqrt(s);
+  return to_acc(from_acc<T>(d));
+}
+
+// y = x / d. For ordinary d a reciprocal multiply is within an ulp of the
+// division; 0, inf, nan, denormal and huge d (whose reciprocal would flush to
+// zero under -ftz) use the true division so special rows match torch exactly.
+template <typename A> struct Scaler {
+  A d, r;
+  bool exact;
+  __device__ __forceinline__ explicit Scaler(A d_) : d(d_), r((A)1 / d_) {
+    const A lo = sizeof(A) == 4 ? (A)1.2e-38 : (A)2.3e-308;
+    const A hi = sizeof(A) == 4 ? (A)8.5e37 : (A)4.4e307;
+    exact = !(d >= lo && d <= hi);
+  }
+  __device__ __forceinline__ A operator()(A x) const { return exact ? x / d : x * r; }
+};
+
+// Where a row's 16-byte vectors are: `head` scalar elements before the first
+// 16-byte boundary, `nvec` whole vectors, then scalars from `tail0` to the end.
+struct RowSplit {
+  int head, nscalar;
+  long long nvec, tail0;
+  template <typename T> __device__ __forceinline__ RowSplit(const T* xr, long long ncols) {
+    head = (int)(((16u - ((unsigned)(size_t)xr & 15u)) & 15u) / sizeof(T));
+    if (head > ncols) head = (int)ncols;
+    nvec = (ncols - head) / (16 / sizeof(T));
+    tail0 = head + nvec * (16 / sizeof(T));
+    nscalar = head + (int)(ncols - tail0);
+  }
+  // Position of scalar k < nscalar: [0, head) then [tail0, ncols).
+  __device__ __forceinline__ long long scalar_pos(int k) const {
+    return k < head ? (long long)k : tail0 + (k - head);
+  }
+};
+
+// Backward of y = x / d: with s = sum(dy * x) over the row,
+//   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
+//   P == 2: dx = dy / d - x * s / (d * d * d)
+// built from the row's two sums (norm term, dy.x); d rounded to T as the forward rounds it.
+template <int P, typename T, typename A> struct Grad {
+  A d, c;
+  __device__ __forceinline__ Grad(A norm_sum, A dot, long long n) {
+    d = row_divisor<P, T>(norm_sum, n);
+    // d = inf from a sum of finite terms that overflowed: torch's x / d^2 is 0 term by
+    // term, where dot / d^3 could be inf / inf
+    c = d == infinity<A>() ? (A)0 : P == 1 ? dot / (d * d * (A)n) : dot / (d * d * d);
+  }
+  __device__ __forceinline__ A operator()(A xv, A gv) const {
+    const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
+    return gv / d - t * c;
+  }
+};
