@@ -14,6 +14,19 @@ struct Chunk {
     v0 = k * vc;
     v1 = min(v0 + vc, nvec);
   }
+  // Loads the UNROLL vectors of x (and, BWD, dy) at v, v + THREADS, ... that lie in the chunk.
+  template <int THREADS, int UNROLL, bool BWD, typename T>
+  __device__ __forceinline__ void load(Vec16<T> (&b)[UNROLL], Vec16<T> (&g)[BWD ? UNROLL : 1],
+                                       const T* xr, const T* gr, int head, long long v) const {
+#pragma unroll
+    for (int i = 0; i < UNROLL; ++i) {
+      const long long w = v + (long long)i * THREADS;
+      if (w < v1) {
+        b[i].u = ld_global_nc_v4(xr + head + w * Vec16<T>::N);
+        if constexpr (BWD) g[i].u = ld_global_nc_v4(gr + head + w * Vec16<T>::N);
+      }
+    }
+  }
 };
 
 // Pass 1: K = 1 (+1 for BWD) partial sums per item, at partial[item * K + j]: the
@@ -38,14 +51,7 @@ normalize_chunk_sums(const T* __restrict__ x, const T* __restrict__ dy,
     A s = 0, t = 0;
     for (long long v = ch.v0 + threadIdx.x; v < ch.v1; v += THREADS * UNROLL) {
       V b[UNROLL], g[BWD ? UNROLL : 1];
-#pragma unroll
-      for (int i = 0; i < UNROLL; ++i) {
-        const long long w = v + (long long)i * THREADS;
-        if (w < ch.v1) {
-          b[i].u = ld_global_nc_v4(xr + rs.head + w * N);
-          if constexpr (BWD) g[i].u = ld_global_nc_v4(gr + rs.head + w * N);
-        }
-      }
+      ch.load<THREADS, UNROLL, BWD>(b, g, xr, gr, rs.head, v);
 #pragma unroll
       for (int i = 0; i < UNROLL; ++i) {
         if (v + (long long)i * THREADS < ch.v1) {
@@ -107,14 +113,7 @@ normalize_chunk_apply(const T* __restrict__ x, const T* __restrict__ dy,
     auto write = [&](auto f) {  // f(x value, dy value) -> output value
       for (long long v = ch.v0 + threadIdx.x; v < ch.v1; v += THREADS * UNROLL) {
         V b[UNROLL], g[BWD ? UNROLL : 1];
-#pragma unroll
-        for (int i = 0; i < UNROLL; ++i) {
-          const long long w = v + (long long)i * THREADS;
-          if (w < ch.v1) {
-            b[i].u = ld_global_nc_v4(xr + rs.head + w * N);
-            if constexpr (BWD) g[i].u = ld_global_nc_v4(gr + rs.head + w * N);
-          }
-        }
+        ch.load<THREADS, UNROLL, BWD>(b, g, xr, gr, rs.head, v);
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
           const long long w = v + (long long)i * THREADS;
