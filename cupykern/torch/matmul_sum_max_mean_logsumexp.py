@@ -107,7 +107,10 @@ def _backward(ctx, g):
     n, k = weight.shape
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
-        gx = g * plan[:k].to(g.dtype)
+        # create_graph=True (double backward, torch.func): wsum from the live weight, so
+        # that dx carries its dependence on W (the plan is detached)
+        wsum = _wsum(weight) if torch.is_grad_enabled() else plan[:k]
+        gx = g * wsum.to(g.dtype)
     if ctx.needs_input_grad[1]:
         gw = (g.t() @ x).expand(n, -1)  # AccumulateGrad materialises it in W's layout
     if ctx.needs_input_grad[2]:
@@ -115,9 +118,24 @@ def _backward(ctx, g):
     return gx, gw, gb, None
 
 
+def _wsum(weight):
+    """W.sum(0) in PyTorch ops, accumulated as the plan is (float64)."""
+    return weight.to(torch.float64).sum(0)
+
+
+def _fold(in_dims, x, weight, bias, plan):
+    """vmap rule where only x is batched: the batch's samples are more rows."""
+    if in_dims[1:] != (None, None, None) or x.dim() != 3:
+        return None
+    xs = x.movedim(in_dims[0], 0)
+    v, m, k = xs.shape
+    return matmul_sum_op(xs.reshape(v * m, k), weight, bias, plan).reshape(v, m, 1), 0
+
+
 plan_op = Op("matmul_sum_plan(Tensor weight, Tensor? bias) -> Tensor", _plan_impl, _plan_fake)
 matmul_sum_op = Op("matmul_sum_max_mean_logsumexp(Tensor x, Tensor weight, Tensor? bias, "
-                   "Tensor plan) -> Tensor", _impl, _fake, _setup_context, _backward)
+                   "Tensor plan) -> Tensor", _impl, _fake, _setup_context, _backward,
+                   reference=lambda x, weight, bias, plan: reference(x, weight, bias), fold=_fold)
 
 
 def _detach(t):
