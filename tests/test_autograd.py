@@ -261,3 +261,22 @@ def test_vmap_of_an_ensemble_of_weights(device):
                       (cupykern.linear, torch.nn.functional.linear)):
         torch.testing.assert_close(vmap(ours, in_dims=(None, 0))(x, ws),
                                    vmap(ref, in_dims=(None, 0))(x, ws), **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_mode_ad_with_dual_tensors(device):
+    """torch.autograd.forward_ad in eager mode: tangents are never dropped."""
+    import torch.autograd.forward_ad as fwad
+
+    funcs = _functions(device)
+    for name, (ours, ref) in _function_pairs(device).items():
+        args = tuple(a.detach() for a in funcs[name][1])
+        tangents = [torch.ones_like(a) / (i + 1) for i, a in enumerate(args)]
+        got = []
+        for f in (ours, ref):
+            with fwad.dual_level():
+                y = f(*(fwad.make_dual(a, t) for a, t in zip(args, tangents)))
+                got.append(fwad.unpack_dual(y))
+        assert got[0].tangent is not None, name
+        torch.testing.assert_close(got[0].primal, got[1].primal, **TOL)
+        torch.testing.assert_close(got[0].tangent, got[1].tangent, **TOL)

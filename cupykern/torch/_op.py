@@ -7,8 +7,9 @@ PyTorch ops), a fake (meta) implementation for tracing, and optionally autograd
 
 Calling an :class:`Op` goes through the dispatcher whenever something is tracing the call
 (torch.compile, torch.export, fake or functional tensors, dispatch modes). Under
-torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, vmap) an op with autograd is an
-``autograd.Function`` in the form those take (see :func:`_transformable`). In plain eager
+torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, vmap) and forward-mode AD an op
+with autograd is an ``autograd.Function`` in the form those take (see
+:func:`_transformable`). In plain eager
 mode it calls the very same
 implementation directly (see :func:`_direct`), inside an ``autograd.Function`` made of the very same
 ``setup_context`` / ``backward`` when a gradient is needed: the dispatcher costs
@@ -17,6 +18,7 @@ microseconds a call, which small calls cannot afford.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 NAMESPACE = "cupykern"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -25,13 +27,20 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional,
 
 def _eager() -> bool:
     """Nothing is tracing or watching: no torch.compile/export, jit.trace, dispatch or
-    torch-function mode, functorch transform or autocast region."""
+    torch-function mode, functorch transform, forward-AD level or autocast region."""
     return (not torch.compiler.is_compiling()
             and not torch._C._is_any_autocast_enabled()
             and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active()
+            and forward_ad._current_level < 0)
+
+
+def _transforming() -> bool:
+    """torch.func transforms, or forward-mode AD (``forward_ad.dual_level``: dual tensors
+    whose tangents a plain call would drop)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def _plain(t) -> bool:
@@ -88,7 +97,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
     *args)`` where the batch dimension folds into the op's own (e.g. into its rows), else
     ``reference`` under vmap, which also raises what the reference model raises (e.g.
     BatchNorm's running statistics in training mode)."""
-    mutated = _mutated(op)
+    mutated, returns = _mutated(op), len(op._schema.returns)
 
     def forward(*args):
         return op(*args)
@@ -96,6 +105,8 @@ def _transformable(name, op, setup_context, backward, reference, fold):
     def setup(ctx, inputs, output):
         setup_context(ctx, inputs, output)
         ctx.primals = inputs  # (for jvp: tensors at the transform's own level)
+        y = output[0] if isinstance(output, tuple) else output
+        ctx.layout = y.stride()  # (a tangent must be laid out as its primal)
 
     def jvp(ctx, *tangents):
         args = list(ctx.primals)
@@ -108,12 +119,24 @@ def _transformable(name, op, setup_context, backward, reference, fold):
             a = list(args)
             for i, t in zip(moving, ts):
                 a[i] = t
-            return reference(*a)
+            out = reference(*a)
+            return out[0] if isinstance(out, tuple) else out  # (the rest: non-differentiable)
 
-        out = torch.func.jvp(f, tuple(args[i] for i in moving),
-                             tuple(tangents[i] for i in moving))[1]
-        # (ops of several outputs: the first is the result, the rest non-differentiable)
-        return (out[0],) + (None,) * (len(out) - 1) if isinstance(out, tuple) else out
+        primals, moved = [args[i] for i in moving], [tangents[i] for i in moving]
+        if torch._C._are_functorch_transforms_active():
+            jt = torch.func.jvp(f, tuple(primals), tuple(moved))[1]
+        else:  # eager forward AD (cannot nest dual levels): J t = d/du <J^T u, t>
+            with torch.enable_grad():
+                primals = [p.detach().requires_grad_() for p in primals]
+                y = f(*primals)
+                u = torch.zeros_like(y, requires_grad=True)
+                vjps = torch.autograd.grad(y, primals, u, create_graph=True, allow_unused=True)
+                dot = sum((g * t).sum() for g, t in zip(vjps, moved) if g is not None)
+                jt = (torch.autograd.grad(dot, u)[0] if isinstance(dot, torch.Tensor)
+                      else torch.zeros_like(y))
+        if jt.stride() != ctx.layout:
+            jt = jt.new_empty_strided(jt.shape, ctx.layout).copy_(jt)
+        return (jt,) + (None,) * (returns - 1) if returns > 1 else jt
 
     def vmap(info, in_dims, *args):
         if fold is not None:
@@ -263,8 +286,8 @@ class Op:
         if grad and self.function is None:
             self._no_backward()
         if not direct:
-            if self.transformable is not None and torch._C._are_functorch_transforms_active():
-                if self.captured:
+            if self.transformable is not None and _transforming():
+                if self.captured and torch._C._are_functorch_transforms_active():
                     _check_captured(self.name, self.op, self.captured, args)
                 return self.transformable.apply(*args)
             if self.autocast is not None and torch.compiler.is_compiling():
