@@ -22,8 +22,9 @@ l1_normalize = _producers(_normalize.l1_normalize)
 l2_normalize = _producers(_normalize.l2_normalize)
 linear = _producers(_gemm.linear)
 matmul = _producers(_gemm.matmul)
-gemm_scale_batchnorm = _producers(_gsbn.gemm_scale_batchnorm,
-                                  written=("running_mean", "running_var", "num_batches_tracked"))
+gemm_scale_batchnorm = _producers(  # (the running statistics: updated in training mode)
+    _gsbn.gemm_scale_batchnorm, written=lambda a: ("running_mean", "running_var",
+                                                   "num_batches_tracked") if a.get("training", True) else ())
 matmul_sum_max_mean_logsumexp = _producers(_m4.matmul_sum_max_mean_logsumexp)
 
 if _sys.modules.get("torch") is not None:  # register the ops now: torch.compile cannot trace an import

@@ -640,12 +640,15 @@ def _imported(v, name, written):
 
 def call_imported(fn, bound: inspect.BoundArguments, written=()):
     """``fn(*bound)`` with every producer argument imported (:func:`import_array`; those
-    named in ``written`` must be writable), the result of x's kind: a JAX array for a
+    named in ``written``, or in ``written(arguments)`` if it is callable, must be
+    writable), the result of x's kind: a JAX array for a
     JAX x (zero-copy; JAX orders its reads after our stream's work), an ``out`` that was
     given as the caller's own object, else the imported kind (CuPy or NumPy)."""
     args = bound.arguments
     x = next(iter(args.values()))
     out = args.get("out")
+    if callable(written):
+        written = written(args)
     for name, v in args.items():
         args[name] = _imported(v, name, written)
     res = fn(*bound.args, **bound.kwargs)

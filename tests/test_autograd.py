@@ -136,18 +136,18 @@ def test_matmul_sum_double_backward_reaches_the_weight():
 # ------------------------------------------------------------------ torch.func
 
 def _run(fn):
-    """``(result, None)`` or ``(None, the exception's type)``."""
+    """``(result, None)`` or ``(None, the exception)``."""
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - compared with the reference's
-        return None, type(e)
+        return None, e
 
 
 def _same(ours, ref):
     (got, got_err), (want, want_err) = _run(ours), _run(ref)
     if want_err is not None or got_err is not None:
-        assert got_err is not None and want_err is not None and issubclass(got_err, want_err), \
-            (got_err, want_err)
+        assert (got_err is not None and want_err is not None
+                and isinstance(got_err, type(want_err))), (repr(got_err), repr(want_err))
         return False
     torch.utils._pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, **TOL), got, want)
     return True

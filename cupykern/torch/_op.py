@@ -91,8 +91,8 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
 def _transformable(name, op, setup_context, backward, reference, fold):
     """The op as torch.func transforms take it: an ``autograd.Function`` with a separate
     ``setup_context`` (its forward is the op itself, through the dispatcher, with every
-    transform peeled off), the op's backward (whose create_graph branch is made of PyTorch
-    ops, so that grad of grad and vmap of grad compose), a ``jvp`` (forward-mode AD of
+    transform peeled off), the op's backward in grad mode (its create_graph branch, made of
+    PyTorch ops, so that grad of grad and vmap of grad compose), a ``jvp`` (forward-mode AD of
     ``reference``, the op's computation in PyTorch ops) and a ``vmap`` rule: ``fold(in_dims,
     *args)`` where the batch dimension folds into the op's own (e.g. into its rows), else
     ``reference`` under vmap, which also raises what the reference model raises (e.g.
@@ -138,6 +138,10 @@ def _transformable(name, op, setup_context, backward, reference, fold):
             jt = jt.new_empty_strided(jt.shape, ctx.layout).copy_(jt)
         return (jt,) + (None,) * (returns - 1) if returns > 1 else jt
 
+    def differentiable(ctx, *grads):
+        with torch.enable_grad():  # the backward's PyTorch-ops branch: no kernel call (whose
+            return backward(ctx, *grads)  # data pointers functorch's wrappers lack)
+
     def vmap(info, in_dims, *args):
         if fold is not None:
             res = fold(in_dims, *args)
@@ -148,7 +152,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
 
     return type(name, (torch.autograd.Function,), {
         "generate_vmap_rule": False, "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup), "backward": staticmethod(backward),
+        "setup_context": staticmethod(setup), "backward": staticmethod(differentiable),
         "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
 
 

@@ -47,6 +47,12 @@ def _plan_impl(weight, bias):
     if weight.is_cuda:
         return build_plan_cached(weight, bias, check_weights)
     check_weights(weight, bias)
+    return _plan_reference(weight, bias)
+
+
+def _plan_reference(weight, bias):
+    """The plan in PyTorch ops (what torch.func transforms see: their wrapped tensors
+    have no data pointer for the kernel, and a batch of weights gives a batch of plans)."""
     wd = weight.double()
     bd = torch.zeros(1, dtype=torch.float64) if bias is None else bias.double()
     maxabs = lambda t: t.abs().amax() if t.numel() else t.new_zeros(())  # noqa: E731
@@ -144,13 +150,20 @@ def _detach(t):
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
+def _plan_of(weight, bias):
+    """The plan tensor of these weights, off autograd, outside eager mode."""
+    if torch._C._are_functorch_transforms_active():
+        return _plan_reference(_detach(weight), _detach(bias))
+    return plan_op(_detach(weight), _detach(bias))
+
+
 def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
     the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given."""
     data = plan.data if plan is not None and plan.data is not None else None
     if data is None:  # x and the weights must agree before the weights are read
         check_x(operand(x, "x"), check_weights(weight, bias)[0])
-        data = plan_op(_detach(weight), _detach(bias))
+        data = _plan_of(weight, bias)
     return matmul_sum_op(x, weight, bias, data)
 
 
@@ -247,7 +260,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
                 check_x(operand(x, "x"), operand(w, "weight"))
             return super().forward(x)
         require_submodule(self, "linear", nn.Linear, linear)
-        plan = self._plan(linear, w, b) if _direct((x, w)) else plan_op(w.detach(), _detach(b))
+        plan = self._plan(linear, w, b) if _direct((x, w)) else _plan_of(w, b)
         return matmul_sum_op(x, w, b, plan)
 
     def _planned_call(self, x):
