@@ -342,7 +342,9 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
 
     Returns the (B, 1) result as x's kind and dtype (torch in -> torch out, on torch's
     current stream, through the custom ops ``cupykern::matmul_sum_plan`` and
-    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd). Results are PyTorch's,
+    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd; JAX arrays in give JAX
+    arrays out, other DLPack / CUDA array interface producers CuPy arrays: see
+    :mod:`cupykern`). Results are PyTorch's,
     nan and inf included (see the module docstring), and more accurate than PyTorch's
     own chain.
     """

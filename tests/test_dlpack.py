@@ -221,7 +221,10 @@ def test_cuda_core_buffer_is_imported_zero_copy():
         core = pytest.importorskip("cuda.core.experimental", reason="cuda.core has no Device")
     dev = core.Device()
     dev.set_current()
-    buf = dev.allocate(256)
+    try:
+        buf = dev.allocate(256, stream=dev.default_stream)
+    except TypeError:  # (older cuda.core: no stream argument)
+        buf = dev.allocate(256)
     if not hasattr(buf, "__dlpack__"):
         pytest.skip("this cuda.core's Buffer exports no DLPack")
     arr, read_only = import_array(buf, "x")

@@ -413,6 +413,9 @@ def synchronized(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
     sums backward (torch.distributed must be initialized; any backend). A process may
     hold any number of rows, none included. The running statistics are updated with the
     statistics of all rows, identically on every rank."""
+    if torch._C._are_functorch_transforms_active():  # (its autograd.Function is eager-only)
+        raise RuntimeError("synchronized batch statistics (SyncBatchNorm over several "
+                           "processes) do not run under torch.func transforms")
     prec = resolve_precision(precision)
     xo = check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                num_batches_tracked, True, momentum, eps, prec, synchronized=True)[0]

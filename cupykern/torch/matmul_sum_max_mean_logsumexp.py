@@ -161,8 +161,11 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
     the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given."""
     data = plan.data if plan is not None and plan.data is not None else None
-    if data is None:  # x and the weights must agree before the weights are read
-        check_x(operand(x, "x"), check_weights(weight, bias)[0])
+    if data is None:
+        # x and the weights must agree before the weights are read (under torch.func the
+        # op checks them, unwrapped: functorch's wrapped tensors have no data pointer)
+        if not torch._C._are_functorch_transforms_active():
+            check_x(operand(x, "x"), check_weights(weight, bias)[0])
         data = _plan_of(weight, bias)
     return matmul_sum_op(x, weight, bias, data)
 
