@@ -72,6 +72,7 @@ def _functions(device):
         "l1_normalize": (lambda x: cupykern.l1_normalize(x), (x,)),
         "l2_normalize axis 0": (lambda x: cupykern.l2_normalize(x, axis=0), (x,)),
         "linear": (cupykern.linear, (x, w, b)),
+        "matmul batched": (cupykern.matmul, (r(2, 6, 5, seed=9), r(5, 3, seed=10))),
         "gemm_scale_batchnorm train": (
             lambda *a: cupykern.gemm_scale_batchnorm(*a, rm.clone(), rv.clone()), (x, w, b, s, ga, be)),
         "gemm_scale_batchnorm batch statistics": (cupykern.gemm_scale_batchnorm, (x, w, b, s, ga, be)),
@@ -231,6 +232,7 @@ def _function_pairs(device):
         "l2_normalize axis 0": (lambda x: cupykern.l2_normalize(x, axis=0),
                                 lambda x: normalize_reference(x, 2, 0)),
         "linear": (linear, torch.nn.functional.linear),
+        "matmul batched": (cupykern.matmul, torch.matmul),
         "gemm_scale_batchnorm batch statistics": (cupykern.gemm_scale_batchnorm,
                                                   lambda x, *p: gsbn_reference(
                                                       x, *p, None, None, None, True, None, 1e-5,

@@ -267,6 +267,8 @@ class Op:
         self.captured = [schema_names.index(n) for n in captured]
         if backward is None:
             return
+        if reference is None:  # (what torch.func transforms run for jvp and vmap)
+            raise TypeError(f"{self.name}: an op with a backward needs its reference")
         self.function = _function(self.name, impl, setup_context, backward)
         self.transformable = _transformable(self.name, self.op, setup_context, backward,
                                             reference, fold)

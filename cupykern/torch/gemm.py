@@ -198,7 +198,8 @@ def _matmul_backward(ctx, g):
 
 
 matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_impl,
-               _matmul_fake, _matmul_setup_context, _matmul_backward, autocast=lower_precision)
+               _matmul_fake, _matmul_setup_context, _matmul_backward, autocast=lower_precision,
+               reference=lambda a, b, precision: torch.matmul(a, b))
 
 
 def matmul(a, b, *, precision=None, out=None):
