@@ -11,6 +11,9 @@ the input's kind so results come back as the caller's type:
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import inspect
 import struct
 import sys
 import threading
@@ -126,8 +129,24 @@ def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
         _check_dtype(x.dtype.name, name, dtypes)
         strides = tuple(s // x.itemsize for s in x.strides)
         return Operand(x, "cpu", x.dtype.name, x.shape, strides, 0, None, name)
-    raise TypeError(f"{name}: expected a cupy.ndarray, torch.Tensor or numpy.ndarray, "
-                    f"got {type(x).__name__}")
+    raise _not_an_operand(x, name)
+
+
+def _not_an_operand(x, name: str) -> TypeError:
+    """The TypeError for an argument :func:`operand` does not take: a clear one for a JAX
+    tracer, a :class:`ProducerArgument` for another library's array (which the public
+    functions import: :func:`accepts_producers`)."""
+    if is_tracer(x):
+        return TypeError(f"{name}: got a JAX tracer ({type(x).__name__}): cupykern's functions "
+                         "take concrete arrays, not traced values inside jax.jit, grad or vmap; "
+                         "call them outside the traced function")
+    if is_producer(x):
+        return ProducerArgument(f"{name}: got a {type(x).__name__}, another library's array: pass "
+                                "it to cupykern's public functions (they import it through "
+                                "DLPack), or convert it first with cupy.from_dlpack")
+    return TypeError(f"{name}: expected a cupy.ndarray, torch.Tensor or numpy.ndarray, got "
+                     f"{type(x).__name__} (other libraries' arrays: with __dlpack__ or "
+                     "__cuda_array_interface__)")
 
 
 def _check_dtype(dtype, name, dtypes):
@@ -472,3 +491,188 @@ def copy_into(dst, src) -> None:
         dst.copy_(src)
     else:
         dst[...] = src
+
+
+# ------------------------------------------------------------ any array producer
+# Arrays of other libraries come in through DLPack (``__dlpack__`` / ``__dlpack_device__``)
+# or the CUDA array interface (Numba, older libraries), zero-copy, as CuPy arrays (CUDA)
+# or NumPy arrays (CPU); the public functions then return results of x's kind: JAX
+# arrays for JAX arrays, else the imported kind (:func:`accepts_producers`).
+
+DLPACK_VERSION = (1, 1)  # the newest DLPack this consumer reads (requested as max_version)
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13  # dlpack.h DLDeviceType
+_DL_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+_VERSIONED, _LEGACY = b"dltensor_versioned", b"dltensor"  # capsule names
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object,
+                                                                         ctypes.c_char_p]
+_FLAGS_OFFSET = 24  # DLManagedTensorVersioned: version (2 x u32), manager_ctx, deleter, flags
+
+
+class ProducerArgument(TypeError):
+    """An array of another library where only NumPy/CuPy/torch arrays are taken (the
+    public functions import it: :func:`accepts_producers`)."""
+
+
+def _native(x) -> bool:
+    return is_torch(x) or _is_cupy(x) or isinstance(x, np.ndarray)
+
+
+def is_tracer(x) -> bool:
+    """A JAX tracer (an abstract value inside jax.jit, grad, vmap...), told by its class's
+    ancestry so that jax need not be imported."""
+    return any(c.__name__ == "Tracer" and c.__module__.startswith("jax")
+               for c in type(x).__mro__)
+
+
+def is_jax(x) -> bool:
+    """A concrete JAX array."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array) and not is_tracer(x)
+
+
+def is_producer(x) -> bool:
+    """Another library's array: DLPack or the CUDA array interface (not NumPy/CuPy/torch)."""
+    return not _native(x) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"))
+
+
+class _Capsule:
+    """A DLPack capsule already exported, for consumers that take only producers
+    (numpy.from_dlpack)."""
+
+    def __init__(self, capsule, device):
+        self.capsule, self.device = capsule, device
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+class _WritableView:
+    """A NumPy array's memory offered writable (``np.asarray`` of it: a writable view that
+    keeps the array alive): what a legacy DLPack capsule, which carries no flags, is."""
+
+    def __init__(self, arr):
+        self.keep = arr
+        self.__array_interface__ = {**arr.__array_interface__,
+                                    "data": (arr.__array_interface__["data"][0], False)}
+
+
+def _export(x, stream):
+    """``x.__dlpack__``: DLPack 1.x first (``max_version``), the legacy call for producers
+    that predate it (TypeError). ``stream``: the consumer's (the producer makes it wait
+    for its pending work), None on the CPU."""
+    kw = {} if stream is None else {"stream": stream}
+    try:
+        return x.__dlpack__(max_version=DLPACK_VERSION, **kw)
+    except TypeError:
+        return x.__dlpack__(**kw)
+
+
+def _capsule_read_only(capsule, name: str) -> bool:
+    """Whether a capsule's producer marked its array read-only (DLPack 1.x flag; a legacy
+    capsule has no flags). BufferError for a newer major version than we read."""
+    kind = _capsule_name(capsule)
+    if kind == _LEGACY:
+        return False
+    if kind != _VERSIONED:
+        raise TypeError(f"{name}: __dlpack__ returned no DLPack capsule ({kind!r})")
+    ptr = _capsule_pointer(capsule, _VERSIONED)
+    major = ctypes.c_uint32.from_address(ptr).value
+    if major > DLPACK_VERSION[0]:
+        raise BufferError(f"{name}: DLPack {major}.x capsule; this consumer reads up to "
+                          f"{DLPACK_VERSION[0]}.x")
+    return bool(ctypes.c_uint64.from_address(ptr + _FLAGS_OFFSET).value & _DL_READ_ONLY)
+
+
+def import_array(x, name: str):
+    """``(array, read_only)``: the producer ``x`` as a CuPy array (CUDA, managed) or NumPy
+    array (CPU), zero-copy. DLPack first: the consumer's stream passed is CuPy's current
+    one on x's device (where our kernels will run; 1 for the legacy default stream, as
+    the protocol numbers it), so the producer orders its pending work before ours. The
+    CUDA array interface (v3) is read by ``cupy.asarray``, which synchronises on the
+    producer's ``stream`` as that protocol asks. ``read_only``: the producer's DLPack
+    READ_ONLY flag, the interface's ``data[1]``, and always for JAX (immutable)."""
+    if is_tracer(x):
+        raise _not_an_operand(x, name)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type, device_id = (int(v) for v in x.__dlpack_device__())
+        if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            cupy = _loader.cupy()
+            with cupy.cuda.Device(device_id):
+                capsule = _export(x, cupy.cuda.get_current_stream().ptr or 1)
+                read_only = _capsule_read_only(capsule, name)
+                try:
+                    arr = cupy.from_dlpack(capsule)
+                except (NotImplementedError, ValueError) as e:  # e.g. a dtype CuPy lacks
+                    raise TypeError(f"{name}: CuPy cannot import this {type(x).__name__} ({e}); "
+                                    "pass a torch tensor (torch.from_dlpack(x)) instead") from e
+        elif device_type in (_DL_CPU, _DL_CUDA_HOST):
+            capsule = _export(x, None)
+            read_only = _capsule_read_only(capsule, name)
+            arr = np.from_dlpack(_Capsule(capsule, (_DL_CPU, 0)))
+            if not (read_only or arr.flags.writeable):  # NumPy's guess for a legacy capsule
+                arr = np.asarray(_WritableView(arr))
+        else:
+            raise TypeError(f"{name}: a {type(x).__name__} on DLPack device type {device_type}; "
+                            "cupykern takes CUDA and CPU arrays")
+        return arr, read_only or is_jax(x)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise _not_an_operand(x, name)
+    return _loader.cupy().asarray(x), bool(cai["data"][1])
+
+
+def _imported(v, name, written):
+    if not is_producer(v) and not is_tracer(v):
+        return v
+    arr, read_only = import_array(v, name)
+    if name in written and read_only:
+        raise ValueError(f"{name}: is read-only (its producer, {type(v).__name__}, marked it "
+                         "so; JAX arrays are immutable) but it is written in place; pass a "
+                         "writable array, or none")
+    return arr
+
+
+def call_imported(fn, bound: inspect.BoundArguments, written=()):
+    """``fn(*bound)`` with every producer argument imported (:func:`import_array`; those
+    named in ``written``, or in ``written(arguments)`` if it is callable, must be
+    writable), the result of x's kind: a JAX array for a
+    JAX x (zero-copy; JAX orders its reads after our stream's work), an ``out`` that was
+    given as the caller's own object, else the imported kind (CuPy or NumPy)."""
+    args = bound.arguments
+    x = next(iter(args.values()))
+    out = args.get("out")
+    if callable(written):
+        written = written(args)
+    for name, v in args.items():
+        args[name] = _imported(v, name, written)
+    res = fn(*bound.args, **bound.kwargs)
+    if out is not None:
+        return out
+    if is_jax(x) and _is_cupy(res):
+        return sys.modules["jax"].dlpack.from_dlpack(res)
+    return res
+
+
+def accepts_producers(fn=None, *, written=("out",)):
+    """``fn`` (a public function whose first argument is x) taking arrays of any DLPack
+    or CUDA-array-interface producer (:func:`call_imported`). Native arrays pay one call:
+    the producers are found only when ``fn``'s checks raise :class:`ProducerArgument`
+    (before anything runs)."""
+    if fn is None:
+        return functools.partial(accepts_producers, written=written)
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ProducerArgument:
+            pass
+        return call_imported(fn, sig.bind(*args, **kwargs), written)
+    return call

@@ -19,11 +19,14 @@ Sums are deterministic (fixed order, no float atomics).
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from . import _dask, _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, contiguous, data_ptr, empty, is_torch,
-                     launch_all, operand, same_place, scalar, signature, torch_layer)
+from ._array import (CTYPE, ITEMSIZE, Place, ProducerArgument, cached_checked, call_imported,
+                     contiguous, data_ptr, empty, import_array, is_producer, is_torch, launch_all,
+                     operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
@@ -272,15 +275,17 @@ class MatmulSumPlan:
     ``data`` = [``wsum`` = weight.sum(0), bias.sum(), max|weight|, max|bias|] in float64,
     so that ``plan(x)`` reads only x. The plan is a snapshot: after changing the weights
     in place, build a new one (the torch module does this automatically). NumPy / CPU
-    weights give a plan whose calls run the reference.
+    weights give a plan whose calls run the reference. Arrays of other libraries (DLPack
+    or CUDA array interface producers) are imported zero-copy, as the functions do.
     """
 
     __slots__ = ("weight", "bias", "wsum", "data", "in_features", "out_features", "dtype",
                  "kind", "device", "_w", "_b")
 
     def __init__(self, weight, bias=None):
-        w, b = check_weights(weight, bias)
-        self.weight, self.bias = weight, bias
+        w, b = check_weights(*(import_array(v, n)[0] if is_producer(v) else v
+                               for v, n in ((weight, "weight"), (bias, "bias"))))
+        self.weight, self.bias = weight, bias  # the caller's (calls check identity)
         self.out_features, self.in_features = w.shape
         self.dtype, self.kind, self.device = w.dtype, w.kind, w.device
         self.wsum = self.data = None
@@ -302,7 +307,10 @@ class MatmulSumPlan:
             x = _dask.whole(x, x.ndim - 1)
             return _dask.map_blocks(self.apply, x, name="matmul_sum_max_mean_logsumexp",
                                     chunks=(x.chunks[0], (1,)))
-        return self.apply(x)
+        try:
+            return self.apply(x)
+        except ProducerArgument:  # another library's x: imported, the result of its kind
+            return call_imported(self.apply, inspect.signature(self.apply).bind(x))
 
     def apply(self, x, rows=None):
         """:meth:`__call__` for CuPy/NumPy arrays and (from the torch layer) tensors.
@@ -310,8 +318,9 @@ class MatmulSumPlan:
         a = operand(x, "x")
         check_x(a, self._w, self.in_features)
         if a.kind == "cpu":
-            return reference(x, self.weight, self.bias)
+            return reference(x, self._w.obj, None if self._b is None else self._b.obj)
         return apply_plan(a, self._w, self._b, data_ptr(self.data), rows)
+
 
 
 def prepare_matmul_sum(weight, bias=None) -> MatmulSumPlan:
@@ -333,7 +342,9 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
 
     Returns the (B, 1) result as x's kind and dtype (torch in -> torch out, on torch's
     current stream, through the custom ops ``cupykern::matmul_sum_plan`` and
-    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd). Results are PyTorch's,
+    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd; JAX arrays in give JAX
+    arrays out, other DLPack / CUDA array interface producers CuPy arrays: see
+    :mod:`cupykern`). Results are PyTorch's,
     nan and inf included (see the module docstring), and more accurate than PyTorch's
     own chain.
     """
@@ -352,5 +363,5 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
         a = operand(x, "x")
         w, _ = check_weights(weight, bias)
         check_x(a, w)
-        plan = MatmulSumPlan(weight, bias)
-    return plan.apply(x)
+        return MatmulSumPlan(weight, bias).apply(x)
+    return plan(x)  # (which imports another library's x)

@@ -5,9 +5,12 @@ implementation for CPU and CUDA tensors (the CPU one computes the reference in
 PyTorch ops), a fake (meta) implementation for tracing, and optionally autograd
 (``setup_context`` + ``backward``, written in PyTorch ops so that they trace too).
 
-Calling an :class:`Op` goes through the dispatcher whenever something is tracing or
-transforming the call (torch.compile, torch.export, fake or functional tensors,
-dispatch modes, vmap/grad transforms). In plain eager mode it calls the very same
+Calling an :class:`Op` goes through the dispatcher whenever something is tracing the call
+(torch.compile, torch.export, fake or functional tensors, dispatch modes). Under
+torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, vmap) and forward-mode AD an op
+with autograd is an ``autograd.Function`` in the form those take (see
+:func:`_transformable`). In plain eager
+mode it calls the very same
 implementation directly (see :func:`_direct`), inside an ``autograd.Function`` made of the very same
 ``setup_context`` / ``backward`` when a gradient is needed: the dispatcher costs
 microseconds a call, which small calls cannot afford.
@@ -15,6 +18,7 @@ microseconds a call, which small calls cannot afford.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 NAMESPACE = "cupykern"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -23,13 +27,20 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional,
 
 def _eager() -> bool:
     """Nothing is tracing or watching: no torch.compile/export, jit.trace, dispatch or
-    torch-function mode, functorch transform or autocast region."""
+    torch-function mode, functorch transform, forward-AD level or autocast region."""
     return (not torch.compiler.is_compiling()
             and not torch._C._is_any_autocast_enabled()
             and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active()
+            and forward_ad._current_level < 0)
+
+
+def _transforming() -> bool:
+    """torch.func transforms, or forward-mode AD (``forward_ad.dual_level``: dual tensors
+    whose tangents a plain call would drop)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def _plain(t) -> bool:
@@ -75,6 +86,102 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
                                                   "backward": staticmethod(bwd)})
     cls.apply_eager = _FUNCTION_APPLY.__get__(None, cls)
     return cls
+
+
+def _transformable(name, op, setup_context, backward, reference, fold):
+    """The op as torch.func transforms take it: an ``autograd.Function`` with a separate
+    ``setup_context`` (its forward is the op itself, through the dispatcher, with every
+    transform peeled off), the op's backward in grad mode (its create_graph branch, made of
+    PyTorch ops, so that grad of grad and vmap of grad compose), a ``jvp`` (forward-mode AD of
+    ``reference``, the op's computation in PyTorch ops) and a ``vmap`` rule: ``fold(in_dims,
+    *args)`` where the batch dimension folds into the op's own (e.g. into its rows), else
+    ``reference`` under vmap, which also raises what the reference model raises (e.g.
+    BatchNorm's running statistics in training mode)."""
+    mutated, returns = _mutated(op), len(op._schema.returns)
+
+    def forward(*args):
+        return op(*args)
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.primals = inputs  # (for jvp: tensors at the transform's own level)
+        y = output[0] if isinstance(output, tuple) else output
+        ctx.layout = y.stride()  # (a tangent must be laid out as its primal)
+
+    def jvp(ctx, *tangents):
+        args = list(ctx.primals)
+        for i in mutated:  # the forward updated these already: update copies
+            if isinstance(args[i], torch.Tensor):
+                args[i] = args[i].clone()
+        moving = [i for i, t in enumerate(tangents) if isinstance(t, torch.Tensor)]
+
+        def f(*ts):
+            a = list(args)
+            for i, t in zip(moving, ts):
+                a[i] = t
+            out = reference(*a)
+            return out[0] if isinstance(out, tuple) else out  # (the rest: non-differentiable)
+
+        primals, moved = [args[i] for i in moving], [tangents[i] for i in moving]
+        if torch._C._are_functorch_transforms_active():
+            jt = torch.func.jvp(f, tuple(primals), tuple(moved))[1]
+        else:  # eager forward AD (cannot nest dual levels): J t = d/du <J^T u, t>
+            with torch.enable_grad():
+                primals = [p.detach().requires_grad_() for p in primals]
+                y = f(*primals)
+                u = torch.zeros_like(y, requires_grad=True)
+                vjps = torch.autograd.grad(y, primals, u, create_graph=True, allow_unused=True)
+                dot = sum((g * t).sum() for g, t in zip(vjps, moved) if g is not None)
+                jt = (torch.autograd.grad(dot, u)[0] if isinstance(dot, torch.Tensor)
+                      else torch.zeros_like(y))
+        if jt.stride() != ctx.layout:
+            jt = jt.new_empty_strided(jt.shape, ctx.layout).copy_(jt)
+        return (jt,) + (None,) * (returns - 1) if returns > 1 else jt
+
+    def differentiable(ctx, *grads):
+        with torch.enable_grad():  # the backward's PyTorch-ops branch: no kernel call (whose
+            return backward(ctx, *grads)  # data pointers functorch's wrappers lack)
+
+    def vmap(info, in_dims, *args):
+        if fold is not None:
+            res = fold(in_dims, *args)
+            if res is not None:
+                return res
+        out = torch.vmap(reference, in_dims=in_dims, randomness=info.randomness)(*args)
+        return out, torch.utils._pytree.tree_map(lambda _: 0, out)
+
+    return type(name, (torch.autograd.Function,), {
+        "generate_vmap_rule": False, "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup), "backward": staticmethod(differentiable),
+        "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
+
+
+def _mutated(op) -> list:
+    """The indices of the arguments ``op`` writes in place."""
+    return [i for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _check_captured(name, op, captured, args):
+    """The RuntimeError PyTorch's in-place ops (e.g. BatchNorm's ``num_batches_tracked += 1``
+    in training mode) raise inside a grad or jvp transform when the tensor they would
+    update is captured from outside it (not an input of the transformed function), for
+    the arguments (indices ``captured``) the op's reference updates that way."""
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    from torch._C._functorch import TransformType, maybe_get_level
+
+    interpreter = retrieve_current_functorch_interpreter()
+    if interpreter.key() not in (TransformType.Grad, TransformType.Jvp):
+        return
+    for i in captured:
+        t = args[i]
+        if isinstance(t, torch.Tensor) and maybe_get_level(t) < interpreter.level():
+            raise RuntimeError(
+                f"During a grad (vjp, jvp, grad, etc) transform, cupykern.{name} would update "
+                f"its argument {op._schema.arguments[i].name} in place, a tensor captured from "
+                "outside the transform; pass it as an input of the transformed function "
+                "(e.g. the module's buffers through torch.func.functional_call), or use "
+                "torch.func.replace_all_batch_norm_modules_ or eval mode, as for BatchNorm")
 
 
 def _below_autograd(op):
@@ -132,11 +239,17 @@ class Op:
     An op without backward raises a ValueError when a gradient would be needed, rather
     than returning a result cut off from autograd. ``autocast(device_type, *args)``, if
     given, names the dtype the op computes in inside an autocast region (None: the
-    inputs' own), e.g. :func:`lower_precision` as PyTorch's matmuls.
+    inputs' own), e.g. :func:`lower_precision` as PyTorch's matmuls. An op with autograd
+    takes ``reference(*args)`` (its result in differentiable, vmappable PyTorch ops) and
+    optionally ``fold(in_dims, *args)`` (its vmap rule where the batch folds into the op:
+    ``(out, out_dims)``, or None) for torch.func transforms (:func:`_transformable`);
+    ``captured`` names the arguments its reference updates by an in-place op, which
+    PyTorch refuses on tensors captured from outside a grad/jvp transform
+    (:func:`_check_captured`).
     """
 
     def __init__(self, schema: str, impl, fake, setup_context=None, backward=None,
-                 autocast=None):
+                 autocast=None, reference=None, fold=None, captured=()):
         self.name = schema.split("(", 1)[0]
         qualname = f"{NAMESPACE}::{self.name}"
         _LIB.define(schema)
@@ -149,10 +262,16 @@ class Op:
             for device_type in ("cpu", "cuda"):
                 _LIB.impl(self.name, _autocast_kernel(self.op, device_type, autocast),
                           _autocast_key(device_type), with_keyset=True)
-        self.function = self.planned = None
+        self.function = self.planned = self.transformable = None
+        schema_names = [a.name for a in self.op._schema.arguments]
+        self.captured = [schema_names.index(n) for n in captured]
         if backward is None:
             return
+        if reference is None:  # (what torch.func transforms run for jvp and vmap)
+            raise TypeError(f"{self.name}: an op with a backward needs its reference")
         self.function = _function(self.name, impl, setup_context, backward)
+        self.transformable = _transformable(self.name, self.op, setup_context, backward,
+                                            reference, fold)
         self.planned = _function(self.name, _run_planned, setup_context, backward, trail=True)
         if torch._library.utils.is_functional_schema(self.op._schema):
             torch.library.register_autograd(qualname, backward, setup_context=setup_context,
@@ -173,6 +292,10 @@ class Op:
         if grad and self.function is None:
             self._no_backward()
         if not direct:
+            if self.transformable is not None and _transforming():
+                if self.captured and torch._C._are_functorch_transforms_active():
+                    _check_captured(self.name, self.op, self.captured, args)
+                return self.transformable.apply(*args)
             if self.autocast is not None and torch.compiler.is_compiling():
                 # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
                 # graph, not on the autocast dtype (the Autocast kernel then casts nothing).

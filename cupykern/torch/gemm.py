@@ -135,8 +135,16 @@ def _out_impl(x, weight, bias, precision, out):
     out.copy_(F.linear(x, weight, bias))
 
 
+def _fold(in_dims, x, weight, bias, precision):
+    """vmap rule where only x is batched: one more leading dimension."""
+    if in_dims[1:3] != (None, None):
+        return None
+    return linear_op(x.movedim(in_dims[0], 0), weight, bias, precision), 0
+
+
 linear_op = Op("linear(Tensor x, Tensor weight, Tensor? bias, str precision) -> Tensor",
-               _impl, _fake, _setup_context, _backward, autocast=lower_precision)
+               _impl, _fake, _setup_context, _backward, autocast=lower_precision,
+               reference=lambda x, weight, bias, precision: F.linear(x, weight, bias), fold=_fold)
 linear_out_op = Op("linear_out(Tensor x, Tensor weight, Tensor? bias, str precision, "
                    "Tensor(a!) out) -> ()", _out_impl, lambda *args: None)
 
@@ -190,7 +198,8 @@ def _matmul_backward(ctx, g):
 
 
 matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_impl,
-               _matmul_fake, _matmul_setup_context, _matmul_backward, autocast=lower_precision)
+               _matmul_fake, _matmul_setup_context, _matmul_backward, autocast=lower_precision,
+               reference=lambda a, b, precision: torch.matmul(a, b))
 
 
 def matmul(a, b, *, precision=None, out=None):

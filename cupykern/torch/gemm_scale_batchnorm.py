@@ -61,6 +61,14 @@ def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momen
         raise ValueError("save: the fused backward runs on CUDA tensors only")
     check(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
                precision)
+    return _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum,
+                      eps, precision, save)
+
+
+def _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
+               precision, save):
+    """The op in PyTorch ops (its CPU implementation, and its jvp and vmap under torch.func:
+    there F.batch_norm raises as BatchNorm does for unbatched running statistics)."""
     y = F.linear(x, weight, bias) * scale
     if training and nbt is not None:
         nbt.add_(1)
@@ -208,10 +216,23 @@ def _backward_fake(g, z, coefs, x, weight, *args):
             x.new_empty((4, n)))
 
 
-gemm_scale_batchnorm_op = Op(_SCHEMA, _impl, _fake, _setup_context, _backward)
+def _fold(in_dims, x, *args):
+    """vmap rule in eval mode (a per-row map) where only x is batched: more rows."""
+    training, save = args[8], args[-1]
+    if training or save or x.dim() != 3 or any(d is not None for d in in_dims[1:]):
+        return None
+    xs = x.movedim(in_dims[0], 0)
+    v, m, k = xs.shape
+    out, z, coefs = gemm_scale_batchnorm_op(xs.reshape(v * m, k), *args)
+    return (out.reshape(v, m, -1), z, coefs), (0, None, None)
+
+
+gemm_scale_batchnorm_op = Op(_SCHEMA, _impl, _fake, _setup_context, _backward,
+                             reference=_reference, fold=_fold, captured=("num_batches_tracked",))
 batch_stats_op = Op(_BATCH_STATS_SCHEMA, lambda *a: _impl(*_full(a)), _fake,
                     lambda ctx, inputs, output: _setup_context(ctx, _full(inputs), output),
-                    lambda ctx, g, *_: _backward(ctx, g)[:6] + (None, None, None))
+                    lambda ctx, g, *_: _backward(ctx, g)[:6] + (None, None, None),
+                    reference=lambda *a: _reference(*_full(a)))
 backward_op = Op(_BACKWARD_SCHEMA, _backward_impl, _backward_fake)
 
 
@@ -225,7 +246,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
     save = (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] > 0
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
-            and wants_grad((x, weight, bias, scale, bn_weight, bn_bias)))
+            and wants_grad((x, weight, bias, scale, bn_weight, bn_bias))
+            and not torch._C._are_functorch_transforms_active())  # (its backward: PyTorch ops)
     op, args = _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                         num_batches_tracked, training, momentum, eps, resolve_precision(precision),
                         save)
@@ -391,6 +413,9 @@ def synchronized(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
     sums backward (torch.distributed must be initialized; any backend). A process may
     hold any number of rows, none included. The running statistics are updated with the
     statistics of all rows, identically on every rank."""
+    if torch._C._are_functorch_transforms_active():  # (its autograd.Function is eager-only)
+        raise RuntimeError("synchronized batch statistics (SyncBatchNorm over several "
+                           "processes) do not run under torch.func transforms")
     prec = resolve_precision(precision)
     xo = check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                num_batches_tracked, True, momentum, eps, prec, synchronized=True)[0]

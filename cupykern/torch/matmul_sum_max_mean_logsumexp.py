@@ -47,6 +47,12 @@ def _plan_impl(weight, bias):
     if weight.is_cuda:
         return build_plan_cached(weight, bias, check_weights)
     check_weights(weight, bias)
+    return _plan_reference(weight, bias)
+
+
+def _plan_reference(weight, bias):
+    """The plan in PyTorch ops (what torch.func transforms see: their wrapped tensors
+    have no data pointer for the kernel, and a batch of weights gives a batch of plans)."""
     wd = weight.double()
     bd = torch.zeros(1, dtype=torch.float64) if bias is None else bias.double()
     maxabs = lambda t: t.abs().amax() if t.numel() else t.new_zeros(())  # noqa: E731
@@ -107,7 +113,10 @@ def _backward(ctx, g):
     n, k = weight.shape
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
-        gx = g * plan[:k].to(g.dtype)
+        # create_graph=True (double backward, torch.func): wsum from the live weight, so
+        # that dx carries its dependence on W (the plan is detached)
+        wsum = _wsum(weight) if torch.is_grad_enabled() else plan[:k]
+        gx = g * wsum.to(g.dtype)
     if ctx.needs_input_grad[1]:
         gw = (g.t() @ x).expand(n, -1)  # AccumulateGrad materialises it in W's layout
     if ctx.needs_input_grad[2]:
@@ -115,9 +124,24 @@ def _backward(ctx, g):
     return gx, gw, gb, None
 
 
+def _wsum(weight):
+    """W.sum(0) in PyTorch ops, accumulated as the plan is (float64)."""
+    return weight.to(torch.float64).sum(0)
+
+
+def _fold(in_dims, x, weight, bias, plan):
+    """vmap rule where only x is batched: the batch's samples are more rows."""
+    if in_dims[1:] != (None, None, None) or x.dim() != 3:
+        return None
+    xs = x.movedim(in_dims[0], 0)
+    v, m, k = xs.shape
+    return matmul_sum_op(xs.reshape(v * m, k), weight, bias, plan).reshape(v, m, 1), 0
+
+
 plan_op = Op("matmul_sum_plan(Tensor weight, Tensor? bias) -> Tensor", _plan_impl, _plan_fake)
 matmul_sum_op = Op("matmul_sum_max_mean_logsumexp(Tensor x, Tensor weight, Tensor? bias, "
-                   "Tensor plan) -> Tensor", _impl, _fake, _setup_context, _backward)
+                   "Tensor plan) -> Tensor", _impl, _fake, _setup_context, _backward,
+                   reference=lambda x, weight, bias, plan: reference(x, weight, bias), fold=_fold)
 
 
 def _detach(t):
@@ -126,13 +150,23 @@ def _detach(t):
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
+def _plan_of(weight, bias):
+    """The plan tensor of these weights, off autograd, outside eager mode."""
+    if torch._C._are_functorch_transforms_active():
+        return _plan_reference(_detach(weight), _detach(bias))
+    return plan_op(_detach(weight), _detach(bias))
+
+
 def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
     the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given."""
     data = plan.data if plan is not None and plan.data is not None else None
-    if data is None:  # x and the weights must agree before the weights are read
-        check_x(operand(x, "x"), check_weights(weight, bias)[0])
-        data = plan_op(_detach(weight), _detach(bias))
+    if data is None:
+        # x and the weights must agree before the weights are read (under torch.func the
+        # op checks them, unwrapped: functorch's wrapped tensors have no data pointer)
+        if not torch._C._are_functorch_transforms_active():
+            check_x(operand(x, "x"), check_weights(weight, bias)[0])
+        data = _plan_of(weight, bias)
     return matmul_sum_op(x, weight, bias, data)
 
 
@@ -229,7 +263,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
                 check_x(operand(x, "x"), operand(w, "weight"))
             return super().forward(x)
         require_submodule(self, "linear", nn.Linear, linear)
-        plan = self._plan(linear, w, b) if _direct((x, w)) else plan_op(w.detach(), _detach(b))
+        plan = self._plan(linear, w, b) if _direct((x, w)) else _plan_of(w, b)
         return matmul_sum_op(x, w, b, plan)
 
     def _planned_call(self, x):

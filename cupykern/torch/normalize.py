@@ -95,8 +95,17 @@ def _autocast(device_type, x, p, axis, config):
     return torch.float32 if device_type == "cuda" and p == 2 else None
 
 
+def _fold(in_dims, x, p, axis, config):
+    """vmap rule: the batch dimension is one more dimension the rows run along."""
+    n = x.dim() - 1  # a sample's dimensions
+    if in_dims[0] is None or not -n <= axis < n:  # (the reference raises for the axis)
+        return None
+    return normalize_op(x.movedim(in_dims[0], 0), p, axis % n + 1, config), 0
+
+
 normalize_op = Op("normalize(Tensor x, int p, int axis, int[]? config) -> Tensor",
-                  _impl, _fake, _setup_context, _backward, autocast=_autocast)
+                  _impl, _fake, _setup_context, _backward, autocast=_autocast,
+                  reference=lambda x, p, axis, config: reference(x, p, axis), fold=_fold)
 normalize_backward_op = Op("normalize_backward(Tensor x, Tensor dy, int p, int axis) -> Tensor",
                            _backward_impl, lambda x, dy, p, axis: x.new_empty(x.shape))
 normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, Tensor(a!) out) -> ()",
