@@ -54,7 +54,7 @@ def _plan_reference(weight, bias):
     """The plan in PyTorch ops (what torch.func transforms see: their wrapped tensors
     have no data pointer for the kernel, and a batch of weights gives a batch of plans)."""
     wd = weight.double()
-    bd = torch.zeros(1, dtype=torch.float64) if bias is None else bias.double()
+    bd = wd.new_zeros(1) if bias is None else bias.double()
     maxabs = lambda t: t.abs().amax() if t.numel() else t.new_zeros(())  # noqa: E731
     return torch.cat([wd.sum(0), bd.sum().reshape(1), maxabs(wd).reshape(1),
                       maxabs(bd).reshape(1)])
