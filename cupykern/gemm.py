@@ -413,11 +413,7 @@ def _mm_fresh(checked, a, b, precision):
     M, N = ao.shape[0], bo.shape[1]
     if ao.kind == "cpu" or M == 0 or N == 0:
         return None
-    run = mm_plan(ao, bo, prec)
-    if run is None:
-        return None
-    ptr = run.place.ptr
-    return lambda a, b: run(ptr(a), ptr(b), 0)  # (b.T starts where b does)
+    return _on_arrays(mm_plan(ao, bo, prec))
 
 
 def mm_plan(a, b, precision: str):
@@ -443,14 +439,27 @@ FUSED_VENDOR_BATCH = 1024
 
 
 def routed_mm_plan(a, b, precision: str, batch: int):
-    """:func:`mm_plan` of a fused op's backward product ``a @ b`` (its input of ``batch``
-    rows), or None where the dispatcher gives it to the vendor (FUSED_VENDOR_BATCH): the
-    caller then computes it with :func:`matmul_core`."""
+    """A fused op's backward product ``a @ b`` (its input of ``batch`` rows) as
+    ``run(a, b) -> array``, decided once: :func:`mm_plan` on ours, or the vendor's product
+    where the dispatcher gives it to the vendor (FUSED_VENDOR_BATCH). None where ours
+    needs a general copy: the caller then computes it with :func:`matmul_core`. The
+    vendor's choice holds for the library's float32 setting of now (:func:`vendor_state`:
+    part of the caller's plan key)."""
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
     if batch < FUSED_VENDOR_BATCH and _route_of(a, bt, precision) == VENDOR:
+        # (straight to the library: matmul_core's lookup costs a small step ~10 us of host)
+        return _VendorPlan(_vendor(a.kind).matmul, precision)
+    return _on_arrays(mm_plan(a, b, precision))
+
+
+def _on_arrays(plan):
+    """:func:`mm_plan`'s ``plan`` as ``run(a, b) -> a @ b`` on the arrays themselves (None
+    for None)."""
+    if plan is None:
         return None
-    return mm_plan(a, b, precision)
+    ptr = plan.place.ptr
+    return lambda a, b: plan(ptr(a), ptr(b), 0)  # (b.T starts where b does)
 
 
 class _Product:
@@ -773,7 +782,7 @@ def _vendor(kind: str):
     return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
 
 
-def _vendor_state(x):
+def vendor_state(x):
     """The float32 setting of ``x``'s library that :func:`_route_of` read (None for
     anything else): calls under another setting plan again."""
     if is_torch(x):
@@ -903,7 +912,7 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     CUDA tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
+        key = (signature(x), signature(weight), signature(bias), precision, vendor_state(x))
         run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
@@ -945,7 +954,7 @@ def _fresh(checked, x, weight, bias, precision, out):
     if xo.kind == "cpu" or 0 in shape:
         return None
     if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
-        return _VendorLinear(_vendor(xo.kind).linear, prec)
+        return _VendorPlan(_vendor(xo.kind).linear, prec)
     if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view
@@ -970,24 +979,25 @@ def _rows_planned(xo):
     return rows_2d(xo, "x")
 
 
-class _VendorLinear:
-    """linear's plan where :func:`route` chose the vendor: ``run(x, weight, bias)``."""
+class _VendorPlan:
+    """A plan where :func:`route` chose the vendor: ``run(*arrays) = impl(*arrays,
+    precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``)."""
 
     __slots__ = ("impl", "precision")
 
     def __init__(self, impl, precision):
         self.impl, self.precision = impl, precision
 
-    def __call__(self, x, weight, bias):
-        return self.impl(x, weight, bias, self.precision)
+    def __call__(self, *arrays):
+        return self.impl(*arrays, self.precision)
 
 
 def planned_vendor(x, weight, bias, precision) -> bool:
     """Whether :func:`linear`'s cached plan for these arguments (checked precision) is the
     vendor's: the torch layer then calls torch's own ``F.linear`` in plain eager mode,
     without the op's boundary (False until a first call has planned them)."""
-    key = (signature(x), signature(weight), signature(bias), precision, _vendor_state(x))
-    return type(_plans.get(key)) is _VendorLinear
+    key = (signature(x), signature(weight), signature(bias), precision, vendor_state(x))
+    return type(_plans.get(key)) is _VendorPlan
 
 
 # ---- matmul: NumPy's matmul on the same dispatcher.
@@ -1057,7 +1067,7 @@ def matmul_core(a, b, precision=None, out=None):
     tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(a), signature(b), precision, _vendor_state(a))
+        key = (signature(a), signature(b), precision, vendor_state(a))
         run, checked = cached_checked(_matmul_plans, key, check_matmul, _matmul_fresh,
                                       (a, b, precision, None))
         if run is not None:
@@ -1158,30 +1168,13 @@ def _matmul_fresh(checked, a, b, precision, out):
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
     if _matmul_route(ao, bo, prec) == VENDOR:
-        return _VendorMatmul(_vendor(ao.kind).matmul, prec)
+        return _VendorPlan(_vendor(ao.kind).matmul, prec)
     if ao.ndim != 2 or bo.ndim != 2:
         return None
-    run = mm_plan(ao, bo, prec)
-    if run is None:
-        return None
-    ptr = run.place.ptr
-    return lambda a, b: run(ptr(a), ptr(b), 0)
-
-
-class _VendorMatmul:
-    """matmul's plan where :func:`route` chose the vendor: ``run(a, b)`` (operands of 2 or
-    more dims)."""
-
-    __slots__ = ("impl", "precision")
-
-    def __init__(self, impl, precision):
-        self.impl, self.precision = impl, precision
-
-    def __call__(self, a, b):
-        return self.impl(a, b, self.precision)
+    return _on_arrays(mm_plan(ao, bo, prec))
 
 
 def planned_vendor_matmul(a, b, precision) -> bool:
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    key = (signature(a), signature(b), precision, _vendor_state(a))
-    return type(_matmul_plans.get(key)) is _VendorMatmul
+    key = (signature(a), signature(b), precision, vendor_state(a))
+    return type(_matmul_plans.get(key)) is _VendorPlan

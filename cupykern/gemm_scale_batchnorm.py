@@ -29,7 +29,8 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
-                   fresh_like, gemm_kernel, linear_core, matmul_core, routed_mm_plan, workspace)
+                   fresh_like, gemm_kernel, linear_core, matmul_core, routed_mm_plan, vendor_state,
+                   workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -486,7 +487,8 @@ def grad_dz(g, z, k, cm):
     return dz
 
 
-_backward_plans: dict = {}  # (signatures, training, eps, precision, input_grad, weight_grad) -> run
+# (signatures, training, eps, precision, input_grad, weight_grad, vendor state) -> run
+_backward_plans: dict = {}
 
 
 def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training, eps,
@@ -507,7 +509,7 @@ def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, train
     options = (training, eps, precision, input_grad, weight_grad)
     checked = None
     if type(training) is bool and type(eps) is float and type(precision) is str:  # cached
-        key = tuple(signature(v) for v in arrays) + options
+        key = tuple(signature(v) for v in arrays) + options + (vendor_state(g),)
         run, checked = cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
                                       arrays + (training,), options[1:])
         if run is not None:
@@ -607,8 +609,8 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
             dz_args = (gp, ld, 0, m_, n_, c0, c0 + step)
         launch_all(place, ((partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef,
                            (dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)))
-        dx = dx_plan(ptr(dz), ptr(weight), 0) if dx_plan else None
-        dw = dw_plan(ptr(dzt), ptr(x), 0) if dw_plan else None
+        dx = dx_plan(dz, weight) if dx_plan else None
+        dw = dw_plan(dzt, x) if dw_plan else None
         if input_grad and dx is None:
             dx = matmul_core(dz, weight, prec)
         if weight_grad and dw is None:

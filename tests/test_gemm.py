@@ -571,7 +571,7 @@ def test_vendor_pads_a_misaligned_n(dtype, dispatched):
 
 def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     """GPU-free: GemmScaleBatchNorm's backward plans dx / dW on ours only where the
-    dispatcher gives the product to ours (else matmul_core's call: the vendor)."""
+    dispatcher gives the product to ours (else the vendor's product, planned alike)."""
     from cupykern import _array, _loader, gemm
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
@@ -582,16 +582,21 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
         return _array.Operand(torch.empty(0), "torch", "float32", (rows, cols), (cols, 1),
                               0x10000, 0, "a", True)
 
-    assert gemm.routed_mm_plan(op(64, 512), op(512, 512), "highest", 64) is None
+    def vendor(a, b, precision, batch):
+        plan = gemm.routed_mm_plan(a, b, precision, batch)
+        assert plan is not None
+        return type(plan) is gemm._VendorPlan
+
+    assert vendor(op(64, 512), op(512, 512), "highest", 64)
     # "high": the vendor's where torch's TF32 switch is on (as "high" sets it), else ours
-    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is not None
+    assert not vendor(op(256, 4096), op(4096, 4096), "high", 256)
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "high", 256) is None
+        assert vendor(op(256, 4096), op(4096, 4096), "high", 256)
         # from FUSED_VENDOR_BATCH rows on, ours (dW = dz^T @ x: K is the batch)
-        assert gemm.routed_mm_plan(op(4096, 1024), op(1024, 4096), "high", 1024) is not None
-        assert gemm.routed_mm_plan(op(4096, 1023), op(1023, 4096), "high", 1023) is None
+        assert not vendor(op(4096, 1024), op(1024, 4096), "high", 1024)
+        assert vendor(op(4096, 1023), op(1023, 4096), "high", 1023)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-    assert gemm.routed_mm_plan(op(256, 4096), op(4096, 4096), "highest", 256) is not None
+    assert not vendor(op(256, 4096), op(4096, 4096), "highest", 256)
