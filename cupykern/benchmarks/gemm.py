@@ -327,10 +327,18 @@ GSBN_GRID = [(64, 512, 512), (128, 1024, 512), (256, 4096, 4096), (2048, 2048, 2
              (8192, 1024, 1024), (1024, 8192, 8192), (16384, 4096, 4096)]
 
 
+# GemmScaleBatchNorm's modes: float32 at torch's "highest" / "high", and float32 model
+# and inputs under bfloat16 autocast (PyTorch's Linear then runs in bf16, BatchNorm in
+# float32; ours keeps float32 with a TF32 GEMM, see cupykern.torch.gemm.resolve_precision).
+AUTOCAST = "bf16-autocast"
+GSBN_MODES = ("highest", "high", AUTOCAST)
+
+
 def _gsbn_point(kind, shape, prec, peaks, bw, iters):
     """GemmScaleBatchNorm (training mode) against the PyTorch model, eager: the forward
     (no grad) or a training step (forward + backward of every parameter and x), at
-    float32 ``prec``; errors against the model run in float64 (forward output; step: dW)."""
+    float32 ``prec`` (or AUTOCAST); errors against the model run in float64 (forward
+    output; step: dW)."""
     import copy
 
     from cupykern.models import gemm_scale_batchnorm as model3
@@ -345,6 +353,7 @@ def _gsbn_point(kind, shape, prec, peaks, bw, iters):
     g = torch.randn(M, N, device="cuda")
     x64 = x.detach().double().requires_grad_(kind == "step")
     models = (ref, new, ref64)
+    region = (lambda: torch.autocast("cuda", torch.bfloat16)) if prec == AUTOCAST else contextlib.nullcontext
 
     def clear():
         x.grad = x64.grad = None
@@ -352,25 +361,31 @@ def _gsbn_point(kind, shape, prec, peaks, bw, iters):
             for p in m.parameters():
                 p.grad = None
 
-    with matmul_precision(prec):
+    def run(m, xi):
+        if m is ref64:
+            return m(xi)
+        with region():
+            return m(xi)
+
+    with matmul_precision("highest" if prec == AUTOCAST else prec):
         if kind == "forward":
             with torch.no_grad():
-                t_new, t_ref = (time_ms(lambda m=m: m(x), iters=iters) for m in (new, ref))
+                t_new, t_ref = (time_ms(lambda m=m: run(m, x), iters=iters) for m in (new, ref))
                 want = ref64(x64)
-                err = {k: ((m(x).double() - want).abs().max() / want.abs().max()).item()
+                err = {k: ((run(m, x).double() - want).abs().max() / want.abs().max()).item()
                        for k, m in (("err_ours", new), ("err_torch", ref))}
         else:
-            t_new, t_ref = (time_ms(lambda m=m: m(x).backward(g), iters=iters, setup=clear)
+            t_new, t_ref = (time_ms(lambda m=m: run(m, x).backward(g), iters=iters, setup=clear)
                             for m in (new, ref))
             clear()
             for m, xi, gi in ((new, x, g), (ref, x, g), (ref64, x64, g.double())):
-                m(xi).backward(gi)
+                run(m, xi).backward(gi)
             want = ref64.gemm.weight.grad
             err = {k: ((m.gemm.weight.grad.double() - want).abs().max() / want.abs().max()).item()
                    for k, m in (("err_ours", new), ("err_torch", ref))}
             clear()
     work = (1 if kind == "forward" else 3) * 2 * M * N * K
-    t_math = work / peaks["float32", prec]
+    t_math = work / peaks["float32", "high" if prec == AUTOCAST else prec]
     t_bytes = 4 * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
     return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", "float32", prec, t_new, t_ref, None,
                      max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
@@ -388,10 +403,11 @@ def _route_name(op, args, prec):
     return gemm._matmul_route(operand(a, "a"), operand(b, "b"), prec or "highest")
 
 
-def sweep(quick, json_path, paths, budget_s):
+def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
     """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED),
     against PyTorch eager and (linear, without --quick) torch.compile; then
-    GemmScaleBatchNorm's forward and training step over GSBN_GRID against eager."""
+    GemmScaleBatchNorm's forward and training step over GSBN_GRID and GSBN_MODES against
+    eager; ``ops``: which of the three to run."""
     peaks, bw = _peaks(quick)
     print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
         f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
@@ -400,7 +416,8 @@ def sweep(quick, json_path, paths, budget_s):
     points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
     todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
     todo += [(f"gsbn {kind}", shape, "float32", prec) for kind in ("forward", "step")
-             for shape in GSBN_GRID for prec in ("highest", "high")]
+             for shape in GSBN_GRID for prec in GSBN_MODES]
+    todo = [t for t in todo if t[0].split()[0] in ops]
     for i, (op, shape, dtype, prec) in enumerate(todo):
         if time.monotonic() - start > budget_s:
             print(f"(time budget of {budget_s} s spent: {len(todo) - i} points not run)")
@@ -442,13 +459,15 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="--sweep: write the rows and summary here")
     ap.add_argument("--paths", action="store_true", help="--sweep: also time our float32 "
                     "kernel where the dispatcher picks the vendor (ours_ms)")
+    ap.add_argument("--ops", default="linear,matmul,gsbn", help="--sweep: which ops "
+                    "(comma-separated: linear, matmul, gsbn)")
     ap.add_argument("--budget", type=float, default=1e9, metavar="S",
                     help="--sweep: stop starting new points after S seconds")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.sweep:
-        sweep(args.quick, args.json, args.paths, args.budget)
+        sweep(args.quick, args.json, args.paths, args.budget, args.ops.split(","))
         return
     if args.part in ("all", "gemm"):
         bench_gemm(1024, 8192, 8192, args.iters)

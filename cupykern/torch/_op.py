@@ -25,11 +25,13 @@ _LIB = torch.library.Library(NAMESPACE, "DEF")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional, DTensor...
 
 
-def _eager() -> bool:
+def _eager(autocast_ok: bool = False) -> bool:
     """Nothing is tracing or watching: no torch.compile/export, jit.trace, dispatch or
-    torch-function mode, functorch transform, forward-AD level or autocast region."""
+    torch-function mode, functorch transform, forward-AD level or, unless
+    ``autocast_ok`` (an op that computes alike in an autocast region: no autocast
+    policy), autocast region."""
     return (not torch.compiler.is_compiling()
-            and not torch._C._is_any_autocast_enabled()
+            and (autocast_ok or not torch._C._is_any_autocast_enabled())
             and not torch._C._get_tracing_state()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
@@ -283,7 +285,7 @@ class Op:
                       "Autograd", with_keyset=True)
 
     def __call__(self, *args):
-        direct, grad = _eager(), False
+        direct, grad = _eager(self.autocast is None), False
         for a in args:  # one pass: small calls cannot afford three
             if isinstance(a, torch.Tensor):
                 grad = grad or a.requires_grad
