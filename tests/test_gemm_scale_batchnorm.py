@@ -439,3 +439,40 @@ def test_passes_for_statistics_from_elsewhere_take_gpu_arrays_only():
                  lambda: gs.grad_dz(z, z, np.ones((3, 5), np.float32), v)):
         with pytest.raises(ValueError, match="z: expected a contiguous, 16-byte aligned"):
             call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_big_products_under_autocast_run_the_reference(dtype, training):
+    """In a 16-bit CUDA autocast region a product of AUTOCAST_VENDOR_WORK multiply-adds or
+    more runs PyTorch's own composition (its Linear in the region's dtype): the reference
+    model's outputs, gradients and running statistics, to the bit; smaller ones stay fused."""
+    from cupykern.torch import gemm_scale_batchnorm as tgsbn
+
+    for rows, fin, fout in ((1024, 8192, 4096), (64, 512, 512)):
+        assert (rows * fin * fout >= tgsbn.AUTOCAST_VENDOR_WORK) == (rows == 1024)
+        ref, new = _pair(fin, fout)
+        ref.cuda().train(training)
+        new.cuda().train(training)
+        x = torch.rand(rows, fin, device="cuda", requires_grad=True)
+        g = torch.randn(rows, fout, device="cuda")
+        results = {id(ref): [], id(new): []}
+        for m in (ref, new, ref, new):  # (the second call of ours may take the planned path)
+            x.grad = None
+            with torch.autocast("cuda", dtype=dtype):
+                out = m(x)
+            out.backward(g)
+            results[id(m)].append((out.detach(), x.grad, m.gemm.weight.grad))
+            m.zero_grad(set_to_none=True)
+        for want, got in zip(results[id(ref)], results[id(new)]):
+            for a, b in zip(want, got):
+                assert a.dtype == b.dtype
+                if rows == 1024:
+                    assert torch.equal(a, b)
+                else:  # fused: float32 data, TF32 GEMM, within 16-bit matmul tolerance
+                    scale = a.float().abs().max().item()
+                    torch.testing.assert_close(b.float(), a.float(), atol=3e-2 * scale, rtol=3e-2)
+        if rows == 1024:
+            assert torch.equal(new.bn.running_mean, ref.bn.running_mean)
+            assert torch.equal(new.bn.running_var, ref.bn.running_var)
