@@ -447,7 +447,7 @@ def test_passes_for_statistics_from_elsewhere_take_gpu_arrays_only():
 def test_big_products_under_autocast_run_the_reference(dtype, training):
     """In a 16-bit CUDA autocast region a product of AUTOCAST_VENDOR_WORK multiply-adds or
     more runs PyTorch's own composition (its Linear in the region's dtype): the reference
-    model's outputs, gradients and running statistics, to the bit; smaller ones stay fused."""
+    model's outputs, gradients and running statistics; smaller ones stay fused."""
     from cupykern.torch import gemm_scale_batchnorm as tgsbn
 
     for rows, fin, fout in ((1024, 8192, 4096), (64, 512, 512)):
@@ -468,11 +468,11 @@ def test_big_products_under_autocast_run_the_reference(dtype, training):
         for want, got in zip(results[id(ref)], results[id(new)]):
             for a, b in zip(want, got):
                 assert a.dtype == b.dtype
-                if rows == 1024:
-                    assert torch.equal(a, b)
-                else:  # fused: float32 data, TF32 GEMM, within 16-bit matmul tolerance
-                    scale = a.float().abs().max().item()
-                    torch.testing.assert_close(b.float(), a.float(), atol=3e-2 * scale, rtol=3e-2)
-        if rows == 1024:
-            assert torch.equal(new.bn.running_mean, ref.bn.running_mean)
-            assert torch.equal(new.bn.running_var, ref.bn.running_var)
+                # the same composition: alike up to the order of any atomic sum; fused:
+                # float32 data and a TF32 GEMM, within 16-bit matmul tolerance
+                tol = 1e-5 if rows == 1024 else 3e-2
+                scale = a.float().abs().max().item()
+                torch.testing.assert_close(b.float(), a.float(), atol=tol * scale, rtol=tol)
+        for buf in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(new.bn, buf), getattr(ref.bn, buf),
+                                       atol=1e-5 if rows == 1024 else 3e-2, rtol=1e-5)
