@@ -141,7 +141,9 @@ _loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma, False, cl) for m in _WGMMA
                     for cl in {1, _WGMMA[m]["CLUSTER"]}],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
-_loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
+# (float32 / float64: split K's slabs; every dtype: statistics of a vendor product, see
+# fused_vendor)
+_loader.register(_FILE, [_reduce_expr(d) for d in CTYPE])
 
 
 def check_precision(precision) -> str:
@@ -438,16 +440,51 @@ def mm_plan(a, b, precision: str):
 FUSED_VENDOR_BATCH = 1024
 
 
+def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
+    """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
+    to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
+    pass of its own, :func:`statistics_call`) or a backward product of an input of
+    ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
+    always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
+    backward products from FUSED_VENDOR_BATCH rows on. Every other dtype follows
+    :func:`route` at any size: GemmScaleBatchNorm (the model converted), ours against
+    eager, H200, forward / training step: float64 (our CUDA cores against the FP64
+    tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; bfloat16 (mma.sync
+    against cuBLAS's wgmma) 1024x8192->8192 0.37x / 0.35x, 256x4096->4096 0.37x / 0.78x;
+    float16 0.32x / 0.44x and 0.36x / 1.04x."""
+    if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
+        return False
+    return _route_of(a, b_nk, precision) == VENDOR
+
+
+def vendor_linear(kind: str, precision: str):
+    """``run(x, weight) -> x @ weight.T``: the vendor's product (a new C-contiguous array)."""
+    impl = _vendor(kind).linear
+    return lambda x, weight: impl(x, weight, None, precision)
+
+
+STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
+
+
+def statistics_call(place, M: int, N: int):
+    """``call(z_ptr, part_ptr) -> launch``: the per-tile (mean, M2, min, max) of the columns
+    of a C-contiguous (M, N) array (a vendor product), as a GEMM epilogue leaves them in
+    ``part`` (tiles of STATS_BM rows): splitk_reduce with one slab and no output."""
+    fn = _loader.function(_FILE, _reduce_expr(place.dtype), place.device)
+    launch = (fn, (cdiv(N, _SPLIT["COLS"]), cdiv(M, _SPLIT["BM"])), (_SPLIT["THREADS"],))
+    sizes = (scalar(1, "int"), scalar(M, "int"), scalar(N, "int"), 0, N, 0, 0, 0)
+    return lambda zp, part: (*launch, (zp,) + sizes + (part,), 0)
+
+
 def routed_mm_plan(a, b, precision: str, batch: int):
     """A fused op's backward product ``a @ b`` (its input of ``batch`` rows) as
     ``run(a, b) -> array``, decided once: :func:`mm_plan` on ours, or the vendor's product
-    where the dispatcher gives it to the vendor (FUSED_VENDOR_BATCH). None where ours
-    needs a general copy: the caller then computes it with :func:`matmul_core`. The
-    vendor's choice holds for the library's float32 setting of now (:func:`vendor_state`:
-    part of the caller's plan key)."""
+    (:func:`fused_vendor`). None where ours needs a general copy: the caller then
+    computes it with :func:`matmul_core`. The vendor's choice holds for the library's
+    float32 setting of now (:func:`vendor_state`: part of the caller's plan key)."""
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
-    if batch < FUSED_VENDOR_BATCH and _route_of(a, bt, precision) == VENDOR:
+    if fused_vendor(a, bt, precision, batch):
         # (straight to the library: matmul_core's lookup costs a small step ~10 us of host)
         return _VendorPlan(_vendor(a.kind).matmul, precision)
     return _on_arrays(mm_plan(a, b, precision))

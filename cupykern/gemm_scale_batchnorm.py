@@ -28,9 +28,9 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, check_operands, check_precision, check_vector, gemm, gemm_call,
-                   fresh_like, gemm_kernel, linear_core, matmul_core, routed_mm_plan, vendor_state,
-                   workspace)
+from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_vector,
+                   fresh_like, fused_vendor, gemm, gemm_call, gemm_kernel, linear_core, matmul_core,
+                   routed_mm_plan, statistics_call, vendor_linear, vendor_state, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -296,45 +296,44 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
     step = N * ITEMSIZE[acc]
-    kernel = gemm_kernel(a, b, precision)
-    gemm_ = gemm_call(kernel, a, b, N)
+    product = _ZProduct(a, b, precision)
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
     ptr = place.ptr
 
-    if not training:  # the affine map in the GEMM's epilogue; with ``save``, a pass of its own
+    if not training:  # the affine map in the GEMM's epilogue; with ``save`` (or the
+        # vendor's GEMM), a pass of its own
         coef = _loader.function(_FILE, f"bn_eval_coef<{t}, {_COEF_THREADS}>", dev)
         n_, eps_ = scalar(N, "int"), scalar(eps, "double")
         apply_ = _apply_call(place, M, N)
 
         def run_eval(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
             coef_args = (n_, ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), eps_)
-            ws = workspace(place, kernel)  # held to the launches
-            if not save:
+            if not (save or product.vendor):
+                ws = workspace(place, product.kernel)  # (held to the launches)
                 out, coefs = empty(place, (M, N)), empty(place, (2, N), acc)  # (ca, cb)
                 c0 = ptr(coefs)
                 launch_all(place, (
                     (coef, *coef_launch, coef_args + (c0, 0, c0 + step, 0), 0),
-                    *gemm_(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0, ptr(ws))))
+                    *product.gemm(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0, ptr(ws))))
                 return out
-            z = empty(place, (M, N))  # (the GEMM first: see run_train)
+            z = product(x, weight, 0)  # (the GEMM first: see run_train)
             zp = ptr(z)
-            launch_all(place, gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, 0, ptr(ws)))
-            out, coefs = empty(place, (M, N)), empty(place, (4, N), acc)  # (ca, cm, cb, inv)
+            out, coefs = empty(place, (M, N)) if save else z, empty(place, (4, N), acc)  # (ca, cm, cb, inv)
             c0 = ptr(coefs)
             cb = c0 + 2 * step
             launch_all(place, ((coef, *coef_launch, coef_args + (c0, c0 + step, cb, cb + step), 0),
                                apply_(zp, ptr(out), c0, c0 + step, cb, 0)))
-            return out, z, coefs
+            return (out, z, coefs) if save else out
 
         return run_eval
 
     # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv), the GEMM's partial
     # statistics (PART_ROWS * mtiles, N), then its split-K workspace (if any).
-    bm = kernel.bm
+    bm = product.bm
     mtiles = cdiv(M, bm)
     part_end = (4 + PART_ROWS * mtiles) * N
-    scratch = part_end + kernel.workspace
-    ws_off = part_end * ITEMSIZE[acc] if kernel.workspace else 0  # (split K: acc is the dtype)
+    scratch = part_end + product.workspace
+    ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K: acc is the dtype)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
     sizes = tuple(scalar(v, "int") for v in (mtiles, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
@@ -348,17 +347,18 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
     # With ``save`` the coefficients the backward keeps are a view of the buffer's head
     # (one allocation less a call), unless a split-K workspace would be kept with them.
-    own_coefs = save and kernel.workspace
+    own_coefs = save and product.workspace
 
     def run_train(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt):
         # The GEMM goes out first, and the rest is allocated while it runs: a step begins
         # with the host's cold allocations, which the GPU would otherwise wait for (H200,
         # 1024x8192 "high", benchmarked: the first kernel began 57 us into the step in
         # training mode, 146 us in eval mode, when every buffer came first; now 26 / 30).
-        buf, z = empty(place, (scratch,), acc), empty(place, (M, N))  # (held to the launches)
-        b0, zp = ptr(buf), ptr(z)
+        buf = empty(place, (scratch,), acc)  # (held to the launches)
+        b0 = ptr(buf)
         part = b0 + 4 * step
-        launch_all(place, gemm_(ptr(x), ptr(weight), zp, 0, 0, 0, part, b0 + ws_off if ws_off else 0))
+        z = product(x, weight, part, b0 + ws_off if ws_off else 0)
+        zp = ptr(z)
         out = empty(place, (M, N)) if save else z  # (without save bn_apply runs in place)
         coefs = empty(place, (4, N), acc) if own_coefs else None
         c0, n = ptr(coefs) if own_coefs else b0, ptr(nbt)
@@ -374,6 +374,47 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         return out
 
     return run_train
+
+
+class _ZProduct:
+    """z = x @ W.T for :func:`_plan`, on our GEMM or the vendor's (``vendor``:
+    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=0) -> z``, a new
+    C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for none), z's per-tile
+    column statistics there (tiles of ``bm`` rows: the GEMM's epilogue, or a pass of its
+    own after the vendor's); ``workspace``: the elements of a split K's ``ws`` (ours; a
+    pointer, or None: allocated for the call);
+    ``kernel`` / ``gemm``: our GEMM and its launches (:func:`cupykern.gemm.gemm_call`),
+    for an epilogue of the caller's own."""
+
+    __slots__ = ("vendor", "kernel", "gemm", "bm", "workspace", "_place", "_shape", "_linear",
+                 "_stats")
+
+    def __init__(self, a, b, precision):
+        M, N = a.shape[0], b.shape[0]
+        self._place, self._shape = Place(a), (M, N)
+        self.vendor = fused_vendor(a, b, precision)
+        if self.vendor:
+            self.kernel = self.gemm = None
+            self.bm, self.workspace = STATS_BM, 0
+            self._linear = vendor_linear(a.kind, precision)
+            self._stats = statistics_call(self._place, M, N)
+        else:
+            self.kernel = gemm_kernel(a, b, precision)
+            self.gemm = gemm_call(self.kernel, a, b, N)
+            self.bm, self.workspace = self.kernel.bm, self.kernel.workspace
+
+    def __call__(self, x, weight, part, ws=None):
+        place, ptr = self._place, self._place.ptr
+        if self.vendor:
+            z = self._linear(x, weight)
+            if part:
+                launch_all(place, (self._stats(ptr(z), part),))
+            return z
+        held = workspace(place, self.kernel) if ws is None else None  # (to the launches)
+        z = empty(place, self._shape)
+        launch_all(place, self.gemm(ptr(x), ptr(weight), ptr(z), 0, 0, 0, part,
+                                    ptr(held) if ws is None else ws))
+        return z
 
 
 def check_real(v, name: str) -> float:

@@ -114,20 +114,23 @@ __device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long lo
 // each (a tile of BM = THREADS / COLS * ROWS rows: many threads with few rows each keep
 // enough loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
 // the sum before the epilogue, as the GEMM kernels compute them, merged in group order.
+// The same pass, with S == 1 and no c, gives the statistics of a product made elsewhere
+// (the vendor's z of a fused op): ws is then of any T (16-bit too, read as stored), the
+// sums and statistics of its accumulation type A (split K's slabs are of A: T == A).
 template <typename T, int THREADS, int ROWS, int COLS>
 __global__ void __launch_bounds__(THREADS)
 splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
-              const T* __restrict__ bias, const T* __restrict__ alpha, const T* __restrict__ beta,
-              T* __restrict__ part) {
-  static_assert(sizeof(T) >= 4, "splitk_reduce: float32 / float64 slabs (the accumulation type)");
+              const T* __restrict__ bias, const typename acc_of<T>::type* __restrict__ alpha,
+              const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
+  typedef typename acc_of<T>::type A;
   static_assert(COLS == 32, "splitk_reduce: a warp spans the block's columns (coalesced slab rows)");
   static_assert(THREADS % COLS == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
   constexpr int GROUPS = THREADS / COLS;
-  __shared__ T s_mean[GROUPS * COLS], s_m2[GROUPS * COLS], s_cnt[GROUPS];
+  __shared__ A s_mean[GROUPS * COLS], s_m2[GROUPS * COLS], s_cnt[GROUPS];
   const int col = threadIdx.x % COLS, grp = threadIdx.x / COLS;
   const int n = blockIdx.x * COLS + col, m0 = blockIdx.y * GROUPS * ROWS + grp * ROWS;
   const long long slab = (long long)M * N;
-  T v[ROWS];
+  A v[ROWS];
   bool valid[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
@@ -139,21 +142,23 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
   for (int z = 0; z < S; ++z, p += slab)  // 4 * ROWS independent loads in flight
 #pragma unroll
     for (int i = 0; i < ROWS; ++i)
-      if (valid[i]) v[i] += p[(long long)i * N];
+      if (valid[i]) v[i] += to_acc(p[(long long)i * N]);
+  if (c) {
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i)
-    if (valid[i]) c[(long long)(m0 + i) * ldc + n] = epilogue(v[i], n, bias, alpha, beta);
+    for (int i = 0; i < ROWS; ++i)
+      if (valid[i]) c[(long long)(m0 + i) * ldc + n] = from_acc<T>(epilogue(v[i], n, bias, alpha, beta));
+  }
   if (!part) return;
   for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
-    T cnt, a, b;
+    A cnt, a, b;
     if (range) local_range(v, valid, a, b);
     else local_stats(v, valid, cnt, a, b);
     s_mean[grp * COLS + col] = a;
     s_m2[grp * COLS + col] = b;
     if (!range && col == 0) s_cnt[grp] = max(0, min(ROWS, M - m0));
     __syncthreads();
-    if (range) merge_range<T, GROUPS, COLS>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
-    else merge_slots<T, GROUPS, COLS>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
+    if (range) merge_range<A, GROUPS, COLS>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
+    else merge_slots<A, GROUPS, COLS>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
     __syncthreads();
   }
 }

@@ -63,6 +63,9 @@ class Vendor:
 
     @staticmethod
     def linear(x, weight, bias, precision):
+        if torch._C._is_any_autocast_enabled():  # (a fused op's product, in x's dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                return Vendor.linear(x, weight, bias, precision)
         N, K = weight.shape
         if x.dtype in _HALF and N % 8:
             pad = core.padded_n(x.numel() // K if K else 0, N, K, str(x.dtype)[6:]) - N
@@ -73,6 +76,9 @@ class Vendor:
 
     @staticmethod
     def matmul(a, b, precision):
+        if torch._C._is_any_autocast_enabled():  # (a fused op's product, in a's dtype)
+            with torch.autocast(a.device.type, enabled=False):
+                return Vendor.matmul(a, b, precision)
         if a.dtype in _HALF and b.dim() > 1 and b.shape[-1] % 8:
             N, K = b.shape[-1], b.shape[-2]
             pad = core.padded_n(a.numel() // K if K else 0, N, K, str(a.dtype)[6:]) - N
