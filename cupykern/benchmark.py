@@ -39,26 +39,36 @@ def require_gpu() -> None:
 def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:
     """Median milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
     untimed ``setup()`` run before each call)."""
+    return time_each((fn,), iters=iters, warmup=warmup, flush=flush, setup=setup)[0]
+
+
+def time_each(fns, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> list:
+    """:func:`time_ms` of each of ``fns``, their calls interleaved (one of each per
+    round), so that every function meets the same drift of clocks and host load: what
+    makes a comparison of host-bound calls (whose times swing by tens of percent between
+    seconds on the GPU machines here) fair."""
     import torch
 
     scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush else None
     for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    times = []
+        for fn in fns:
+            if setup:
+                setup()
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        if setup:
-            setup()
-        if scratch is not None:
-            scratch.zero_()  # evicts the 50-60 MB L2
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            if setup:
+                setup()
+            if scratch is not None:
+                scratch.zero_()  # evicts the 50-60 MB L2
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end))
+    return [statistics.median(ts) for ts in times]
 
 
 def graph_us(fn, *, calls: int = 50, reps: int = 5) -> float:

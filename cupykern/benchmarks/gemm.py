@@ -37,7 +37,7 @@ import time
 
 import cupykern
 from cupykern.benchmark import (compiled, copy_ms, graph_us, print_rows, require_gpu, summarize,
-                                sweep_row, tflops, time_ms, torch, write_sweep)
+                                sweep_row, tflops, time_each, time_ms, torch, write_sweep)
 
 
 @contextlib.contextmanager
@@ -294,7 +294,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
     ours = lambda: fn(*args, precision=prec)  # noqa: E731
     with matmul_precision(prec or "highest"):
         eager = lambda: theirs(*args)  # noqa: E731
-        t_ours, t_eager = time_ms(ours, iters=iters), time_ms(eager, iters=iters)
+        t_ours, t_eager = time_each((ours, eager), iters=iters)
         t_comp = None
         if compile_:
             torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
@@ -327,30 +327,34 @@ GSBN_GRID = [(64, 512, 512), (128, 1024, 512), (256, 4096, 4096), (2048, 2048, 2
              (8192, 1024, 1024), (1024, 8192, 8192), (16384, 4096, 4096)]
 
 
-# GemmScaleBatchNorm's modes: float32 at torch's "highest" / "high", and float32 model
-# and inputs under bfloat16 autocast (PyTorch's Linear then runs in bf16, BatchNorm in
-# float32; ours keeps float32 with a TF32 GEMM, see cupykern.torch.gemm.resolve_precision).
+# GemmScaleBatchNorm's modes (dtype, precision): float32 at torch's "highest" / "high",
+# float32 model and inputs under bfloat16 autocast (PyTorch's Linear then runs in bf16,
+# BatchNorm in float32; ours keeps float32 with a TF32 GEMM, or runs PyTorch's own
+# composition for big products: cupykern.torch.gemm_scale_batchnorm.AUTOCAST_VENDOR_WORK),
+# and the model converted to each other dtype.
 AUTOCAST = "bf16-autocast"
-GSBN_MODES = ("highest", "high", AUTOCAST)
+GSBN_MODES = [("float32", "highest"), ("float32", "high"), ("float32", AUTOCAST),
+              *((dtype, None) for dtype, _ in MODES[2:])]
 
 
-def _gsbn_point(kind, shape, prec, peaks, bw, iters):
+def _gsbn_point(kind, shape, dtype, prec, peaks, bw, iters):
     """GemmScaleBatchNorm (training mode) against the PyTorch model, eager: the forward
-    (no grad) or a training step (forward + backward of every parameter and x), at
-    float32 ``prec`` (or AUTOCAST); errors against the model run in float64 (forward
-    output; step: dW)."""
+    (no grad) or a training step (forward + backward of every parameter and x), both
+    models in ``dtype`` at float32 ``prec`` (or AUTOCAST); errors against the model run
+    in float64 (forward output; step: dW)."""
     import copy
 
     from cupykern.models import gemm_scale_batchnorm as model3
 
     M, K, N = shape
+    dt = getattr(torch, dtype)
     torch.manual_seed(0)
-    ref = model3.Model(K, N, (N,)).cuda()
+    ref = model3.Model(K, N, (N,)).cuda().to(dt)
     torch.manual_seed(0)
-    new = model3.ModelNew(K, N, (N,)).cuda()
+    new = model3.ModelNew(K, N, (N,)).cuda().to(dt)
     ref64 = copy.deepcopy(ref).double()
-    x = torch.rand(M, K, device="cuda", requires_grad=kind == "step")
-    g = torch.randn(M, N, device="cuda")
+    x = torch.rand(M, K, device="cuda", dtype=dt, requires_grad=kind == "step")
+    g = torch.randn(M, N, device="cuda", dtype=dt)
     x64 = x.detach().double().requires_grad_(kind == "step")
     models = (ref, new, ref64)
     region = (lambda: torch.autocast("cuda", torch.bfloat16)) if prec == AUTOCAST else contextlib.nullcontext
@@ -367,16 +371,16 @@ def _gsbn_point(kind, shape, prec, peaks, bw, iters):
         with region():
             return m(xi)
 
-    with matmul_precision("highest" if prec == AUTOCAST else prec):
+    with matmul_precision(prec if prec in ("highest", "high") else "highest"):
         if kind == "forward":
             with torch.no_grad():
-                t_new, t_ref = (time_ms(lambda m=m: run(m, x), iters=iters) for m in (new, ref))
+                t_new, t_ref = time_each([lambda m=m: run(m, x) for m in (new, ref)], iters=iters)
                 want = ref64(x64)
                 err = {k: ((run(m, x).double() - want).abs().max() / want.abs().max()).item()
                        for k, m in (("err_ours", new), ("err_torch", ref))}
         else:
-            t_new, t_ref = (time_ms(lambda m=m: run(m, x).backward(g), iters=iters, setup=clear)
-                            for m in (new, ref))
+            t_new, t_ref = time_each([lambda m=m: run(m, x).backward(g) for m in (new, ref)],
+                                     iters=iters, setup=clear)
             clear()
             for m, xi, gi in ((new, x, g), (ref, x, g), (ref64, x64, g.double())):
                 run(m, xi).backward(gi)
@@ -385,11 +389,26 @@ def _gsbn_point(kind, shape, prec, peaks, bw, iters):
                    for k, m in (("err_ours", new), ("err_torch", ref))}
             clear()
     work = (1 if kind == "forward" else 3) * 2 * M * N * K
-    t_math = work / peaks["float32", "high" if prec == AUTOCAST else prec]
-    t_bytes = 4 * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
-    return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", "float32", prec, t_new, t_ref, None,
+    t_math = work / peaks[dtype, "high" if prec == AUTOCAST else prec]
+    isz = torch.finfo(dt).bits // 8
+    t_bytes = isz * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
+    return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", dtype, prec or "-", t_new, t_ref, None,
                      max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
-                     route="fused", **err)
+                     route=_gsbn_route(x, new.gemm.weight, prec, region), **err)
+
+
+def _gsbn_route(x, w, prec, region):
+    """How ours ran: "fused" (our GEMM and epilogue), "vendor+bn" (the vendor's GEMM, our
+    BatchNorm passes) or "torch" (PyTorch's composition: big products under autocast)."""
+    from cupykern import gemm
+    from cupykern._array import operand
+    from cupykern.torch import gemm_scale_batchnorm as tgsbn
+
+    with region():
+        if tgsbn._autocast_vendor(x, w):
+            return "torch"
+    precision = prec if prec in gemm.PRECISIONS else "high"
+    return "vendor+bn" if gemm.fused_vendor(operand(x, "x"), operand(w, "w"), precision) else "fused"
 
 
 def _route_name(op, args, prec):
@@ -415,15 +434,15 @@ def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
     start, rows = time.monotonic(), []
     points = [("linear", s) for s in GRID] + [("matmul", s) for s in GRID + [BATCHED]]
     todo = [(op, shape, dtype, prec) for op, shape in points for dtype, prec in MODES]
-    todo += [(f"gsbn {kind}", shape, "float32", prec) for kind in ("forward", "step")
-             for shape in GSBN_GRID for prec in GSBN_MODES]
+    todo += [(f"gsbn {kind}", shape, dtype, prec) for kind in ("forward", "step")
+             for shape in GSBN_GRID for dtype, prec in GSBN_MODES]
     todo = [t for t in todo if t[0].split()[0] in ops]
     for i, (op, shape, dtype, prec) in enumerate(todo):
         if time.monotonic() - start > budget_s:
             print(f"(time budget of {budget_s} s spent: {len(todo) - i} points not run)")
             break
         if op.startswith("gsbn"):
-            rows.append(_gsbn_point(op[5:], shape, prec, peaks, bw, iters))
+            rows.append(_gsbn_point(op[5:], shape, dtype, prec, peaks, bw, iters))
         else:
             rows.append(_sweep_point(op, shape, dtype, prec, peaks, bw, iters,
                                      not quick and op == "linear", paths))
