@@ -21,8 +21,8 @@ Precision of float32 inputs follows PyTorch's names (on our kernels; the vendor'
 float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
 float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
-float32 "highest"/"high" with 16-byte aligned rows use wgmma (sm_90a); everything
-else uses mma.sync (sm_80+). Below sm_80 (Turing: T4, RTX 20) every dtype runs on the
+float32 "highest"/"high" with 16-byte aligned rows, and float16 / bfloat16 with K-major
+16-byte aligned rows, use wgmma (sm_90a); everything else uses mma.sync (sm_80+). Below sm_80 (Turing: T4, RTX 20) every dtype runs on the
 CUDA-core kernel, accumulating in float32 (float64 for float64): fp32-accurate at
 every precision, but without tensor cores.
 """
@@ -50,28 +50,34 @@ _HALF = 3  # float16 / bfloat16 tensor-core mode
 # smem row padded by 16 bytes (ldmatrix / cp.async conflict-free).
 _MMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 4}
 _MMA["SMEM"] = _MMA["STAGES"] * (_MMA["BM"] + _MMA["BN"]) * (128 + 16)
-# gemm_wgmma (Hopper, float32 "highest"/"high", 16-byte aligned rows): per mode, stages of
-# 32-float K slices of A and B (3xTF32 also B's remainders), 3 mbarriers per stage, 1 KB
-# alignment slack; a producer warpgroup and two consumer warpgroups.
+# gemm_wgmma (Hopper: float32 "highest"/"high" with 16-byte aligned rows; float16 /
+# bfloat16 (_HALF) with K-major, 16-byte aligned rows, by TMA): per mode, stages of K
+# slices of KS elements (one 128-byte swizzled row: 32 floats or 64 halves) of A and B
+# (3xTF32 also B's remainders), 3 mbarriers per stage, 1 KB alignment slack; a producer
+# warpgroup and two consumer warpgroups. 16-bit takes TF32's constants: a slice is the
+# same bytes, and its 4 m64n256k16 wgmma do twice the work of TF32's 4 m64n256k8 at twice
+# the tensor cores' rate.
 _WGMMA = {}
-for _m, _bn in ((0, 128), (1, 256)):
+for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
     # BOX: rows per bulk tensor copy (TMA) of a K slice; H100 "high", x cuBLAS TF32 (same
     # run, medians of 5): 64 rows 0.96 / 0.93 / 1.00 at 1024x8192x8192 / 16384x4096x4096 /
     # 8192^3, 128 rows 0.97 / 0.89 / 0.96, 32 rows 0.97 / 0.89 / 1.01, cp.async 0.95 / 0.92 / 0.91.
-    _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4, "BOX": 64}
+    _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4, "BOX": 64,
+                       "KS": 64 if _m == _HALF else 32}
     # CLUSTER: CTAs of two consecutive M tiles (same N tile) load half of each B slice
     # each, multicast to both (TF32 with TMA, where the M tiles pair up): TF32 at 128 x 256
     # tiles reads ~10 TB/s of operands from L2; H100 "high" with half of B read (the
     # probe for this), 1024x8192 x 8192x8192: forward 0.358 -> 0.336 ms, dx 0.342 ->
     # 0.311, dW 0.393 -> 0.365. 3xTF32 does three times the math per byte: one CTA.
-    _c["CLUSTER"] = 2 if _m == 1 else 1
+    # 16-bit reads operands at TF32's rate of bytes per tensor-core second: clusters too.
+    _c["CLUSTER"] = 1 if _m == 0 else 2
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
 # The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
 # cuBLAS's error on mixed-sign data); 3xTF32 splits the raw fp32 bits itself.
-_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32}
+_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32, "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
@@ -83,6 +89,7 @@ _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 ti
 # with 4; 16-row tiles of statistics made GSBN's merge longer.
 _SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4, "COLS": 32}
 _SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
+assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))  # (16-bit never splits)
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
@@ -96,11 +103,12 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
             f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
-def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
+def _wgmma_expr(dtype: str, mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
                 tc: bool = False, cl: int = 1) -> str:
     c = _WGMMA[mode]
-    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {cl}, "
-            f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}, {_SPLIT['ALIGN']}>")
+    return (f"gemm_wgmma<{CTYPE[dtype]}, {mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, "
+            f"{c['BOX'] if tma else 0}, {cl}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, "
+            f"{c['SMEM']}, {c['KS']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -130,15 +138,18 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-# K-major operands are loaded by bulk tensor copies (TMA), a transposed B by cp.async;
-# a transposed A by TMA too, its fragments taken to registers, and then the product may
-# be stored transposed (mm's swapped product, see _swaps). TMA kernels also come in
-# clusters (CLUSTER > 1).
-_loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma, False, cl) for m in _WGMMA
+# float32: K-major operands are loaded by bulk tensor copies (TMA), a transposed B by
+# cp.async; a transposed A by TMA too, its fragments taken to registers, and then the
+# product may be stored transposed (mm's swapped product, see _swaps). 16-bit: K-major
+# operands by TMA only. TMA kernels also come in clusters (CLUSTER > 1).
+_F32_WGMMA = (0, 1)
+_loader.register(_FILE, [_wgmma_expr("float32", m, ta, tb, tma, False, cl) for m in _F32_WGMMA
                          for ta, tb in _TRANSPOSES for tma in {False, not tb} if tma or ta or tb
                          for cl in {1, _WGMMA[m]["CLUSTER"] if tma else 1}]
-                 + [_wgmma_expr(m, True, False, True, True, cl) for m in _WGMMA
-                    for cl in {1, _WGMMA[m]["CLUSTER"]}],
+                 + [_wgmma_expr("float32", m, True, False, True, True, cl) for m in _F32_WGMMA
+                    for cl in {1, _WGMMA[m]["CLUSTER"]}]
+                 + [_wgmma_expr(d, _HALF, tma=True, cl=cl) for d in ("float16", "bfloat16")
+                    for cl in {1, _WGMMA[_HALF]["CLUSTER"]}],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
@@ -257,19 +268,22 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
+    mma = _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
+                  lda, ldb)
     if not (mode in _WGMMA and hopper):
-        return _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
-                       lda, ldb)
+        return mma
     cfg = _WGMMA[mode]
     # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
+    if mode == _HALF and (ta or not tma):
+        return mma  # 16-bit wgmma: K-major operands by TMA only
     # a cluster's CTAs take M tiles 2i, 2i + 1 of one N tile (an even count of M tiles
     # keeps every raster group's pairs together)
     cl = cfg["CLUSTER"] if tma and cdiv(M, cfg["BM"]) % cfg["CLUSTER"] == 0 else 1
-    return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta, cl), cfg,
-                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
+    return _Choice(_wgmma_expr(dt, mode, ta, tb, tma, tc and tma and ta, cl), cfg,
+                   _tensor_maps(tma, ta, dt, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
 
 
 def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
@@ -292,14 +306,15 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
                   ldb)._replace(maps=maps, a_mn=a_mn)
 
 
-def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
+def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
+                 lda: int, ldb: int):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: the tensor maps of A (M x K) and B (N x K) in
-    boxes of BOX rows of one 32-float K slice (a transposed A: its K x M storage in boxes
-    of one K slice x 32 columns), or two unused ones without TMA."""
+    boxes of BOX rows of one K slice (a transposed A: its K x M storage in boxes of one K
+    slice x 32 columns), or two unused ones without TMA."""
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
-    dt = _MAP_DTYPE[mode]
-    k = _SPLIT["ALIGN"]  # the kernel's K slice: one 128-byte swizzled row of floats
+    dt = _MAP_DTYPE[mode if dtype == "float32" else dtype]
+    k = cfg["KS"]  # the kernel's K slice: one 128-byte swizzled row
     # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
     ma = _tma.row_maps(K, M, lda, k, k, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
     mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
