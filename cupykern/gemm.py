@@ -38,7 +38,7 @@ from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, 
                      contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
                      require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
                      torch_layer)
-from ._geometry import cdiv, row_stride, vector_aligned
+from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
@@ -80,16 +80,17 @@ for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
 _MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32, "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
-# Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
-# K chunks (of a length of at least MIN_K, a multiple of ALIGN: the float32 kernels' K
-# slice; the last chunk may be shorter) when it would fill at most a quarter of the SMs;
+# Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
+# few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
+# kernel's K slice: ALIGN, the float32 kernels' slice, or gemm_wgmma's KS; the last chunk
+# may be shorter) when it would fill at most a quarter of the SMs;
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
 # with 4; 16-row tiles of statistics made GSBN's merge longer.
 _SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4, "COLS": 32}
 _SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
-assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))  # (16-bit never splits)
+assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
@@ -153,6 +154,7 @@ _loader.register(_FILE, [_wgmma_expr("float32", m, ta, tb, tma, False, cl) for m
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
 _loader.register(_FILE, [_reduce_expr(d) for d in ("float32", "float64")])
+_loader.register(_FILE, [_reduce_expr(d) for d in ("float16", "bfloat16")], min_cc=90, max_cc=90)
 
 
 def check_precision(precision) -> str:
@@ -221,7 +223,8 @@ def layout(o):
 class Gemm(NamedTuple):
     """How :func:`gemm_kernel` computes ``a @ b.T``: the GEMM kernel and its launch
     geometry; ``splits`` K chunks of ``kchunk`` (1 and K: no split), whose slabs
-    ``reduce`` adds from a ``workspace`` of that many elements (of the dtype); ``bm`` the
+    ``reduce`` adds from a ``workspace`` of that many elements (of the accumulation type:
+    float32 for 16-bit); ``bm`` the
     M-tile height of the partial statistics (GSBN); ``lda`` / ``ldb`` the operands' strides
     as :func:`layout` reads them."""
     fn: object
@@ -293,17 +296,17 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
     expr, cfg, maps, a_mn, lda, ldb, cl = _choose(a, b, precision, transposed_c)
-    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg)) == 1), "no transposed store"
+    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg), cfg) == 1), "no transposed store"
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
-        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb)
+        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb, cfg)
     fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
         grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
-    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
-                  ldb)._replace(maps=maps, a_mn=a_mn)
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb,
+                  cfg)._replace(maps=maps, a_mn=a_mn)
 
 
 def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
@@ -321,13 +324,15 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
     return lambda ap, bp: (ma(ap), mb(bp))
 
 
-def _splits(a, tiles: int) -> int:
+def _splits(a, tiles: int, cfg) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
-    splits: where the tiles fill at most a quarter of the SMs and the dtype is float32 /
-    float64 (_SPLIT)."""
+    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most a
+    quarter of the SMs and the dtype is float32 / float64, or 16-bit on gemm_wgmma (whose
+    slabs hold float sums; gemm_mma's and gemm_simple's would hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
-    if a.dtype not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
+    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or 4 * tiles > sms \
+            or splits < 2:
         return 1
     return splits
 
@@ -336,15 +341,17 @@ def _tiles(M: int, N: int, cfg) -> int:
     return cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
 
 
-def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
-    """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K as :func:`_splits` says."""
+def _split(fn, grid, block, smem, bm, a, b, lda, ldb, cfg) -> Gemm:
+    """The :class:`Gemm` of kernel ``fn`` (launch constants ``cfg``) on ``grid``, split over
+    K as :func:`_splits` says."""
     (M, K), N, dt = a.shape, b.shape[0], a.dtype
-    splits = _splits(a, int(np.prod(grid)))
+    splits = _splits(a, int(np.prod(grid)), cfg)
     if splits == 1:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
-    # whole 32-float K slices per chunk: the TMA loads address the whole tensor, so a
-    # slice crossing into the next chunk would be added twice
-    kchunk = cdiv(cdiv(K, splits), _SPLIT["ALIGN"]) * _SPLIT["ALIGN"]
+    # whole K slices per chunk (32 floats, or gemm_wgmma's KS): the TMA loads address the
+    # whole tensor, so a slice crossing into the next chunk would be added twice
+    align = cfg.get("KS", _SPLIT["ALIGN"])
+    kchunk = cdiv(cdiv(K, splits), align) * align
     splits = cdiv(K, kchunk)
     reduce = _loader.function(_FILE, _reduce_expr(dt), a.device)
     grid = (*grid, 1)[:2] + (splits,)  # block z takes K chunk z
@@ -375,7 +382,7 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
 def workspace(place, kernel: Gemm):
     """A fresh workspace for ``kernel``'s split K (None without a split): held by the
     caller until the launch is queued."""
-    return empty(place, (kernel.workspace,)) if kernel.workspace else None
+    return empty(place, (kernel.workspace,), acc_dtype(place.dtype)) if kernel.workspace else None
 
 
 def gemm(a, b, c, precision: str, bias=None, part=None, kernel=None) -> None:
@@ -524,7 +531,7 @@ def _swaps(a, b, work: int, precision: str) -> bool:
     if _read_mode(b, work)[0] != "transpose" or _read_mode(a, work)[0] != "view" or layout(a)[0]:
         return False
     choice = _choose(b, a, precision, True)
-    return choice.a_mn and _splits(b, _tiles(b.shape[0], a.shape[0], choice.cfg)) == 1
+    return choice.a_mn and _splits(b, _tiles(b.shape[0], a.shape[0], choice.cfg), choice.cfg) == 1
 
 
 def _planned_swapped(a, b, precision: str):
@@ -685,8 +692,12 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # 1x4096x4096 440 us against 35 (0.08x, the issue's figure).
     if dtype == "float64":
         return VENDOR
-    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192x8192 bf16
-    # 560 us against 179 (0.32x); 16384x64x4096 0.16x; 128x4096x4096 fp16 0.22x.
+    # float16 / bfloat16: ours was mma.sync, a third of cuBLAS's wgmma (1024x8192x8192 bf16
+    # 560 us against 179, 0.32x). Ours on Hopper's wgmma (K-major aligned rows) still
+    # never wins (H200, 2026-11-26, bf16, one run, three alternating medians each):
+    # 1024x8192x8192 0.97x, 2048x8192x8192 0.95x, 512x8192x8192 0.98x, 1024x4096x16384
+    # 0.86x, 8192^3 0.98x, 4096^3 0.92x, 16384x4096x4096 0.94x, 2048^3 0.94x; and few
+    # tiles lose by far without split K (256x4096x4096 0.48x, 128x1024x512 0.41x).
     if dtype != "float32":
         return VENDOR
     c, work = _ROUTE, M * N * K

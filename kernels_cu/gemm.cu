@@ -16,13 +16,15 @@
 //   MODE 3  native float16 / bfloat16 inputs.
 // gemm_simple: CUDA-core kernel for float64, and for every dtype below sm_80 (no mma.sync).
 //
-// Split K (every kernel): block z of a grid with gridDim.z > 1 multiplies the K chunk
-// [z*kchunk, (z+1)*kchunk) and stores its raw sum to slab z of c, an M x ldc workspace
-// of T per slab; splitk_reduce then adds the slabs in slab order (deterministic) and
-// applies the epilogue and the statistics. Small grids thus fill the GPU (128x1024 @
-// 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of the float32 kernels' 32-float
-// K slice, which keeps the slices' alignment (16-bit types never split). Without a
-// split, gridDim.z == 1 and kchunk >= K.
+// Split K (every float32 / float64 kernel, and gemm_wgmma's 16-bit mode): block z of a
+// grid with gridDim.z > 1 multiplies the K chunk [z*kchunk, (z+1)*kchunk) and stores its
+// raw sum to slab z of c, an M x ldc workspace per slab of the accumulation type (T for
+// float32 / float64, float for 16-bit T); splitk_reduce then adds the slabs in slab order
+// (deterministic) and applies the epilogue and the statistics. Small grids thus fill
+// the GPU (128x1024 @ 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of the
+// kernel's K slice (32 floats, 64 halves), which keeps the slices' alignment (gemm_mma
+// and gemm_simple never split 16-bit types). Without a split, gridDim.z == 1 and
+// kchunk >= K.
 //
 // Epilogue (all kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
@@ -109,32 +111,33 @@ __device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long lo
   K = min((long long)kchunk, K - k0);
 }
 
-// Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each), in slab
-// order). A block is COLS columns (a warp) by THREADS / COLS row groups of ROWS rows
-// each (a tile of BM = THREADS / COLS * ROWS rows: many threads with few rows each keep
-// enough loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
-// the sum before the epilogue, as the GEMM kernels compute them, merged in group order.
+// Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each, of the
+// accumulation type A), in slab order), rounded to T. A block is COLS columns (a warp) by
+// THREADS / COLS row groups of ROWS rows each (a tile of BM = THREADS / COLS * ROWS rows:
+// many threads with few rows each keep enough loads in flight). If `part`, each column's
+// (mean, M2, min, max) over the tile's rows of the sum before the epilogue rounded to T,
+// as the GEMM kernels compute them, merged in group order.
 template <typename T, int THREADS, int ROWS, int COLS>
 __global__ void __launch_bounds__(THREADS)
-splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
-              const T* __restrict__ bias, const T* __restrict__ alpha, const T* __restrict__ beta,
-              T* __restrict__ part) {
-  static_assert(sizeof(T) >= 4, "splitk_reduce: float32 / float64 slabs (the accumulation type)");
+splitk_reduce(const typename acc_of<T>::type* __restrict__ ws, int S, int M, int N, T* __restrict__ c,
+              long long ldc, const T* __restrict__ bias, const typename acc_of<T>::type* __restrict__ alpha,
+              const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
+  typedef typename acc_of<T>::type A;  // (T itself for float32 / float64)
   static_assert(COLS == 32, "splitk_reduce: a warp spans the block's columns (coalesced slab rows)");
   static_assert(THREADS % COLS == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
   constexpr int GROUPS = THREADS / COLS;
-  __shared__ T s_mean[GROUPS * COLS], s_m2[GROUPS * COLS], s_cnt[GROUPS];
+  __shared__ A s_mean[GROUPS * COLS], s_m2[GROUPS * COLS], s_cnt[GROUPS];
   const int col = threadIdx.x % COLS, grp = threadIdx.x / COLS;
   const int n = blockIdx.x * COLS + col, m0 = blockIdx.y * GROUPS * ROWS + grp * ROWS;
   const long long slab = (long long)M * N;
-  T v[ROWS];
+  A v[ROWS];
   bool valid[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     valid[i] = n < N && m0 + i < M;
     v[i] = 0;
   }
-  const T* p = ws + (long long)m0 * N + n;
+  const A* p = ws + (long long)m0 * N + n;
 #pragma unroll 4
   for (int z = 0; z < S; ++z, p += slab)  // 4 * ROWS independent loads in flight
 #pragma unroll
@@ -142,18 +145,20 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
       if (valid[i]) v[i] += p[(long long)i * N];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i)
-    if (valid[i]) c[(long long)(m0 + i) * ldc + n] = epilogue(v[i], n, bias, alpha, beta);
+    if (valid[i]) c[(long long)(m0 + i) * ldc + n] = from_acc<T>(epilogue(v[i], n, bias, alpha, beta));
   if (!part) return;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) v[i] = to_acc(from_acc<T>(v[i]));  // the sums as stored in T
   for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
-    T cnt, a, b;
+    A cnt, a, b;
     if (range) local_range(v, valid, a, b);
     else local_stats(v, valid, cnt, a, b);
     s_mean[grp * COLS + col] = a;
     s_m2[grp * COLS + col] = b;
     if (!range && col == 0) s_cnt[grp] = max(0, min(ROWS, M - m0));
     __syncthreads();
-    if (range) merge_range<T, GROUPS, COLS>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
-    else merge_slots<T, GROUPS, COLS>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
+    if (range) merge_range<A, GROUPS, COLS>(s_mean, s_m2, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
+    else merge_slots<A, GROUPS, COLS>(s_mean, s_m2, s_cnt, part, threadIdx.x, blockIdx.y, blockIdx.x * COLS, N);
     __syncthreads();
   }
 }
@@ -1097,7 +1102,8 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], T* __rest
 // T: float (MODE 0, 1), or half_t / bf16_t (MODE 3, gemm_mma's 16-bit mode): KS is then
 // 64 elements (a slice row is 128 bytes whatever the type) and each of its 4 K steps one
 // m64n256k16 wgmma. 16-bit comes K-major by TMA only (transposed operands stay on
-// gemm_mma), never splits K, and otherwise runs MODE 1's pipeline, clusters included.
+// gemm_mma); with split K its slabs hold the raw float sums (splitk_reduce rounds); and
+// otherwise it runs MODE 1's pipeline, clusters included.
 template <typename T, int MODE, bool TA, bool TB, bool TC, int BOX, int CL, int BM, int BN, int THREADS,
           int STAGES, int SMEM, int KS>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -1143,8 +1149,10 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
-  // 32-float slice (gemm.py, _SPLIT["ALIGN"]), so no slice reaches the next chunk.
+  // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
+  // chunk's slab of float sums in the workspace c.)
   const int kbase = blockIdx.z * kchunk;
+  float* const slab = reinterpret_cast<float*>(c) + (long long)blockIdx.z * M * ldc;
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   const int ktiles = (K + KS - 1) / KS;
   // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
@@ -1332,8 +1340,14 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
     wg_fence_regs(acc);
     if (MODE != 0 && !A_MN && ktiles > 0) release((it - 1) % STAGES);  // (the producers' exit waits for it)
     const auto store = [&](const float (&res)[R]) {
-      if constexpr (TC) wg_store_t<T, BN>(res, c, M, N, ldc, m0, n0);
-      else wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      if constexpr (TC) {
+        wg_store_t<T, BN>(res, c, M, N, ldc, m0, n0);
+      } else if constexpr (MODE == 3) {  // (gemm.py passes no epilogue or part to a split)
+        if (gridDim.z > 1) wg_store<float, BM, BN>(res, smem, slab, M, N, ldc, m0, n0, nullptr, nullptr, nullptr, nullptr);
+        else wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      } else {
+        wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      }
     };
     if constexpr (MODE == 0) store(pro);
     else store(acc);

@@ -258,12 +258,15 @@ def _col_major(t):
 
 # ---- float16 / bfloat16 on Hopper's wgmma (gemm_wgmma MODE 3): K-major rows, 16-byte
 # aligned, loaded by TMA; 128 x 256 tiles, K slices of 64 elements, clusters of two CTAs
-# where the M tiles pair up (129, 255, 256 and 1000 rows; 1, 128, 257 and 384 rows run
-# alone). Shapes: M, N of 1, tile edges +-1, K below, at and past one slice, a partial last
-# slice (4104 = 64 * 64 + 8). On other GPUs the same checks run gemm_mma's 16-bit mode.
-HALF_SHAPES = [(1, 1, 8), (1, 256, 64), (127, 255, 56), (128, 256, 64), (129, 257, 72),
-               (256, 512, 128), (255, 260, 136), (257, 511, 1000), (384, 300, 4104),
-               (1000, 1030, 520)]
+# where the M tiles pair up (129, 130, 255, 256 and 1000 rows; 1, 128, 257 and 384 rows
+# run alone). Shapes: M, N of 1, tile edges +-1, K below, at and past one slice, a
+# partial last slice (4104 = 64 * 64 + 8). On 132 SMs K is split (float slabs, then
+# splitk_reduce) at 1x300x4104 (13 chunks of 320, the last 264), 130x257x1000 and
+# 257x511x1000 (6 chunks of 192, the last 40) and 384x300x4104. On other GPUs the same
+# checks run gemm_mma's 16-bit mode.
+HALF_SHAPES = [(1, 1, 8), (1, 256, 64), (1, 300, 4104), (127, 255, 56), (128, 256, 64),
+               (129, 257, 72), (130, 257, 1000), (256, 512, 128), (255, 260, 136),
+               (257, 511, 1000), (384, 300, 4104), (1000, 1030, 520)]
 # max |error| / max(|x| @ |w|.T + |b|) against float64: the output's rounding to the dtype
 # (2^-12, 2^-9 of it) and fp32 sums, with room
 HALF_BOUND = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -276,16 +279,17 @@ def _hopper():
 
 def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None):
     """``epilogue(x @ w.T)`` by the kernel gemm.gemm_kernel chooses (x, w: 2-D CUDA tensors
-    read in place), into columns :N of a NaN-poisoned (M, ldc) buffer, and with ``stats``
-    the epilogue's per-M-tile (mean, M2, min, max) into a NaN-poisoned ``part``: (c, part,
-    the buffer, the tile height of part, the kernel's template instantiation)."""
+    read in place; a split K's NaN-poisoned float32 workspace), into columns :N of a
+    NaN-poisoned (M, ldc) buffer, and with ``stats`` the epilogue's per-M-tile (mean, M2,
+    min, max) into a NaN-poisoned ``part``: (c, part, the buffer, the tile height of part,
+    the kernel's template instantiation)."""
     from cupykern import gemm
     from cupykern._array import launch_all, operand
     a, b = operand(x, "x"), operand(w, "weight")
     (m, _), n = x.shape, w.shape[0]
     expr = gemm._choose(a, b, "highest").expr
     kernel = gemm.gemm_kernel(a, b, "highest")
-    assert kernel.splits == 1  # (16-bit never splits K)
+    ws = torch.full((kernel.workspace,), float("nan"), device=x.device) if kernel.workspace else None
     buf = torch.full((m, ldc or n), float("nan"), dtype=x.dtype, device=x.device)
     part = None
     if stats:
@@ -293,7 +297,8 @@ def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None):
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     call = gemm.gemm_call(kernel, a, b, buf.stride(0))
     launch_all(a, call(x.data_ptr(), w.data_ptr(), buf.data_ptr(), ptr(bias), ptr(alpha), ptr(beta),
-                       ptr(part), 0))
+                       ptr(part), ptr(ws)))
+    torch.cuda.synchronize()  # (ws is freed on return)
     return buf[:, :n], part, buf, kernel.bm, expr
 
 
