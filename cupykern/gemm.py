@@ -69,10 +69,22 @@ for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
     # tiles reads ~10 TB/s of operands from L2; H100 "high" with half of B read (the
     # probe for this), 1024x8192 x 8192x8192: forward 0.358 -> 0.336 ms, dx 0.342 ->
     # 0.311, dW 0.393 -> 0.365. 3xTF32 does three times the math per byte: one CTA.
-    # 16-bit reads operands at TF32's rate of bytes per tensor-core second: clusters too.
+    # 16-bit reads operands at TF32's rate of bytes per tensor-core second: clusters too
+    # (H200, graph-timed, two runs each, CL 1 / 2 in us: 1024x8192x8192 191 / 206,
+    # 8192^3 1680 / 1655, 16384x4096x4096 865 / 865, 4096^3 206 / 221: within the runs'
+    # +-7% spread, so kept as TF32's).
     _c["CLUSTER"] = 1 if _m == 0 else 2
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
+# 16-bit products split K (float slabs, see _SPLIT) where their tiles fill at most a
+# quarter of the SMs as float32's do, and, with K >= SPLIT_FILL_K, at most 1 / SPLIT_FILL.
+# H200 bf16, graph-timed us, split / unsplit (cuBLAS), a quarter: 256x4096x4096 (M x K x
+# N) 23.2 / 42.2 (14.4), 128x1024x512 9.3 / 13.6 (3.8), 64x8192x8192 45.9 / 78.2 (36.2),
+# 1024^3 13.7 / 14.1 (5.4); from a quarter to half: 512x4096x4096 34.1 / 43.4 (23.6),
+# 256x8192x8192 59.0 / 86.7 (51.9), 1024x4096x2048 33.2 / 43.2 (23.4), 512x2048x4096
+# 25.9 / 27.2 (13.6), but K <= 1024 lost: 2048x1024x1024 17.9 / 14.5, 1000x520x1030 16.3
+# / 13.4, 640x1024x2048 15.0 / 14.7 (the slabs' round trip outweighs short chunks).
+_WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
 # The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
@@ -83,12 +95,13 @@ _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 ti
 # Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
 # few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
 # kernel's K slice: ALIGN, the float32 kernels' slice, or gemm_wgmma's KS; the last chunk
-# may be shorter) when it would fill at most a quarter of the SMs;
+# may be shorter) when it would fill at most 1 / FILL of the SMs (gemm_wgmma's 16-bit
+# mode with a long K: its SPLIT_FILL);
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
 # with 4; 16-row tiles of statistics made GSBN's merge longer.
-_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4, "COLS": 32}
+_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "FILL": 4, "THREADS": 256, "ROWS": 4, "COLS": 32}
 _SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
 assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
@@ -326,12 +339,14 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
 
 def _splits(a, tiles: int, cfg) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
-    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most a
-    quarter of the SMs and the dtype is float32 / float64, or 16-bit on gemm_wgmma (whose
-    slabs hold float sums; gemm_mma's and gemm_simple's would hold T) (_SPLIT)."""
+    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 / FILL
+    of the SMs (16-bit with a long K: SPLIT_FILL) and the dtype is float32 / float64, or 16-bit on
+    gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would hold T)
+    (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
-    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or 4 * tiles > sms \
+    fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
+    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
             or splits < 2:
         return 1
     return splits

@@ -238,7 +238,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     gemm_wgmma's 16-bit mode (MODE 3): A and B by TMA in boxes of 64 rows x 64 elements
     (one 128-byte swizzled row) of the dtype's maps, clusters of two CTAs where the M
     tiles pair up, K split into whole 64-element slices (float slabs) where the tiles
-    fill at most a quarter of the SMs. Misaligned or transposed operands, and other GPUs,
+    fill at most a quarter of the SMs, or half of them with K >= 2048. Misaligned or transposed operands, and other GPUs,
     keep gemm_mma's 16-bit mode (never split)."""
     from cupykern import gemm
 
@@ -255,15 +255,15 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
 
     cfg = gemm._WGMMA[gemm._HALF]
     bm, bn = cfg["BM"], cfg["BN"]
-    a, b = op(4 * bm, 1024), op(9 * bn, 1024)  # 36 tiles: no split
+    a, b = op(8 * bm, 1024), op(9 * bn, 1024)  # 72 tiles: no split
     choice = gemm._choose(a, b, "highest")
     assert choice.expr == (f"gemm_wgmma<{ctype}, 3, false, false, false, 64, 2, 128, 256, 384, 4, "
                            f"{cfg['SMEM']}, 64>") and choice.cluster == 2
     assert choice.maps(0x10000, 0x20000) == (
-        ("tensor map", 0x10000, map_type, [1024, 4 * bm], [2048], [64, 64]),
+        ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
         ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]))
     kernel = gemm.gemm_kernel(a, b, "highest")
-    assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((36,), (384,), cfg["SMEM"], bm, 1)
+    assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
     assert gemm._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
     assert gemm._choose(op(1, 8), op(1, 8), "high").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
     # 1 tile: 16 chunks of 512 (float32 slabs, 32-row tiles of statistics); 6 tiles of K 4104:
@@ -273,6 +273,11 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
         (1, 1, 16), 16, 512, 32, 16 * bm * bn, "kernel")
     split = gemm.gemm_kernel(op(3 * bm, 4104), op(2 * bn, 4104), "highest")
     assert (split.grid, split.splits, split.kchunk) == ((6, 1, 13), 13, 320)
+    split = gemm.gemm_kernel(op(4 * bm, 4096), op(9 * bn, 4096), "highest")  # 36 tiles: 3 chunks
+    assert (split.grid, split.splits, split.kchunk) == ((36, 1, 3), 3, 1408)
+    a_, b_ = op(4 * bm, 1984), op(9 * bn, 1984)  # K < 2048: a quarter of the SMs at most
+    assert gemm._choose(a_, b_, "highest").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
+    assert gemm.gemm_kernel(a_, b_, "highest").splits == 1
     for a_, b_ in ((op(256, 1024, ptr=0x10002), b),  # rows start off 16 bytes
                    (op(256, 1024, ld=1028), b),  # rows of 2056 bytes
                    (op(256, 1020), op(512, 1020)),  # K % 8
