@@ -22,9 +22,9 @@ float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
 float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
 float32 "highest"/"high" with 16-byte aligned rows, and float16 / bfloat16 with K-major
-16-byte aligned rows, use wgmma (sm_90a); everything else uses mma.sync (sm_80+). Below sm_80 (Turing: T4, RTX 20) every dtype runs on the
-CUDA-core kernel, accumulating in float32 (float64 for float64): fp32-accurate at
-every precision, but without tensor cores.
+16-byte aligned rows, use wgmma (sm_90a); everything else uses mma.sync (sm_80+). Below
+sm_80 (Turing: T4, RTX 20) every dtype runs on the CUDA-core kernel, accumulating in
+float32 (float64 for float64): fp32-accurate at every precision, but without tensor cores.
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ _WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
 # cuBLAS's error on mixed-sign data); 3xTF32 splits the raw fp32 bits itself.
-_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32, "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}
+_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32,
+              "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}  # (16-bit: per dtype)
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
@@ -309,7 +310,8 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
     expr, cfg, maps, a_mn, lda, ldb, cl = _choose(a, b, precision, transposed_c)
-    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg), cfg) == 1), "no transposed store"
+    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg), cfg) == 1), \
+        "no transposed store"
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
@@ -340,9 +342,9 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
 def _splits(a, tiles: int, cfg) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
     of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 / FILL
-    of the SMs (16-bit with a long K: SPLIT_FILL) and the dtype is float32 / float64, or 16-bit on
-    gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would hold T)
-    (_SPLIT)."""
+    of the SMs (16-bit with a long K: SPLIT_FILL) and the dtype is float32 / float64, or
+    16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would
+    hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
     fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
