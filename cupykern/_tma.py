@@ -13,7 +13,8 @@ import functools
 from ._geometry import cdiv
 
 # CUtensorMapDataType / Swizzle / L2promotion values (cuda.h)
-FLOAT32, TFLOAT32 = 7, 11
+FLOAT16, FLOAT32, BFLOAT16, TFLOAT32 = 6, 7, 9, 11
+_ITEMSIZE = {FLOAT16: 2, FLOAT32: 4, BFLOAT16: 2, TFLOAT32: 4}
 _SWIZZLE_128B = 3
 _L2_128B = 2  # the L2 sector promotion (H100: 128 B ahead of 256 B and none, 16384x4096x4096)
 _MAP_BYTES = 128
@@ -60,15 +61,16 @@ def row_maps(rows: int, cols: int, ld: int, box_rows: int, box_cols: int, dtype:
 
 
 class Rows2D:
-    """Tensor maps of rows x cols row views (row stride ``ld`` elements, 4-byte elements
-    of ``dtype``) read in boxes of ``box_rows`` x ``box_cols`` with 128-byte swizzle,
+    """Tensor maps of rows x cols row views (row stride ``ld`` elements of ``dtype``, 2 or
+    4 bytes each) read in boxes of ``box_rows`` x ``box_cols`` with 128-byte swizzle,
     zero-filled outside the view; one per data pointer, the 64 latest kept (a map
     depends on the pointer and these sizes only, never on the contents)."""
 
     def __init__(self, rows: int, cols: int, ld: int, box_rows: int, box_cols: int,
                  dtype: int = FLOAT32):
-        stride = ld if rows > 1 else cdiv(cols, 4) * 4  # (one row: any valid stride)
-        self._args = (dtype, 2, (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(stride * 4),
+        isz = _ITEMSIZE[dtype]
+        stride = ld if rows > 1 else cdiv(cols * isz, 16) * 16 // isz  # (one row: any valid stride)
+        self._args = (dtype, 2, (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(stride * isz),
                       (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1))
         self._maps: dict[int, TensorMap] = {}
 

@@ -21,10 +21,10 @@ Precision of float32 inputs follows PyTorch's names (on our kernels; the vendor'
 float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
 float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
-float32 "highest"/"high" with 16-byte aligned rows use wgmma (sm_90a); everything
-else uses mma.sync (sm_80+). Below sm_80 (Turing: T4, RTX 20) every dtype runs on the
-CUDA-core kernel, accumulating in float32 (float64 for float64): fp32-accurate at
-every precision, but without tensor cores.
+float32 "highest"/"high" with 16-byte aligned rows, and float16 / bfloat16 with K-major
+16-byte aligned rows, use wgmma (sm_90a); everything else uses mma.sync (sm_80+). Below
+sm_80 (Turing: T4, RTX 20) every dtype runs on the CUDA-core kernel, accumulating in
+float32 (float64 for float64): fp32-accurate at every precision, but without tensor cores.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, 
                      contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
                      require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
                      torch_layer)
-from ._geometry import cdiv, row_stride, vector_aligned
+from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
 _FILE = "gemm.cu"
 PRECISIONS = ("highest", "high", "medium")
@@ -50,39 +50,61 @@ _HALF = 3  # float16 / bfloat16 tensor-core mode
 # smem row padded by 16 bytes (ldmatrix / cp.async conflict-free).
 _MMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 4}
 _MMA["SMEM"] = _MMA["STAGES"] * (_MMA["BM"] + _MMA["BN"]) * (128 + 16)
-# gemm_wgmma (Hopper, float32 "highest"/"high", 16-byte aligned rows): per mode, stages of
-# 32-float K slices of A and B (3xTF32 also B's remainders), 3 mbarriers per stage, 1 KB
-# alignment slack; a producer warpgroup and two consumer warpgroups.
+# gemm_wgmma (Hopper: float32 "highest"/"high" with 16-byte aligned rows; float16 /
+# bfloat16 (_HALF) with K-major, 16-byte aligned rows, by TMA): per mode, stages of K
+# slices of KS elements (one 128-byte swizzled row: 32 floats or 64 halves) of A and B
+# (3xTF32 also B's remainders), 3 mbarriers per stage, 1 KB alignment slack; a producer
+# warpgroup and two consumer warpgroups. 16-bit takes TF32's constants: a slice is the
+# same bytes, and its 4 m64n256k16 wgmma do twice the work of TF32's 4 m64n256k8 at twice
+# the tensor cores' rate.
 _WGMMA = {}
-for _m, _bn in ((0, 128), (1, 256)):
+for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
     # BOX: rows per bulk tensor copy (TMA) of a K slice; H100 "high", x cuBLAS TF32 (same
     # run, medians of 5): 64 rows 0.96 / 0.93 / 1.00 at 1024x8192x8192 / 16384x4096x4096 /
     # 8192^3, 128 rows 0.97 / 0.89 / 0.96, 32 rows 0.97 / 0.89 / 1.01, cp.async 0.95 / 0.92 / 0.91.
-    _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4, "BOX": 64}
+    _c = _WGMMA[_m] = {"BM": 128, "BN": _bn, "THREADS": 384, "STAGES": 4, "BOX": 64,
+                       "KS": 64 if _m == _HALF else 32}
     # CLUSTER: CTAs of two consecutive M tiles (same N tile) load half of each B slice
     # each, multicast to both (TF32 with TMA, where the M tiles pair up): TF32 at 128 x 256
     # tiles reads ~10 TB/s of operands from L2; H100 "high" with half of B read (the
     # probe for this), 1024x8192 x 8192x8192: forward 0.358 -> 0.336 ms, dx 0.342 ->
     # 0.311, dW 0.393 -> 0.365. 3xTF32 does three times the math per byte: one CTA.
-    _c["CLUSTER"] = 2 if _m == 1 else 1
+    # 16-bit reads operands at TF32's rate of bytes per tensor-core second: clusters too
+    # (H200, graph-timed, two runs each, CL 1 / 2 in us: 1024x8192x8192 191 / 206,
+    # 8192^3 1680 / 1655, 16384x4096x4096 865 / 865, 4096^3 206 / 221: within the runs'
+    # +-7% spread, so kept as TF32's).
+    _c["CLUSTER"] = 1 if _m == 0 else 2
     _stage = _c["BM"] * 128 + _bn * 128 + (_bn * 128 if _m == 0 else 0)
     _c["SMEM"] = _c["STAGES"] * (_stage + 3 * 8) + 1024
+# 16-bit products split K (float slabs, see _SPLIT) where their tiles fill at most a
+# quarter of the SMs as float32's do, and, with K >= SPLIT_FILL_K, at most 1 / SPLIT_FILL.
+# H200 bf16, graph-timed us, split / unsplit (cuBLAS), a quarter: 256x4096x4096 (M x K x
+# N) 23.2 / 42.2 (14.4), 128x1024x512 9.3 / 13.6 (3.8), 64x8192x8192 45.9 / 78.2 (36.2),
+# 1024^3 13.7 / 14.1 (5.4); from a quarter to half: 512x4096x4096 34.1 / 43.4 (23.6),
+# 256x8192x8192 59.0 / 86.7 (51.9), 1024x4096x2048 33.2 / 43.2 (23.4), 512x2048x4096
+# 25.9 / 27.2 (13.6), but K <= 1024 lost: 2048x1024x1024 17.9 / 14.5, 1000x520x1030 16.3
+# / 13.4, 640x1024x2048 15.0 / 14.7 (the slabs' round trip outweighs short chunks).
+_WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
 # The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
 # cuBLAS's error on mixed-sign data); 3xTF32 splits the raw fp32 bits itself.
-_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32}
+_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32,
+              "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}  # (16-bit: per dtype)
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
-# Split K (float32 / float64; kernels_cu/gemm.cu): a grid of few tiles takes up to MAX
-# K chunks (of a length of at least MIN_K, a multiple of ALIGN: the float32 kernels' K
-# slice; the last chunk may be shorter) when it would fill at most a quarter of the SMs;
+# Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
+# few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
+# kernel's K slice: ALIGN, the float32 kernels' slice, or gemm_wgmma's KS; the last chunk
+# may be shorter) when it would fill at most 1 / FILL of the SMs (gemm_wgmma's 16-bit
+# mode with a long K: its SPLIT_FILL);
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
 # with 4; 16-row tiles of statistics made GSBN's merge longer.
-_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "THREADS": 256, "ROWS": 4, "COLS": 32}
+_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "FILL": 4, "THREADS": 256, "ROWS": 4, "COLS": 32}
 _SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
+assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
 
 
@@ -96,11 +118,12 @@ def _mma_expr(dtype: str, mode: int, aligned: bool, ta: bool = False, tb: bool =
             f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}>")
 
 
-def _wgmma_expr(mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
+def _wgmma_expr(dtype: str, mode: int, ta: bool = False, tb: bool = False, tma: bool = False,
                 tc: bool = False, cl: int = 1) -> str:
     c = _WGMMA[mode]
-    return (f"gemm_wgmma<{mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, {c['BOX'] if tma else 0}, {cl}, "
-            f"{c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, {c['SMEM']}, {_SPLIT['ALIGN']}>")
+    return (f"gemm_wgmma<{CTYPE[dtype]}, {mode}, {_cbool(ta)}, {_cbool(tb)}, {_cbool(tc)}, "
+            f"{c['BOX'] if tma else 0}, {cl}, {c['BM']}, {c['BN']}, {c['THREADS']}, {c['STAGES']}, "
+            f"{c['SMEM']}, {c['KS']}>")
 
 
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
@@ -112,9 +135,10 @@ def _transpose_expr(dtype: str) -> str:
     return f"transpose_copy<{CTYPE[dtype]}, {_TRANSPOSE['TILE']}, {_TRANSPOSE['THREADS']}>"
 
 
-def _reduce_expr(dtype: str) -> str:
-    return (f"splitk_reduce<{CTYPE[dtype]}, {_SPLIT['THREADS']}, {_SPLIT['ROWS']}, "
-            f"{_SPLIT['COLS']}>")
+def _reduce_expr(dtype: str, slabs: str | None = None) -> str:
+    """splitk_reduce for ``dtype`` over slabs of ``slabs`` (default: the dtype itself)."""
+    return (f"splitk_reduce<{CTYPE[dtype]}, {CTYPE[slabs or dtype]}, {_SPLIT['THREADS']}, "
+            f"{_SPLIT['ROWS']}, {_SPLIT['COLS']}>")
 
 
 # mma.sync / cp.async need sm_80 (below it every dtype takes gemm_simple); wgmma is
@@ -130,20 +154,25 @@ _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
-# K-major operands are loaded by bulk tensor copies (TMA), a transposed B by cp.async;
-# a transposed A by TMA too, its fragments taken to registers, and then the product may
-# be stored transposed (mm's swapped product, see _swaps). TMA kernels also come in
-# clusters (CLUSTER > 1).
-_loader.register(_FILE, [_wgmma_expr(m, ta, tb, tma, False, cl) for m in _WGMMA
+# float32: K-major operands are loaded by bulk tensor copies (TMA), a transposed B by
+# cp.async; a transposed A by TMA too, its fragments taken to registers, and then the
+# product may be stored transposed (mm's swapped product, see _swaps). 16-bit: K-major
+# operands by TMA only. TMA kernels also come in clusters (CLUSTER > 1).
+_F32_WGMMA = (0, 1)
+_loader.register(_FILE, [_wgmma_expr("float32", m, ta, tb, tma, False, cl) for m in _F32_WGMMA
                          for ta, tb in _TRANSPOSES for tma in {False, not tb} if tma or ta or tb
                          for cl in {1, _WGMMA[m]["CLUSTER"] if tma else 1}]
-                 + [_wgmma_expr(m, True, False, True, True, cl) for m in _WGMMA
-                    for cl in {1, _WGMMA[m]["CLUSTER"]}],
+                 + [_wgmma_expr("float32", m, True, False, True, True, cl) for m in _F32_WGMMA
+                    for cl in {1, _WGMMA[m]["CLUSTER"]}]
+                 + [_wgmma_expr(d, _HALF, tma=True, cl=cl) for d in ("float16", "bfloat16")
+                    for cl in {1, _WGMMA[_HALF]["CLUSTER"]}],
                  min_cc=90, max_cc=90)
 _loader.register(_FILE, [_transpose_expr(d) for d in CTYPE])
-# (float32 / float64: split K's slabs; every dtype: statistics of a vendor product, see
-# fused_vendor)
+# Slabs of the accumulation type: split K's (16-bit splits on Hopper's wgmma only);
+# of the dtype itself: the statistics of a vendor product (statistics_call)
 _loader.register(_FILE, [_reduce_expr(d) for d in CTYPE])
+_loader.register(_FILE, [_reduce_expr(d, "float32") for d in ("float16", "bfloat16")],
+                 min_cc=90, max_cc=90)
 
 
 def check_precision(precision) -> str:
@@ -212,7 +241,8 @@ def layout(o):
 class Gemm(NamedTuple):
     """How :func:`gemm_kernel` computes ``a @ b.T``: the GEMM kernel and its launch
     geometry; ``splits`` K chunks of ``kchunk`` (1 and K: no split), whose slabs
-    ``reduce`` adds from a ``workspace`` of that many elements (of the dtype); ``bm`` the
+    ``reduce`` adds from a ``workspace`` of that many elements (of the accumulation type:
+    float32 for 16-bit); ``bm`` the
     M-tile height of the partial statistics (GSBN); ``lda`` / ``ldb`` the operands' strides
     as :func:`layout` reads them."""
     fn: object
@@ -259,19 +289,22 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
+    mma = _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
+                  lda, ldb)
     if not (mode in _WGMMA and hopper):
-        return _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
-                       lda, ldb)
+        return mma
     cfg = _WGMMA[mode]
     # (a transposed A's storage is K rows of M: 16-byte aligned rows for the map)
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
+    if mode == _HALF and (ta or not tma):
+        return mma  # 16-bit wgmma: K-major operands by TMA only
     # a cluster's CTAs take M tiles 2i, 2i + 1 of one N tile (an even count of M tiles
     # keeps every raster group's pairs together)
     cl = cfg["CLUSTER"] if tma and cdiv(M, cfg["BM"]) % cfg["CLUSTER"] == 0 else 1
-    return _Choice(_wgmma_expr(mode, ta, tb, tma, tc and tma and ta, cl), cfg,
-                   _tensor_maps(tma, ta, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
+    return _Choice(_wgmma_expr(dt, mode, ta, tb, tma, tc and tma and ta, cl), cfg,
+                   _tensor_maps(tma, ta, dt, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
 
 
 def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
@@ -281,40 +314,46 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
     (M, _), N = a.shape, b.shape[0]
     expr, cfg, maps, a_mn, lda, ldb, cl = _choose(a, b, precision, transposed_c)
-    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg)) == 1), "no transposed store"
+    assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg), cfg) == 1), \
+        "no transposed store"
     if cfg is _SIMPLE:  # (2-D grid, registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
-        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb)
+        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb, cfg)
     fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
         grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
-    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda,
-                  ldb)._replace(maps=maps, a_mn=a_mn)
+    return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb,
+                  cfg)._replace(maps=maps, a_mn=a_mn)
 
 
-def _tensor_maps(tma: bool, ta: bool, mode: int, cfg, M: int, N: int, K: int, lda: int, ldb: int):
+def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
+                 lda: int, ldb: int):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: the tensor maps of A (M x K) and B (N x K) in
-    boxes of BOX rows of one 32-float K slice (a transposed A: its K x M storage in boxes
-    of one K slice x 32 columns), or two unused ones without TMA."""
+    boxes of BOX rows of one K slice (a transposed A: its K x M storage in boxes of one K
+    slice x 32 columns), or two unused ones without TMA."""
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
-    dt = _MAP_DTYPE[mode]
-    k = _SPLIT["ALIGN"]  # the kernel's K slice: one 128-byte swizzled row of floats
+    dt = _MAP_DTYPE[mode if dtype == "float32" else dtype]
+    k = cfg["KS"]  # the kernel's K slice: one 128-byte swizzled row
     # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
     ma = _tma.row_maps(K, M, lda, k, k, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
     mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp))
 
 
-def _splits(a, tiles: int) -> int:
+def _splits(a, tiles: int, cfg) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
-    splits: where the tiles fill at most a quarter of the SMs and the dtype is float32 /
-    float64 (_SPLIT)."""
+    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 / FILL
+    of the SMs (16-bit with a long K: SPLIT_FILL) and the dtype is float32 / float64, or
+    16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would
+    hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
-    if a.dtype not in ("float32", "float64") or 4 * tiles > sms or splits < 2:
+    fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
+    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
+            or splits < 2:
         return 1
     return splits
 
@@ -323,17 +362,19 @@ def _tiles(M: int, N: int, cfg) -> int:
     return cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
 
 
-def _split(fn, grid, block, smem, bm, a, b, lda, ldb) -> Gemm:
-    """The :class:`Gemm` of kernel ``fn`` on ``grid``, split over K as :func:`_splits` says."""
+def _split(fn, grid, block, smem, bm, a, b, lda, ldb, cfg) -> Gemm:
+    """The :class:`Gemm` of kernel ``fn`` (launch constants ``cfg``) on ``grid``, split over
+    K as :func:`_splits` says."""
     (M, K), N, dt = a.shape, b.shape[0], a.dtype
-    splits = _splits(a, int(np.prod(grid)))
+    splits = _splits(a, int(np.prod(grid)), cfg)
     if splits == 1:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
-    # whole 32-float K slices per chunk: the TMA loads address the whole tensor, so a
-    # slice crossing into the next chunk would be added twice
-    kchunk = cdiv(cdiv(K, splits), _SPLIT["ALIGN"]) * _SPLIT["ALIGN"]
+    # whole K slices per chunk (32 floats, or gemm_wgmma's KS): the TMA loads address the
+    # whole tensor, so a slice crossing into the next chunk would be added twice
+    align = cfg.get("KS", _SPLIT["ALIGN"])
+    kchunk = cdiv(cdiv(K, splits), align) * align
     splits = cdiv(K, kchunk)
-    reduce = _loader.function(_FILE, _reduce_expr(dt), a.device)
+    reduce = _loader.function(_FILE, _reduce_expr(dt, acc_dtype(dt)), a.device)
     grid = (*grid, 1)[:2] + (splits,)  # block z takes K chunk z
     return Gemm(fn, grid, block, smem, _SPLIT["BM"], splits, kchunk, reduce, splits * M * N,
                 lda, ldb)
@@ -362,7 +403,7 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
 def workspace(place, kernel: Gemm):
     """A fresh workspace for ``kernel``'s split K (None without a split): held by the
     caller until the launch is queued."""
-    return empty(place, (kernel.workspace,)) if kernel.workspace else None
+    return empty(place, (kernel.workspace,), acc_dtype(place.dtype)) if kernel.workspace else None
 
 
 def gemm(a, b, c, precision: str, bias=None, part=None, kernel=None) -> None:
@@ -555,7 +596,7 @@ def _swaps(a, b, work: int, precision: str) -> bool:
     if _read_mode(b, work)[0] != "transpose" or _read_mode(a, work)[0] != "view" or layout(a)[0]:
         return False
     choice = _choose(b, a, precision, True)
-    return choice.a_mn and _splits(b, _tiles(b.shape[0], a.shape[0], choice.cfg)) == 1
+    return choice.a_mn and _splits(b, _tiles(b.shape[0], a.shape[0], choice.cfg), choice.cfg) == 1
 
 
 def _planned_swapped(a, b, precision: str):
@@ -716,8 +757,12 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # 1x4096x4096 440 us against 35 (0.08x, the issue's figure).
     if dtype == "float64":
         return VENDOR
-    # float16 / bfloat16: ours is mma.sync, a third of cuBLAS's wgmma: 1024x8192x8192 bf16
-    # 560 us against 179 (0.32x); 16384x64x4096 0.16x; 128x4096x4096 fp16 0.22x.
+    # float16 / bfloat16: ours was mma.sync, a third of cuBLAS's wgmma (1024x8192x8192 bf16
+    # 560 us against 179, 0.32x). Ours on Hopper's wgmma (K-major aligned rows) still
+    # never wins (H200, 2026-11-26, bf16, one run, three alternating medians each):
+    # 1024x8192x8192 0.97x, 2048x8192x8192 0.95x, 512x8192x8192 0.98x, 1024x4096x16384
+    # 0.86x, 8192^3 0.98x, 4096^3 0.92x, 16384x4096x4096 0.94x, 2048^3 0.94x; and few
+    # tiles lose by far without split K (256x4096x4096 0.48x, 128x1024x512 0.41x).
     if dtype != "float32":
         return VENDOR
     c, work = _ROUTE, M * N * K

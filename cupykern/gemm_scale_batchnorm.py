@@ -333,7 +333,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     mtiles = cdiv(M, bm)
     part_end = (4 + PART_ROWS * mtiles) * N
     scratch = part_end + product.workspace
-    ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K: acc is the dtype)
+    ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K slabs are of acc too)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
     sizes = tuple(scalar(v, "int") for v in (mtiles, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)

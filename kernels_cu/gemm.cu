@@ -16,13 +16,15 @@
 //   MODE 3  native float16 / bfloat16 inputs.
 // gemm_simple: CUDA-core kernel for float64, and for every dtype below sm_80 (no mma.sync).
 //
-// Split K (every kernel): block z of a grid with gridDim.z > 1 multiplies the K chunk
-// [z*kchunk, (z+1)*kchunk) and stores its raw sum to slab z of c, an M x ldc workspace
-// of T per slab; splitk_reduce then adds the slabs in slab order (deterministic) and
-// applies the epilogue and the statistics. Small grids thus fill the GPU (128x1024 @
-// 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of the float32 kernels' 32-float
-// K slice, which keeps the slices' alignment (16-bit types never split). Without a
-// split, gridDim.z == 1 and kchunk >= K.
+// Split K (every float32 / float64 kernel, and gemm_wgmma's 16-bit mode): block z of a
+// grid with gridDim.z > 1 multiplies the K chunk [z*kchunk, (z+1)*kchunk) and stores its
+// raw sum to slab z of c, an M x ldc workspace per slab of the accumulation type (T for
+// float32 / float64, float for 16-bit T); splitk_reduce then adds the slabs in slab order
+// (deterministic) and applies the epilogue and the statistics. Small grids thus fill
+// the GPU (128x1024 @ 1024x512: 4 tiles on 132 SMs). kchunk is a multiple of the
+// kernel's K slice (32 floats, 64 halves), which keeps the slices' alignment (gemm_mma
+// and gemm_simple never split 16-bit types). Without a split, gridDim.z == 1 and
+// kchunk >= K.
 //
 // Epilogue (all kernels): v = acc; v = alpha ? alpha[n]*v + beta[n] : v + bias[n]
 // (each pointer may be null). If `part` is non-null the kernel also writes, for its
@@ -109,20 +111,21 @@ __device__ __forceinline__ void split_k(P& a, P& b, Q& c, int M, int& K, long lo
   K = min((long long)kchunk, K - k0);
 }
 
-// Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each), in slab
-// order). A block is COLS columns (a warp) by THREADS / COLS row groups of ROWS rows
-// each (a tile of BM = THREADS / COLS * ROWS rows: many threads with few rows each keep
-// enough loads in flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of
-// the sum before the epilogue, as the GEMM kernels compute them, merged in group order.
-// The same pass, with S == 1 and no c, gives the statistics of a product made elsewhere
-// (the vendor's z of a fused op): ws is then of any T (16-bit too, read as stored), the
-// sums and statistics of its accumulation type A (split K's slabs are of A: T == A).
-template <typename T, int THREADS, int ROWS, int COLS>
+// Split K's second pass: c = epilogue(sum of the S slabs of ws (M x N each, of type W:
+// split K's are of the accumulation type A), in slab order), rounded to T. A block is
+// COLS columns (a warp) by THREADS / COLS row groups of ROWS rows each (a tile of BM =
+// THREADS / COLS * ROWS rows: many threads with few rows each keep enough loads in
+// flight). If `part`, each column's (mean, M2, min, max) over the tile's rows of the sum
+// before the epilogue rounded to T, as the GEMM kernels compute them, merged in group
+// order. The same pass with W == T, S == 1 and no c gives the statistics of a product
+// made elsewhere (the vendor's z of a fused op, read as stored).
+template <typename T, typename W, int THREADS, int ROWS, int COLS>
 __global__ void __launch_bounds__(THREADS)
-splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
+splitk_reduce(const W* __restrict__ ws, int S, int M, int N, T* __restrict__ c, long long ldc,
               const T* __restrict__ bias, const typename acc_of<T>::type* __restrict__ alpha,
               const typename acc_of<T>::type* __restrict__ beta, typename acc_of<T>::type* __restrict__ part) {
-  typedef typename acc_of<T>::type A;
+  typedef typename acc_of<T>::type A;  // (T itself for float32 / float64)
+  static_assert(sizeof(W) == sizeof(T) || sizeof(W) == sizeof(A), "splitk_reduce: slabs of T or of A");
   static_assert(COLS == 32, "splitk_reduce: a warp spans the block's columns (coalesced slab rows)");
   static_assert(THREADS % COLS == 0 && THREADS <= 1024 && ROWS >= 1, "splitk_reduce: whole warps, a row or more");
   constexpr int GROUPS = THREADS / COLS;
@@ -137,7 +140,7 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
     valid[i] = n < N && m0 + i < M;
     v[i] = 0;
   }
-  const T* p = ws + (long long)m0 * N + n;
+  const W* p = ws + (long long)m0 * N + n;
 #pragma unroll 4
   for (int z = 0; z < S; ++z, p += slab)  // 4 * ROWS independent loads in flight
 #pragma unroll
@@ -149,6 +152,8 @@ splitk_reduce(const T* __restrict__ ws, int S, int M, int N, T* __restrict__ c, 
       if (valid[i]) c[(long long)(m0 + i) * ldc + n] = from_acc<T>(epilogue(v[i], n, bias, alpha, beta));
   }
   if (!part) return;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) v[i] = to_acc(from_acc<T>(v[i]));  // the sums as stored in T
   for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
     A cnt, a, b;
     if (range) local_range(v, valid, a, b);
@@ -661,7 +666,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   }
 }
 
-// ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32, aligned rows ----
+// ---- Hopper tensor cores: warp-specialized wgmma (sm_90a), float32 and 16-bit, aligned rows ----
 // (TA / TB: A / B transposed, as in gemm_mma, copied by 4-byte cp.async into the same
 // swizzled K-major layout: TF32 wgmma reads K-major operands only from smem. Exception:
 // a transposed A loaded by TMA, whose M-major boxes the consumers turn into register
@@ -683,6 +688,8 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 //     reads 2/3 of the operand bytes from L2; a stage is free once the consumers of
 //     both CTAs released it (`empty` counts 8 * CL warps), and a producer exits only
 //     after its peer's last releases reached its barriers.
+//   MODE 3 (float16 / bfloat16, K-major by TMA), BN = 256: MODE 1's pipeline with
+//     64-element K slices (the same 128-byte swizzled rows) and m64n256k16 wgmma.
 //   MODE 0 (3xTF32), BN = 128: two producer warps copy, or one thread (TMA, maps of
 //     FP32 elements: the split needs the raw bits), marking the stage `loaded`;
 //     the other two write the rounded TF32 remainders of each landed B slice behind it
@@ -718,13 +725,14 @@ __device__ __forceinline__ unsigned swz_off(int c) {
   return r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 // Producer thread t of NT copies its chunks t, t+NT, ... of a ROWS-row slice: always
-// chunk t%8 of rows t/8 + i*NT/8, whose swizzled offsets are 16*NT bytes apart.
-template <int ROWS, int NT>
-__device__ __forceinline__ void load_swizzled(unsigned dst, const float* __restrict__ g, long long ld,
+// chunk t%8 of rows t/8 + i*NT/8, whose swizzled offsets are 16*NT bytes apart. (A
+// 16-byte chunk is 4 floats or 8 halves; the aligned rows hold whole chunks up to K.)
+template <int ROWS, int NT, typename T>
+__device__ __forceinline__ void load_swizzled(unsigned dst, const T* __restrict__ g, long long ld,
                                               int rows_left, int k0, int K, int t) {
   static_assert(NT % 64 == 0, "each step must move whole 8-row swizzle groups");
-  const int r = t >> 3, k = k0 + (t & 7) * 4;
-  const float* src = g + (long long)r * ld + k;
+  const int r = t >> 3, k = k0 + (t & 7) * (16 / (int)sizeof(T));
+  const T* src = g + (long long)r * ld + k;
   dst += swz_off(t);
 #pragma unroll
   for (int i = 0; i < ROWS * 8 / NT; ++i) {
@@ -913,6 +921,24 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[128], const unsigned (&a)[
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 #endif
 }
+// d (+)= A(64x16, smem) * B(256x16, smem)^T for float16 or bfloat16 (BF16) operands, fp32
+// sums: one 32-byte K step of the swizzled slices, as wgmma_tf32's 8 floats. The 16-bit
+// forms take two more immediates than TF32's after scale-a and scale-b: trans-a and
+// trans-b, 0 for the K-major slices here.
+#define CK_WGMMA16(TY)                                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                     \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {" CK_R128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
+               : CK_D64(0), CK_D64(64)                                                            \
+               : "l"(da), "l"(db), "r"(scale_d))
+template <bool BF16>
+__device__ __forceinline__ void wgmma_16(float (&d)[128], unsigned long long da, unsigned long long db,
+                                         int scale_d) {
+#if CK_WGMMA
+  if constexpr (BF16) CK_WGMMA16("bf16");
+  else CK_WGMMA16("f16");
+#endif
+}
+#undef CK_WGMMA16
 #undef CK_D8
 #undef CK_D64
 #undef CK_R64
@@ -963,10 +989,12 @@ __device__ __forceinline__ void load_a_mn(unsigned a, int row0, unsigned (&f)[4]
 // passes down it for the tile's (mean, M2, min, max) of the raw sums. Unrolled per-fragment
 // stores and per-slot statistics took ~10x the instructions and missed the instruction
 // cache (a third of the GEMM's time at 16384x4096 @ 4096x4096, H200).
-template <int BM, int BN>
-__device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, float* __restrict__ c,
+// 16-bit T: c = T(epilogue(tile)), as gemm_mma rounds, and the statistics of the sums
+// rounded to T (what BatchNorm then normalises: see the file's header).
+template <typename T, int BM, int BN>
+__device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned char* smem, T* __restrict__ c,
                                          int M, int N, long long ldc, int m0, int n0,
-                                         const float* __restrict__ bias, const float* __restrict__ alpha,
+                                         const T* __restrict__ bias, const float* __restrict__ alpha,
                                          const float* __restrict__ beta, float* __restrict__ part) {
   constexpr int LD = BN + 8;       // padded rows: a warp's float2 writes hit 32 distinct banks
   constexpr int TPR = BN / 4;      // threads per row of float4 stores
@@ -993,10 +1021,12 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
   for (int e = 0; e < 4; ++e) {
     const bool in = col + e < N;
     ea[e] = alpha && in ? alpha[col + e] : 1.f;
-    eb[e] = !in ? 0.f : alpha ? beta[col + e] : bias ? bias[col + e] : 0.f;
+    eb[e] = !in ? 0.f : alpha ? beta[col + e] : bias ? to_acc(bias[col + e]) : 0.f;
   }
   const bool scaled = alpha || bias;  // (without either, v is stored as is: -0 stays -0)
-  const bool vec = col + 3 < N && ((reinterpret_cast<size_t>(c) | (size_t)ldc * 4) & 15) == 0;
+  // a thread's 4 columns as one store: 16 bytes of float, 8 of 16-bit T (aligned to that)
+  constexpr size_t VB = 4 * sizeof(T);
+  const bool vec = col + 3 < N && ((reinterpret_cast<size_t>(c) | (size_t)ldc * sizeof(T)) & (VB - 1)) == 0;
   for (int r = ct / TPR; r < rows; r += RPP) {
     const float4 v4 = *reinterpret_cast<const float4*>(tile + r * LD + c4);
     float o[4] = {v4.x, v4.y, v4.z, v4.w};
@@ -1004,24 +1034,26 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = ea[e] * o[e] + eb[e];  // (ea == 1: exactly v + eb)
     }
-    float* p = c + (long long)(m0 + r) * ldc + col;
+    T* p = c + (long long)(m0 + r) * ldc + col;
     if (vec) {
-      *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
+      if constexpr (sizeof(T) == 4) *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
+      else *reinterpret_cast<uint2*>(p) = make_uint2(pack2(o[0], o[1], T{}), pack2(o[2], o[3], T{}));
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (col + e < N) p[e] = o[e];
+        if (col + e < N) p[e] = from_acc<T>(o[e]);
     }
   }
 
   if (part && ct < BN && n0 + ct < N) {  // two passes down column ct (nan reaches the mean;
     const float* q = tile + ct;          // min / max skip it, as fmin / fmax do)
+    const auto at = [&](int r) { return to_acc(from_acc<T>(q[r * LD])); };  // (float: q[r * LD])
     float s = 0.f;
-    for (int r = 0; r < rows; ++r) s += q[r * LD];
+    for (int r = 0; r < rows; ++r) s += at(r);
     const float mean = s / (float)rows;
     float m2 = 0.f, lo = infinity<float>(), hi = -infinity<float>();
     for (int r = 0; r < rows; ++r) {
-      const float v = q[r * LD], d = v - mean;
+      const float v = at(r), d = v - mean;
       m2 += d * d;
       lo = fminf(lo, v);
       hi = fmaxf(hi, v);
@@ -1038,8 +1070,8 @@ __device__ __forceinline__ void wg_store(const float (&res)[BN / 2], unsigned ch
 // the tile to c[n * ldc + m], straight from the accumulators, so that the ring stays the
 // producer's, already loading the next tile. Each warp store covers 8 consecutive m (one
 // 32-byte sector) of 4 columns n.
-template <int BN>
-__device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], float* __restrict__ c, int M, int N,
+template <typename T, int BN>
+__device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], T* __restrict__ c, int M, int N,
                                            long long ldc, int m0, int n0) {
   const int ct = threadIdx.x - 128, lane = ct & 31, cw = ct >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = m0 + (cw >> 2) * 64 + (cw & 3) * 16 + g;  // as wg_store's accumulator rows
@@ -1050,7 +1082,7 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], float* __
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int m = r0 + 8 * h, n = n0 + 8 * j + 2 * t + e;
-        if (m < M && n < N) c[(long long)n * ldc + m] = res[4 * j + 2 * h + e];
+        if (m < M && n < N) c[(long long)n * ldc + m] = from_acc<T>(res[4 * j + 2 * h + e]);
       }
 }
 
@@ -1072,12 +1104,17 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], float* __
 // recovers a sixth of that (H100 "high", 1024x8192: 0.404 -> 0.394 ms), the epilogue
 // itself still stalling the tensor core. Any other kernel is one tile per CTA: its
 // epilogue reuses the ring.
-template <int MODE, bool TA, bool TB, bool TC, int BOX, int CL, int BM, int BN, int THREADS, int STAGES,
-          int SMEM, int KS>
+// T: float (MODE 0, 1), or half_t / bf16_t (MODE 3, gemm_mma's 16-bit mode): KS is then
+// 64 elements (a slice row is 128 bytes whatever the type) and each of its 4 K steps one
+// m64n256k16 wgmma. 16-bit comes K-major by TMA only (transposed operands stay on
+// gemm_mma); with split K its slabs hold the raw float sums (splitk_reduce rounds); and
+// otherwise it runs MODE 1's pipeline, clusters included.
+template <typename T, int MODE, bool TA, bool TB, bool TC, int BOX, int CL, int BM, int BN, int THREADS,
+          int STAGES, int SMEM, int KS>
 __global__ void __launch_bounds__(THREADS, 1)
 CK_CLUSTER_DIMS(CL)
-gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c, int M, int N,
-           int K, int kchunk, long long lda, long long ldb, long long ldc, const float* __restrict__ bias,
+gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N,
+           int K, int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
            const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
@@ -1086,21 +1123,23 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
 #endif
   using namespace wg_cfg;
   typedef Cfg<MODE, BM, BN, STAGES> C;
-  static_assert(MODE == 0 || MODE == 1, "gemm_wgmma: MODE 0 (3xTF32) or 1 (TF32)");
+  static_assert(MODE == 0 || MODE == 1 || MODE == 3, "gemm_wgmma: MODE 0 (3xTF32), 1 (TF32) or 3 (16-bit)");
+  static_assert((MODE == 3) == (sizeof(T) == 2), "gemm_wgmma: MODE 3 is for 16-bit T, 0 and 1 for float");
   static_assert(THREADS == 384, "gemm_wgmma: one producer and two consumer warpgroups (384 threads)");
   static_assert(BM == 128, "gemm_wgmma: two consumer warpgroups of 64 rows (BM == 128)");
-  static_assert(BN == (MODE == 1 ? 256 : 128), "gemm_wgmma: wgmma m64nBNk8 with BN == 256 (MODE 1) or 128 (MODE 0)");
+  static_assert(BN == (MODE == 0 ? 128 : 256), "gemm_wgmma: wgmma m64nBNk8 (k16) with BN == 128 (MODE 0) or 256");
   static_assert(STAGES >= 2, "gemm_wgmma: the ring needs STAGES >= 2");
-  static_assert(KS * sizeof(float) == 128, "gemm_wgmma: a K slice (the tensor maps' box width, "
-                "split K's chunk multiple) is one 128-byte swizzled row of floats");
+  static_assert(KS * sizeof(T) == 128, "gemm_wgmma: a K slice (the tensor maps' box width, "
+                "split K's chunk multiple) is one 128-byte swizzled row of T");
   constexpr bool TMA = BOX > 0;
+  static_assert(MODE != 3 || (TMA && !TA && !TB), "gemm_wgmma: 16-bit operands K-major, by TMA");
   static_assert(!TMA || !TB, "gemm_wgmma: TMA loads a K-major B (and A either way: a transposed one from registers)");
   constexpr bool A_MN = TMA && TA;  // A: M-major boxes by TMA, fragments loaded to registers
   static_assert(!TC || A_MN, "gemm_wgmma: TC is mm's swapped product (a transposed A by TMA)");
   static_assert(!TMA || (BM % BOX == 0 && BN % BOX == 0 && BOX % 8 == 0 && BOX <= 256),
                 "gemm_wgmma: TMA boxes of whole 8-row swizzle groups tile BM and BN (at most 256 rows)");
-  static_assert(CL == 1 || (CL == 2 && MODE == 1 && TMA && (BN / 2) % BOX == 0),
-                "gemm_wgmma: clusters of 2 CTAs multicast halves of B slices (TF32, TMA)");
+  static_assert(CL == 1 || (CL == 2 && MODE != 0 && TMA && (BN / 2) % BOX == 0),
+                "gemm_wgmma: clusters of 2 CTAs multicast halves of B slices (TF32 or 16-bit, TMA)");
   static_assert(SMEM == C::SMEM,
                 "gemm_wgmma: SMEM must be STAGES * STAGE + 3 * STAGES * 8 + 1024, "
                 "STAGE = BM * 128 + BN * 128 + (MODE == 0 ? BN * 128 : 0)");
@@ -1115,10 +1154,12 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
-  // 32-float slice (gemm.py, _SPLIT["ALIGN"]), so no slice reaches the next chunk.
+  // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
+  // chunk's slab of float sums in the workspace c.)
   const int kbase = blockIdx.z * kchunk;
+  float* const slab = reinterpret_cast<float*>(c) + (long long)blockIdx.z * M * ldc;
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
-  const int ktiles = (K + 31) / 32;
+  const int ktiles = (K + KS - 1) / KS;
   // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
   // a slice's stage and barrier phase follow the CTA's running count of slices
   const int end = TC ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : blockIdx.x + 1;
@@ -1170,18 +1211,18 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
           if constexpr (A_MN) {  // boxes of 32 M (the map's columns) x the slice's 32 K rows
 #pragma unroll
-            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, kbase + kt * 32, bar);
+            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, kbase + kt * KS, bar);
           } else {
 #pragma unroll
-            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * 32, m0 + r, bar);
+            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * KS, m0 + r, bar);
           }
           if constexpr (CL > 1) {  // this CTA's 1/CL of B, to every CTA of the cluster (same n0)
 #pragma unroll
             for (int r = rank * (BN / CL); r < (rank + 1) * (BN / CL); r += BOX)
-              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar, (1 << CL) - 1);
+              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, n0 + r, bar, (1 << CL) - 1);
           } else {
 #pragma unroll
-            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * 32, n0 + r, bar);
+            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, n0 + r, bar);
           }
         }
         // The peers' consumers arrive on this CTA's barriers until their last slices:
@@ -1193,18 +1234,18 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     } else if (tid < C::LOADERS) {  // loaders: stage s free -> copies issued -> `loaded` (3xTF32) or `full`
       int m0, n0;  // one tile (TC loads by TMA)
       origin(blockIdx.x, m0, n0);
-      const float* ga = a + (TA ? m0 : (long long)m0 * lda);
-      const float* gb = b + (TB ? n0 : (long long)n0 * ldb);
+      const T* ga = a + (TA ? m0 : (long long)m0 * lda);
+      const T* gb = b + (TB ? n0 : (long long)n0 * ldb);
       const unsigned landed0 = MODE == 0 ? loaded0 : full0;
       const auto swizzled = [](int r, int k) { return (unsigned)(swz_off(r * 8 + (k >> 2)) + (k & 3) * 4); };
       for (int kt = 0; kt < ktiles; ++kt) {
         const int s = kt % STAGES;
         if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) + 1) & 1);
         const unsigned st = s0 + s * C::STAGE;
-        if constexpr (TA) load_transposed<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid, swizzled);
-        else load_swizzled<BM, C::LOADERS>(st, ga, lda, M - m0, kt * 32, K, tid);
-        if constexpr (TB) load_transposed<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid, swizzled);
-        else load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * 32, K, tid);
+        if constexpr (TA) load_transposed<BM, C::LOADERS>(st, ga, lda, M - m0, kt * KS, K, tid, swizzled);
+        else load_swizzled<BM, C::LOADERS>(st, ga, lda, M - m0, kt * KS, K, tid);
+        if constexpr (TB) load_transposed<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * KS, K, tid, swizzled);
+        else load_swizzled<BN, C::LOADERS>(st + C::A_BYTES, gb, ldb, N - n0, kt * KS, K, tid);
         mbar_arrive_cp_async(landed0 + 8 * s);
       }
       cp_async_commit();  // exit only once this thread's copies (and their arrivals) are done
@@ -1250,7 +1291,7 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     if constexpr (MODE == 0) split_a(ab, as);
     wg_fence_regs(acc);
     wg_arrive();
-    // 4 K steps of 8 floats = 32 bytes of the swizzled row. 3xTF32 sums the slice's
+    // 4 K steps of 8 floats (16 halves) = 32 bytes of the swizzled row. 3xTF32 sums the slice's
     // small products first, while the running sum is ~2^-10 of the result, then the 4
     // big ones: each wgmma truncates its addends toward zero at the scale of the running
     // sum, so only those 4 drift at the result's scale (measured: 3x less same-sign drift
@@ -1268,6 +1309,10 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     } else if constexpr (A_MN) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma_tf32(acc, ab[ks], wg_desc(b_big + ks * 32), kt > 0 || ks > 0);
+    } else if constexpr (MODE == 3) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        wgmma_16<is_bf16<T>::value>(acc, wg_desc(a_big + ks * 32), wg_desc(b_big + ks * 32), kt > 0 || ks > 0);
     } else {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
@@ -1298,10 +1343,16 @@ gemm_wgmma(const float* __restrict__ a, const float* __restrict__ b, float* __re
     for (int kt = 0; kt < ktiles; ++kt, ++it) slice(it, kt);
     wg_wait<0>();
     wg_fence_regs(acc);
-    if (MODE == 1 && !A_MN && ktiles > 0) release((it - 1) % STAGES);  // (the producers' exit waits for it)
+    if (MODE != 0 && !A_MN && ktiles > 0) release((it - 1) % STAGES);  // (the producers' exit waits for it)
     const auto store = [&](const float (&res)[R]) {
-      if constexpr (TC) wg_store_t<BN>(res, c, M, N, ldc, m0, n0);
-      else wg_store<BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      if constexpr (TC) {
+        wg_store_t<T, BN>(res, c, M, N, ldc, m0, n0);
+      } else if constexpr (MODE == 3) {  // (gemm.py passes no epilogue or part to a split)
+        if (gridDim.z > 1) wg_store<float, BM, BN>(res, smem, slab, M, N, ldc, m0, n0, nullptr, nullptr, nullptr, nullptr);
+        else wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      } else {
+        wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);
+      }
     };
     if constexpr (MODE == 0) store(pro);
     else store(acc);

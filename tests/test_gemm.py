@@ -256,6 +256,135 @@ def _col_major(t):
     return t.t().contiguous().t()
 
 
+# ---- float16 / bfloat16 on Hopper's wgmma (gemm_wgmma MODE 3): K-major rows, 16-byte
+# aligned, loaded by TMA; 128 x 256 tiles, K slices of 64 elements, clusters of two CTAs
+# where the M tiles pair up (129, 130, 255, 256 and 1000 rows; 1, 128, 257 and 384 rows
+# run alone). Shapes: M, N of 1, tile edges +-1, K below, at and past one slice, a
+# partial last slice (4104 = 64 * 64 + 8). On 132 SMs K is split (float slabs, then
+# splitk_reduce) at 1x300x4104 (13 chunks of 320, the last 264), 130x257x1000 and
+# 257x511x1000 (6 chunks of 192, the last 40) and 384x300x4104. On other GPUs the same
+# checks run gemm_mma's 16-bit mode.
+HALF_SHAPES = [(1, 1, 8), (1, 256, 64), (1, 300, 4104), (127, 255, 56), (128, 256, 64),
+               (129, 257, 72), (130, 257, 1000), (256, 512, 128), (255, 260, 136),
+               (257, 511, 1000), (384, 300, 4104), (1000, 1030, 520)]
+# max |error| / max(|x| @ |w|.T + |b|) against float64: the output's rounding to the dtype
+# (2^-12, 2^-9 of it) and fp32 sums, with room
+HALF_BOUND = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None):
+    """``epilogue(x @ w.T)`` by the kernel gemm.gemm_kernel chooses (x, w: 2-D CUDA tensors
+    read in place; a split K's NaN-poisoned float32 workspace), into columns :N of a
+    NaN-poisoned (M, ldc) buffer, and with ``stats`` the epilogue's per-M-tile (mean, M2,
+    min, max) into a NaN-poisoned ``part``: (c, part, the buffer, the tile height of part,
+    the kernel's template instantiation)."""
+    from cupykern import gemm
+    from cupykern._array import launch_all, operand
+    a, b = operand(x, "x"), operand(w, "weight")
+    (m, _), n = x.shape, w.shape[0]
+    expr = gemm._choose(a, b, "highest").expr
+    kernel = gemm.gemm_kernel(a, b, "highest")
+    ws = torch.full((kernel.workspace,), float("nan"), device=x.device) if kernel.workspace else None
+    buf = torch.full((m, ldc or n), float("nan"), dtype=x.dtype, device=x.device)
+    part = None
+    if stats:
+        part = torch.full((-(-m // kernel.bm), gemm.PART_ROWS, n), float("nan"), device=x.device)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    call = gemm.gemm_call(kernel, a, b, buf.stride(0))
+    launch_all(a, call(x.data_ptr(), w.data_ptr(), buf.data_ptr(), ptr(bias), ptr(alpha), ptr(beta),
+                       ptr(part), ptr(ws)))
+    torch.cuda.synchronize()  # (ws is freed on return)
+    return buf[:, :n], part, buf, kernel.bm, expr
+
+
+def _check_half(c, buf, ref, mag, dtype):
+    """c within HALF_BOUND of the float64 ``ref``, every element written, nothing written
+    to the buffer's columns past c's."""
+    assert not c.isnan().any(), "an output element was not written"
+    assert buf[:, c.shape[1]:].isnan().all(), "written past the output's columns"
+    err = (c.double() - ref).abs().max().item()
+    assert err <= HALF_BOUND[dtype] * mag, (err, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_half_wgmma_epilogues(shape, dtype):
+    """float16 / bfloat16 aligned K-major products (on Hopper: wgmma by TMA) against
+    float64: plain into contiguous rows, + bias into rows padded by 4 elements (8-byte
+    vector stores), alpha * z + beta (BatchNorm's eval epilogue, float32 vectors) into rows
+    padded by 3 (element stores)."""
+    m, n, k = shape
+    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    alpha, beta = (torch.randn(n, device="cuda", generator=g) for _ in range(2))
+    ref = x.double() @ w.double().T
+    mag = (x.double().abs() @ w.double().abs().T).max().item()
+    c, _, buf, _, expr = _our_gemm(x, w)
+    if _hopper():
+        assert expr.startswith(f"gemm_wgmma<{'bf16_t' if dtype == torch.bfloat16 else 'half_t'}, 3,")
+    _check_half(c, buf, ref, mag, dtype)
+    c, _, buf, _, _ = _our_gemm(x, w, bias=b, ldc=n + 4)
+    _check_half(c, buf, ref + b.double(), mag + b.double().abs().max().item(), dtype)
+    c, _, buf, _, _ = _our_gemm(x, w, alpha=alpha, beta=beta, ldc=n + 3)
+    a64, b64 = alpha.double(), beta.double()
+    _check_half(c, buf, a64 * ref + b64, (a64.abs() * mag + b64.abs()).max().item(), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_half_wgmma_statistics(shape, dtype):
+    """GemmScaleBatchNorm's partial statistics from the 16-bit epilogue: per M tile and
+    column, (mean, M2, min, max) of the products as stored (rounded to the dtype, so that
+    they agree with what BatchNorm normalises): min and max exactly the output's, mean and
+    M2 within float32 sums of it; every tile's every column written."""
+    m, n, k = shape
+    x, w, _ = (t.cuda() for t in _data(m, n, k, dtype))
+    c, part, _, bm, _ = _our_gemm(x, w, stats=True)
+    assert not c.isnan().any() and not part.isnan().any()
+    z = c.double()
+    for mt in range(part.shape[0]):
+        t = z[mt * bm:(mt + 1) * bm]
+        p = part[mt].double()
+        mean = t.mean(0)
+        m2 = ((t - mean) ** 2).sum(0)
+        big = t.abs().max(0).values
+        assert torch.equal(p[2], t.min(0).values) and torch.equal(p[3], t.max(0).values), mt
+        assert ((p[0] - mean).abs() <= 1e-5 * big + 1e-30).all(), mt
+        assert ((p[1] - m2).abs() <= 1e-4 * m2 + 1e-5 * t.shape[0] * big ** 2 + 1e-30).all(), mt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["offset", "strided", "x transposed", "w transposed", "K % 8",
+                                  "K = 1"])
+def test_half_off_tma_falls_back(case, dtype):
+    """16-bit operands TMA cannot read as K-major 16-byte aligned rows (rows starting off
+    16 bytes, strides off 16 bytes, column-major, K not a multiple of 8 elements) run
+    gemm_mma's 16-bit mode, read in place, with the same results."""
+    m, n, k = (300, 260, 1 if case == "K = 1" else 200)
+    x, w, b = (t.cuda() for t in _data(m, n, k + (3 if case == "K % 8" else 0), dtype))
+    if case == "offset":
+        x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(m, k)
+    elif case == "strided":
+        x = torch.nn.functional.pad(x, (1, 0))[:, 1:]
+    elif case == "x transposed":
+        x = _col_major(x)
+    elif case == "w transposed":
+        w = _col_major(w)
+    c, _, buf, _, expr = _our_gemm(x, w, bias=b, ldc=n + 1)
+    assert expr.startswith("gemm_mma<")
+    ref = x.double() @ w.double().T + b.double()
+    mag = (x.double().abs() @ w.double().abs().T + b.double().abs()).max().item()
+    _check_half(c, buf, ref, mag, dtype)
+
+
 # (dtype, precision, max |error| / (|a| @ |b|)) of the backward GEMM checks below.
 MM_CASES = [(torch.float32, "highest", 1e-6), (torch.float32, "high", REL_BOUND["high"]),
             (torch.float32, "medium", REL_BOUND["medium"]), (torch.float16, None, 1.6e-2),

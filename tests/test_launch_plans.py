@@ -220,7 +220,7 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     if _loader.device_cc(0) == 90:
         assert names == ["gemm_wgmma"]
         gemm = log[0]
-        assert gemm[0].startswith("gemm_wgmma<1, true, false, true, 64,")  # TA, TC
+        assert gemm[0].startswith("gemm_wgmma<float, 1, true, false, true, 64,")  # TA, TC
         assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the result
         assert gemm[3][3:6] == (4352, 130, 300) and gemm[3][9] == 4352  # M, N, K; ldc
         assert gemm[3][-2] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
@@ -229,6 +229,62 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     cupykern.gemm.mm(dy, w[:, :40], "high")  # 1 tile: K split
     log = _named(launches, [w])
     assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 0
+
+
+@pytest.mark.parametrize("dtype, ctype, map_type", [("float16", "half_t", _tma.FLOAT16),
+                                                     ("bfloat16", "bf16_t", _tma.BFLOAT16)])
+def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctype, map_type):
+    """On sm_90, float16 / bfloat16 products of K-major 16-byte aligned rows run
+    gemm_wgmma's 16-bit mode (MODE 3): A and B by TMA in boxes of 64 rows x 64 elements
+    (one 128-byte swizzled row) of the dtype's maps, clusters of two CTAs where the M
+    tiles pair up, K split into whole 64-element slices (float slabs) where the tiles
+    fill at most a quarter of the SMs, or half of them with K >= 2048. Misaligned or transposed operands, and other GPUs,
+    keep gemm_mma's 16-bit mode (never split)."""
+    from cupykern import gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
+    monkeypatch.setattr(_tma.Rows2D, "_encode", lambda self, ptr: (
+        "tensor map", ptr, self._args[0], *map(list, self._args[2:5])))
+    monkeypatch.setattr(_tma, "row_maps", lambda *geometry: _tma.Rows2D(*geometry))
+
+    def op(rows, k, ptr=0x10000, ld=None, transposed=False):
+        strides = (1, ld or rows) if transposed else (ld or k, 1)
+        return _array.Operand(None, "torch", dtype, (rows, k), strides, ptr, 0, "a", True)
+
+    cfg = gemm._WGMMA[gemm._HALF]
+    bm, bn = cfg["BM"], cfg["BN"]
+    a, b = op(8 * bm, 1024), op(9 * bn, 1024)  # 72 tiles: no split
+    choice = gemm._choose(a, b, "highest")
+    assert choice.expr == (f"gemm_wgmma<{ctype}, 3, false, false, false, 64, 2, 128, 256, 384, 4, "
+                           f"{cfg['SMEM']}, 64>") and choice.cluster == 2
+    assert choice.maps(0x10000, 0x20000) == (
+        ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
+        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]))
+    kernel = gemm.gemm_kernel(a, b, "highest")
+    assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
+    assert gemm._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
+    assert gemm._choose(op(1, 8), op(1, 8), "high").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
+    # 1 tile: 16 chunks of 512 (float32 slabs, 32-row tiles of statistics); 6 tiles of K 4104:
+    # 13 chunks of 320, the last 264 (whole 64-element slices but the very last)
+    split = gemm.gemm_kernel(op(bm, 8192), op(bn, 8192), "highest")
+    assert (split.grid, split.splits, split.kchunk, split.bm, split.workspace, split.reduce) == (
+        (1, 1, 16), 16, 512, 32, 16 * bm * bn, "kernel")
+    split = gemm.gemm_kernel(op(3 * bm, 4104), op(2 * bn, 4104), "highest")
+    assert (split.grid, split.splits, split.kchunk) == ((6, 1, 13), 13, 320)
+    split = gemm.gemm_kernel(op(4 * bm, 4096), op(9 * bn, 4096), "highest")  # 36 tiles: 3 chunks
+    assert (split.grid, split.splits, split.kchunk) == ((36, 1, 3), 3, 1408)
+    a_, b_ = op(4 * bm, 1984), op(9 * bn, 1984)  # K < 2048: a quarter of the SMs at most
+    assert gemm._choose(a_, b_, "highest").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
+    assert gemm.gemm_kernel(a_, b_, "highest").splits == 1
+    for a_, b_ in ((op(256, 1024, ptr=0x10002), b),  # rows start off 16 bytes
+                   (op(256, 1024, ld=1028), b),  # rows of 2056 bytes
+                   (op(256, 1020), op(512, 1020)),  # K % 8
+                   (op(256, 1024, transposed=True), b), (a, op(512, 1024, transposed=True))):
+        assert gemm._choose(a_, b_, "highest").expr.startswith(f"gemm_mma<{ctype}, 3,")
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
+    assert gemm._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
 
 
 def test_backward_copies_once_a_call(launches, monkeypatch):
