@@ -236,8 +236,9 @@ def _run_linear():
     # (M, N, K): partial 128-row and 128/256-column tiles with 16-byte aligned rows (wgmma
     # on Hopper for float32 "highest"/"high"), K split in two chunks (float32 / float64,
     # added by splitk_reduce), the first of more K slices than pipeline stages (each
-    # stage is refilled); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
-    shapes = ((130, 264, 300), (37, 23, 50), (1, 1, 1))
+    # stage is refilled); 16-byte aligned 16-bit rows of a long K (TMA and wgmma on Hopper,
+    # K split over float32 slabs); odd sizes (unaligned mma.sync path); 1 x 1 x 1.
+    shapes = ((130, 264, 300), (130, 264, 2112), (37, 23, 50), (1, 1, 1))
     for dtype in DTYPES:
         for prec in PRECISIONS if dtype == torch.float32 else ("highest",):
             t, tag = tol(dtype, prec), f"linear {NAME[dtype]} {prec}"
