@@ -11,8 +11,6 @@ family has a fused backward, and adds in a fixed order (deterministic).
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import _dask, _loader
@@ -101,14 +99,6 @@ _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it
 # Chunked two-pass kernels: THREADS per CTA, UNROLL vectors in flight per thread; about
 # ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors (see 3. above).
 _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
-# The one-pass chunked kernel (normalize_chunk_lagged; config (-2, CTAs per SM)): chunks of
-# _CHUNK's THREADS * UNROLL vectors (one load per thread and unroll step), CTAS_PER_SM CTAs
-# per SM (forward, backward; the kernel's register budget: __launch_bounds__ minimum), the
-# write of a chunk `lag` = nchunks + grid tickets after its read. Taken where that many
-# chunks of x (and dy) fit L2_SHARE of L2 (see 3. above). LAGGED_CTAS: every CTAs-per-SM
-# value compiled (the dispatcher's and the tuning alternatives).
-_LAGGED = {"CTAS_PER_SM": {False: 4, True: 2}, "L2_SHARE": 0.5}
-LAGGED_CTAS = (2, 3, 4)
 
 
 def _kernel_of(cfg) -> tuple:
@@ -145,14 +135,8 @@ def _short_expr(p, dtype, short, bwd):
 
 
 def _chunk_exprs(p, dtype, bwd):
-    """The two-pass kernels."""
     tail = f"{p}, {CTYPE[dtype]}, {_CHUNK['THREADS']}, {_CHUNK['UNROLL']}, {_tf(bwd)}>"
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
-
-
-def _lagged_expr(p, dtype, bwd, ctas_per_sm):
-    return (f"normalize_chunk_lagged<{p}, {CTYPE[dtype]}, {_CHUNK['THREADS']}, {_CHUNK['UNROLL']}, "
-            f"{_tf(bwd)}, {ctas_per_sm}>")
 
 
 def _short_table(itemsize: int):
@@ -170,8 +154,7 @@ for _p in P.values():
             _loader.register(_FILE, [_backward_expr(_p, _dt, _cfg)], min_cc=90 if _cfg[0] > 1 else 0)
         for _bwd in (False, True):
             _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
-            _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd)
-                             + tuple(_lagged_expr(_p, _dt, _bwd, c) for c in LAGGED_CTAS))
+            _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -189,9 +172,8 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             capacity C*T*V holds a row; (0, G, UNITS, ROWS, vector units) for the
             short-row kernel (:data:`SHORT_VECTOR`, :data:`SHORT_SCALAR` of x's item
             size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
-            two-pass kernels with chunks of VC 16-byte vectors; (-2, CTAS) for the chunked
-            one-pass kernel with CTAS CTAs per SM. ``None`` (default): the dispatcher's
-            choice (see ``_route``).
+            two-pass kernel with chunks of VC 16-byte vectors. ``None`` (default): the
+            dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
     torch's current stream). torch tensors go through the custom op
@@ -278,11 +260,6 @@ def _require_config(config, dtype, backward=False):
         if config[1] < 1:
             raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
         return
-    if len(config) == 2 and config[0] == -2:
-        if config[1] not in LAGGED_CTAS:
-            raise ValueError(f"config: CTAs per SM (2nd entry) must be one of {LAGGED_CTAS}, "
-                             f"got {config}")
-        return
     if len(config) == 5 and config[0] == 0:
         table = _short_table(ITEMSIZE[dtype])
         if (config[1], config[2], config[3], bool(config[4])) not in table:
@@ -291,8 +268,8 @@ def _require_config(config, dtype, backward=False):
         return
     if not 3 <= len(config) <= 5 or config[0] < 1:
         raise ValueError(f"config: expected (cluster CTAs, threads, vectors[, prefetch[, rows "
-                         f"per cluster]]), (0, G, UNITS, ROWS, vector units), (-1, chunk "
-                         f"vectors) or (-2, CTAs per SM), got {config}")
+                         f"per cluster]]), (0, G, UNITS, ROWS, vector units) or (-1, chunk "
+                         f"vectors), got {config}")
     if len(config) == 5 and config[4] < 1:
         raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
     isz = ITEMSIZE[dtype]
@@ -400,42 +377,14 @@ def _pick_short(ncols: int, dtype: str, backward=False):
                  if c[0] * c[1] >= need), None)
 
 
-def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False,
-           l2: int = 50 * 2**20):
+def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
     """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
-    configuration, ``(-2, CTAs per SM)`` (chunked, one pass) or ``(-1, VC)`` (chunked, two
-    passes), per the table at the top of this module; ``l2``: the device's L2 bytes."""
+    configuration, or ``(-1, VC)`` (chunked), per the table at the top of this module."""
     short = _pick_short(ncols, dtype, backward)
     if short is not None:
         return (0,) + short
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
-    if cfg is not None:
-        return cfg
-    if _lag_bytes(nrows, ncols, dtype, sms, backward) <= _LAGGED["L2_SHARE"] * l2:
-        return (-2, _LAGGED["CTAS_PER_SM"][backward])
-    return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
-
-
-def _lagged_geometry(nrows: int, ncols: int, dtype: str, sms: int, ctas_per_sm: int):
-    """(chunks a row, grid, lag) of the one-pass chunked kernel: chunks of THREADS * UNROLL
-    vectors; lag = a row's chunks plus the grid's, at most all items (the kernel's
-    deadlock-freedom needs lag >= a row's chunks)."""
-    nchunks = cdiv(max(1, _row_vectors(ncols, dtype)), _CHUNK["THREADS"] * _CHUNK["UNROLL"])
-    items = nrows * nchunks
-    grid = min(items, ctas_per_sm * sms)
-    return nchunks, grid, min(items, nchunks + grid)
-
-
-def _lag_bytes(nrows: int, ncols: int, dtype: str, sms: int, backward=False) -> int:
-    """Bytes of x (and dy) the one-pass kernel reads between a chunk's first read and its
-    second: what L2 must hold for the second to hit it."""
-    _, _, lag = _lagged_geometry(nrows, ncols, dtype, sms, _LAGGED["CTAS_PER_SM"][backward])
-    return (2 if backward else 1) * lag * _CHUNK["THREADS"] * _CHUNK["UNROLL"] * 16
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(device: int) -> int:
-    return int(_loader.cupy().cuda.Device(device).attributes["L2CacheSize"])
+    return (-1, _chunk_vectors(nrows, ncols, dtype, sms)) if cfg is None else cfg
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:
@@ -457,7 +406,7 @@ def _clusters(cfg, nrows: int, device: int) -> int:
 def _check_capacity(cfg, ncols: int, dtype: str) -> None:
     """ValueError unless a configuration holds a whole row (only a given config can be
     short: the dispatcher picks one that holds it)."""
-    if cfg[0] < 0:
+    if cfg[0] == -1:
         return
     if cfg[0] == 0:
         need = _row_vectors(ncols, dtype) if cfg[4] else ncols
@@ -484,22 +433,6 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
         grid = (min(cdiv(nrows, per_cta), _SHORT_CTAS_PER_SM * _loader.sm_count(dev)),)
         tail = (nrows, ncols, xs, gs, ys)
         return lambda a, x, dy, y: launch(a, fn, grid, (_SHORT_THREADS,), (x, dy, y) + tail)
-    if cfg[0] == -2:  # chunked, one pass
-        nchunks, grid, lag = _lagged_geometry(nrows, ncols, dt, _loader.sm_count(dev), cfg[1])
-        fn = _loader.function(_LONG_FILE, _lagged_expr(p, dt, backward, cfg[1]), dev)
-        # one zeroed scratch buffer: the ticket counter (8 bytes), then the partials
-        acc = acc_dtype(dt)
-        asz = 8 if acc == "float64" else 4
-        n = 8 // asz + nrows * nchunks * (2 if backward else 1)
-        block = (_CHUNK["THREADS"],)
-
-        def lagged(a, x, dy, y):
-            ws = empty(a, (n,), acc)
-            wp = data_ptr(ws)
-            launch_all(a, ((fn, (grid,), block, (x, dy, wp + 8, wp, y, nrows, ncols, xs, gs, ys,
-                                                  nchunks, lag), 0),), zero=((wp, n * asz),))
-
-        return lagged
     if cfg[0] == -1:  # chunked, two passes
         vc = cfg[1]
         nchunks = cdiv(max(1, _row_vectors(ncols, dt)), vc)
@@ -529,8 +462,7 @@ def _plan(src, xs, ys, p, config=None):
     ncols = src.shape[-1]
     nrows = src.size // ncols
     dev = src.device
-    cfg = config or _route(nrows, ncols, src.dtype, _loader.device_cc(dev), _loader.sm_count(dev),
-                           l2=_l2_bytes(dev))
+    cfg = config or _route(nrows, ncols, src.dtype, _loader.device_cc(dev), _loader.sm_count(dev))
     go = _launcher(src, p, nrows, ncols, (xs, 0, ys), cfg, False)
     return lambda a, x, y: go(a, x, 0, y)
 
@@ -569,7 +501,7 @@ def _backward_fresh(x, dy, p, axis, config):
         return None
     nrows = a.size // ncols
     cfg = config or _route(nrows, ncols, a.dtype, _loader.device_cc(a.device),
-                           _loader.sm_count(a.device), backward=True, l2=_l2_bytes(a.device))
+                           _loader.sm_count(a.device), backward=True)
     go = _launcher(a, p, nrows, ncols, (xs, gs, ncols), cfg, True)
     place, shape = Place(a), a.shape
 

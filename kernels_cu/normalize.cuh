@@ -55,21 +55,16 @@ struct RowSplit {
 //   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
 //   P == 2: dx = dy / d - x * s / (d * d * d)
 // built from the row's two sums (norm term, dy.x); d rounded to T as the forward rounds it.
-// dy / d goes through Scaler (a reciprocal multiply for ordinary d, as the forward
-// scales): a true division per element made 16-bit rows instruction-bound (1048576x32
-// bfloat16 L1, H200: see SHORT_BACKWARD in cupykern/normalize.py).
 template <int P, typename T, typename A> struct Grad {
-  Scaler<A> inv;
-  A c;
-  __device__ __forceinline__ Grad(A norm_sum, A dot, long long n)
-      : inv(row_divisor<P, T>(norm_sum, n)) {
-    const A d = inv.d;
+  A d, c;
+  __device__ __forceinline__ Grad(A norm_sum, A dot, long long n) {
+    d = row_divisor<P, T>(norm_sum, n);
     // d = inf from a sum of finite terms that overflowed: torch's x / d^2 is 0 term by
     // term, where dot / d^3 could be inf / inf
     c = d == infinity<A>() ? (A)0 : P == 1 ? dot / (d * d * (A)n) : dot / (d * d * d);
   }
   __device__ __forceinline__ A operator()(A xv, A gv) const {
     const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
-    return inv(gv) - t * c;
+    return gv / d - t * c;
   }
 };

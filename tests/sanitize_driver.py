@@ -175,8 +175,7 @@ def run_normalize():
 
 def run_normalize_rows():
     """The short-row and chunked kernel families (forward and fused backward) with forced
-    configurations: chunks of 3 vectors (a partial last chunk), the one-pass chunked
-    kernel, and every short-row
+    configurations: chunks of 3 vectors (a partial last chunk) and every short-row
     configuration at its capacity and shorter rows, on rows of odd lengths (head and tail
     scalars differ row to row)."""
     for dtype in DTYPES:
@@ -193,16 +192,6 @@ def run_normalize_rows():
                 dx, scale = grad_ref(host(x), host(gy), kind)
                 check(f"{tag} backward chunks of 3 ncols {ncols}",
                       nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
-            # the one-pass chunked kernel: 300 rows of one chunk each outnumber a row's chunks
-            # plus the grid (2 CTAs per SM), so writes interleave with reads; and a row of
-            # three chunks, the last partial
-            for shape in ((300, 1001), (2, 2 * 1024 * per_vec + per_vec + 3)):
-                x = dev(randn(*shape, seed=16), dtype)
-                gy = dev(randn(*shape, seed=17), dtype)
-                check(f"{tag} one pass {shape}", fn(x, config=(-2, 2)), norm_ref(host(x), kind), t)
-                dx, scale = grad_ref(host(x), host(gy), kind)
-                check(f"{tag} backward one pass {shape}",
-                      nz.normalize_backward(x, gy, nz.P[kind], 1, (-2, 2)), dx, t, scale)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):
                 g, units, rows, vec = cfg

@@ -62,8 +62,6 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
-    # normalize's dispatcher reads the L2 size (H100's 50 MB)
-    monkeypatch.setattr(sys.modules["cupykern.normalize"], "_l2_bytes", lambda dev: 50 * 2**20)
     # our kernels at these small shapes, which the dispatcher would give to the vendor
     monkeypatch.setattr(sys.modules["cupykern.gemm"], "_FORCED", ["ours"])
     # a tensor map as what it encodes (the driver's encoder needs a GPU), kept apart from

@@ -251,10 +251,6 @@ def test_more_than_2_31_elements():
     xt, gt = one_row[0, -1000:].double(), g[0, -1000:].double()
     want = gt / d - xt.sign() * s / (d * d * n)
     torch.testing.assert_close(dx[0, -1000:].double(), want, rtol=2e-3, atol=2e-3 * 2 / d)
-    # the one-pass chunked kernel on the same row: the two-pass kernels' bits (same chunks)
-    vc = _core()._CHUNK["THREADS"] * _core()._CHUNK["UNROLL"]
-    assert torch.equal(cupykern.l1_normalize(one_row, config=(-2, 4)),
-                       cupykern.l1_normalize(one_row, config=(-1, vc)))
 
 
 @pytest.mark.gpu
@@ -477,61 +473,6 @@ def test_chunked_rows_edges(dtype):
             _check_offset_rows(x, kind, dtype, (-1, vc), f"{kind} ncols {ncols} offset")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_pass_chunked_edges(dtype):
-    """The one-pass chunked kernel (tickets, a chunk written `lag` tickets after its read)
-    at its edge lengths: 1, 2, 31, 32, 33, a vector's boundary, a chunk's boundary (1024
-    vectors) +-1, a partial last chunk, on contiguous and offset rows; enough rows that
-    the writes interleave with the reads (items > a row's chunks + the grid); bit-identical
-    to the two-pass kernels with chunks of 1024 vectors, and in place."""
-    core = _core()
-    gen = torch.Generator(device="cuda").manual_seed(17)
-    n = 16 // dtype.itemsize
-    vc = core._CHUNK["THREADS"] * core._CHUNK["UNROLL"]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = [(5, c) for c in (1, 2, 31, 32, 33, n - 1, n, n + 1, vc * n - 1, vc * n, vc * n + 1)]
-    cases += [(5, 3 * vc * n + n + 5), (core.LAGGED_CTAS[0] * sms + 7, 2 * vc * n + n + 3)]
-    for nrows, ncols in cases:
-        x = torch.randn(nrows, ncols, device="cuda", generator=gen).to(dtype)
-        gy = torch.randn(nrows, ncols, device="cuda", generator=gen).to(dtype)
-        for ctas in core.LAGGED_CTAS:
-            cfg = (-2, ctas)
-            for kind in FUNCS:
-                what = f"{kind} {nrows}x{ncols} {cfg}"
-                _check_forward_backward(x, gy, kind, dtype, cfg, what)
-                _check_offset_rows(x, kind, dtype, cfg, what + " offset")
-                two = (-1, vc)
-                assert torch.equal(FUNCS[kind](x, config=cfg), FUNCS[kind](x, config=two)), what
-                p = core.P[kind]
-                assert torch.equal(core.normalize_backward(x, gy, p, 1, cfg),
-                                   core.normalize_backward(x, gy, p, 1, two)), what
-                xi = x.clone()
-                assert FUNCS[kind](xi, out=xi, config=cfg) is xi
-                assert torch.equal(xi, FUNCS[kind](x, config=cfg)), what + " in place"
-
-
-@pytest.mark.gpu
-def test_one_pass_chunked_concurrent_streams():
-    """Two one-pass launches at once on two streams (each its own tickets and partials),
-    and a dispatched long row: results as on one stream."""
-    core = _core()
-    gen = torch.Generator(device="cuda").manual_seed(19)
-    xs = [torch.randn(3, 300001, device="cuda", generator=gen) for _ in range(2)]
-    want = [cupykern.l2_normalize(x, config=(-2, 2)) for x in xs]
-    streams = [torch.cuda.Stream() for _ in xs]
-    got = [None, None]
-    for _ in range(3):
-        for i, (x, st) in enumerate(zip(xs, streams)):
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                got[i] = cupykern.l2_normalize(x, config=(-2, 2))
-        torch.cuda.synchronize()
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
-    assert core._route(3, 300001, "float32", 90, 132)[0] == -2
-
-
 ROUTED = [(4096, 7), (2049, 5), (1000, 33), (513, 64), (300, 255), (100, 300), (64, 1024),
           (40, 1025), (3, 100000), (2, 140001), (1, 2**20 + 3), (2, 65535)]
 
@@ -575,7 +516,7 @@ def test_special_rows_in_every_family(kind, ncols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, "scalar", (0, 8, 1, 4, True), (0, 32, 8, 1, True),
-                                    (1, 128, 4), (-1, 3), (-2, 2)], ids=str)
+                                    (1, 128, 4), (-1, 3)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_nothing_written_outside_the_view(config, dtype):
     """x and out inside nan-filled buffers (rows of a wider array, one element past a
@@ -586,7 +527,7 @@ def test_nothing_written_outside_the_view(config, dtype):
     if config == "scalar":
         config = (0,) + _core().SHORT_SCALAR[dtype.itemsize][0] + (False,)
     ncols = {None: 37, (0, 8, 1, 4, True): 30, (0, 32, 8, 1, True): 1000, (1, 128, 4): 1500,
-             (-1, 3): 1001, (-2, 2): 9001}.get(config, 7)
+             (-1, 3): 1001}.get(config, 7)
     shape = (70, ncols)
     lay = Layout.make(shape, pads=(0, 5), misalign=1)
     vals = torch.randn(shape, dtype=torch.float64).to(dtype)
