@@ -111,7 +111,11 @@ normalize_chunk_apply(const T* __restrict__ x, const T* __restrict__ dy,
     s = block_sum(s, scratch);
     if constexpr (BWD) t = block_sum(t, scratch);
     auto write = [&](auto f) {  // f(x value, dy value) -> output value
-      for (long long v = ch.v0 + threadIdx.x; v < ch.v1; v += THREADS * UNROLL) {
+      // The chunk from its end: pass 1 streams every chunk at once, front to back, so the
+      // backs of the chunks are what L2 still holds when x is larger than L2.
+      const long long steps = (ch.v1 - ch.v0 + THREADS * UNROLL - 1) / (THREADS * UNROLL);
+      for (long long step = steps - 1; step >= 0; --step) {
+        const long long v = ch.v0 + step * (THREADS * UNROLL) + threadIdx.x;
         V b[UNROLL], g[BWD ? UNROLL : 1];
         ch.load<THREADS, UNROLL, BWD>(b, g, xr, gr, rs.head, v);
 #pragma unroll
