@@ -37,10 +37,11 @@ P = {"l1": 1, "l2": 2}
 #    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
 #    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
 #    1024 vectors (6.4 us at 512, 8.7 at 256). x is read twice: 1x4194304 float32 12.8 us
-#    (torch.compile 10.8 us, copy 5.9); 8x4194304 (x > L2) 1.8x copy time. A one-pass
-#    kernel (each chunk written a fixed number of chunks after its read, 9fcba98) was
-#    slower at every shape (8x4194304 float32 113.8-127.6 us against 114.4; 3x2000001
-#    24.0-26.4 against 20.4): see docs/performance.md.
+#    (torch.compile 10.8 us, copy 5.9); 8x4194304 float32 (x > L2) 111.2 us, 1.72x copy
+#    time, with pass 2 walking each chunk from its end (115.3 us walking from the front,
+#    same run). A one-pass kernel (each chunk written a fixed number of chunks after its
+#    read, 9fcba98) was slower at every shape (8x4194304 float32 113.8-127.6 us against
+#    114.4; 3x2000001 24.0-26.4 against 20.4): see docs/performance.md.
 SHORT_MAX_VECTORS = 256
 # The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
 # (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74

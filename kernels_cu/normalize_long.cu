@@ -2,7 +2,8 @@
 // item, in two passes. Pass 1 (normalize_chunk_sums) writes each item's partial sums;
 // pass 2 (normalize_chunk_apply) adds its row's partials in a fixed order and writes its
 // chunk of y (or, BWD, of dx). x (and dy) are read twice: the second read hits L2 where
-// the data fits it. Forward and fused backward (formula: Grad) in one pair of kernels.
+// the data fits it (and, where x is larger, the part L2 still holds: pass 2 starts where
+// pass 1 ended). Forward and fused backward (formula: Grad) in one pair of kernels.
 #include "normalize.cuh"
 
 // The vectors of item `item`'s chunk: [v0, v1) of its row's 16-byte vectors (RowSplit's
