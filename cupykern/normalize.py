@@ -37,7 +37,11 @@ P = {"l1": 1, "l2": 2}
 #    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
 #    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
 #    1024 vectors (6.4 us at 512, 8.7 at 256). x is read twice: 1x4194304 float32 12.8 us
-#    (torch.compile 10.8 us, copy 5.9); 8x4194304 (x > L2) 1.8x copy time.
+#    (torch.compile 10.8 us, copy 5.9); 8x4194304 float32 (x > L2) 111.2 us, 1.72x copy
+#    time, with pass 2 walking each chunk from its end (115.3 us walking from the front,
+#    same run). A one-pass kernel (each chunk written a fixed number of chunks after its
+#    read, 9fcba98) was slower at every shape (8x4194304 float32 113.8-127.6 us against
+#    114.4; 3x2000001 24.0-26.4 against 20.4): see docs/performance.md.
 SHORT_MAX_VECTORS = 256
 # The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
 # (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
@@ -59,6 +63,14 @@ SHORT_MAX_VECTORS_BACKWARD = 128
 #   (2, 4, 4), 31.6 with (4, 2, 4), 49.0 with (8, 1, 4) (copy 13.7).
 SHORT_VECTOR = ((2, 1, 2), (4, 1, 4), (8, 1, 4), (16, 1, 2), (32, 1, 2), (32, 2, 2), (32, 4, 1),
                 (32, 8, 1))
+# The backward's (x and dy in flight, twice the registers): at most 2 rows in flight per lane.
+# H200 GPU time (graph replay), 1048576x32 backward, same run, ratio to 1.5x copy: bfloat16
+# L1 (4, 1, 2) 59.4 us 1.18x, (2, 2, 2) 62.7, (4, 1, 4) 76.4 1.52x, (1, 4, 2) 75.1, (4, 1,
+# 8) 116.5; L2 (4, 1, 2) 55.1 1.10x against (4, 1, 4) 70.4; float32 L1 (8, 1, 2) 105.9 us
+# 1.09x, (4, 2, 2) 109.7, (8, 1, 4) 116.4 1.20x, (8, 1, 8) 176.3; L2 (8, 1, 2) 105.2 against
+# (8, 1, 4) 118.0 (copy 33.6 / 64.9 us).
+SHORT_VECTOR_BACKWARD = ((2, 1, 2), (4, 1, 2), (8, 1, 2), (16, 1, 2), (32, 1, 2), (32, 2, 2),
+                         (32, 4, 1))
 SHORT_SCALAR = {2: ((2, 4, 4), (8, 2, 4)), 4: ((4, 2, 4),), 8: ((4, 2, 4),)}
 # Alternatives the benchmark's tuning section times: (G, UNITS, ROWS, vector units).
 SHORT_TUNING = ((8, 1, 4, False), (2, 1, 8, True))
@@ -140,8 +152,9 @@ def _chunk_exprs(p, dtype, bwd):
 
 
 def _short_table(itemsize: int):
-    """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units)."""
-    return (tuple(c + (True,) for c in SHORT_VECTOR)
+    """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units):
+    the forward's and the backward's (each direction compiles and accepts all of them)."""
+    return (tuple(c + (True,) for c in dict.fromkeys(SHORT_VECTOR + SHORT_VECTOR_BACKWARD))
             + tuple(c + (False,) for c in SHORT_SCALAR[itemsize]) + SHORT_TUNING)
 
 
@@ -373,8 +386,8 @@ def _pick_short(ncols: int, dtype: str, backward=False):
     need = _row_vectors(ncols, dtype) if vec else ncols
     if vec and need > (SHORT_MAX_VECTORS_BACKWARD if backward else SHORT_MAX_VECTORS):
         return None
-    return next((c + (vec,) for c in (SHORT_VECTOR if vec else SHORT_SCALAR[isz])
-                 if c[0] * c[1] >= need), None)
+    table = (SHORT_VECTOR_BACKWARD if backward else SHORT_VECTOR) if vec else SHORT_SCALAR[isz]
+    return next((c + (vec,) for c in table if c[0] * c[1] >= need), None)
 
 
 def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):

@@ -2,7 +2,8 @@
 // item, in two passes. Pass 1 (normalize_chunk_sums) writes each item's partial sums;
 // pass 2 (normalize_chunk_apply) adds its row's partials in a fixed order and writes its
 // chunk of y (or, BWD, of dx). x (and dy) are read twice: the second read hits L2 where
-// the data fits it. Forward and fused backward (formula: Grad) in one pair of kernels.
+// the data fits it (and, where x is larger, the part L2 still holds: pass 2 starts where
+// pass 1 ended). Forward and fused backward (formula: Grad) in one pair of kernels.
 #include "normalize.cuh"
 
 // The vectors of item `item`'s chunk: [v0, v1) of its row's 16-byte vectors (RowSplit's
@@ -111,7 +112,11 @@ normalize_chunk_apply(const T* __restrict__ x, const T* __restrict__ dy,
     s = block_sum(s, scratch);
     if constexpr (BWD) t = block_sum(t, scratch);
     auto write = [&](auto f) {  // f(x value, dy value) -> output value
-      for (long long v = ch.v0 + threadIdx.x; v < ch.v1; v += THREADS * UNROLL) {
+      // The chunk from its end: pass 1 streams every chunk at once, front to back, so the
+      // backs of the chunks are what L2 still holds when x is larger than L2.
+      const long long steps = (ch.v1 - ch.v0 + THREADS * UNROLL - 1) / (THREADS * UNROLL);
+      for (long long step = steps - 1; step >= 0; --step) {
+        const long long v = ch.v0 + step * (THREADS * UNROLL) + threadIdx.x;
         V b[UNROLL], g[BWD ? UNROLL : 1];
         ch.load<THREADS, UNROLL, BWD>(b, g, xr, gr, rs.head, v);
 #pragma unroll

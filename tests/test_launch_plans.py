@@ -372,6 +372,21 @@ def test_normalize_dispatcher_table(geometry, want):
         assert min(backward[0], 1) == family
 
 
+@pytest.mark.parametrize("geometry, want", [
+    ((1048576, 32, "bfloat16"), (0, 4, 1, 2, True)),  # 4 vectors: 2 rows in flight, not 4
+    ((1048576, 32, "float32"), (0, 8, 1, 2, True)),
+    ((524288, 16, "bfloat16"), (0, 2, 1, 2, True)),
+    ((65536, 512, "float32"), (0, 32, 4, 1, True)),  # 128 vectors: the backward's last
+    ((65536, 516, "float32"), (1, 128, 4, False)),
+    ((262144, 7, "float32"), (0, 4, 2, 4, False)),  # single elements: the forward's
+])
+def test_normalize_backward_short_rows(geometry, want):
+    """The backward's short-row table (SHORT_VECTOR_BACKWARD): x and dy in flight, so at
+    most 2 rows a lane; cluster kernels past 128 vectors."""
+    nz = sys.modules["cupykern.normalize"]
+    assert nz._route(*geometry, 90, 132, backward=True) == want
+
+
 def test_normalize_dispatcher_without_clusters():
     nz = sys.modules["cupykern.normalize"]
     assert nz._route(32768, 65535, "float32", 75, 40) == (-1, 16383)  # no cluster: a chunk a row
