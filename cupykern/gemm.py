@@ -487,21 +487,29 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
     pass of its own, :func:`statistics_call`) or a backward product of an input of
     ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
     always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
-    backward products from FUSED_VENDOR_BATCH rows on. Every other dtype follows
-    :func:`route` at any size: GemmScaleBatchNorm (the model converted), ours against
-    eager, H200, forward / training step: float64 (our CUDA cores against the FP64
-    tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; bfloat16 (mma.sync
-    against cuBLAS's wgmma) 1024x8192->8192 0.37x / 0.35x, 256x4096->4096 0.37x / 0.78x;
-    float16 0.32x / 0.44x and 0.36x / 1.04x."""
+    backward products from FUSED_VENDOR_BATCH rows on. A 16-bit forward keeps ours where
+    it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
+    H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
+    the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at
+    64x512->512, 1.06 / 0.89x and 1.10 / 0.89x at 2048^3, 1.11 / 0.93x and 1.05 / 0.98x
+    at 1024x8192->8192, 1.18 / 1.08x and 1.20 / 1.09x at 16384x4096->4096; forward
+    1.54-1.58x / 0.91-1.17x from 2048^3 to 8192x1024->1024, 0.91 / 0.95x and 0.97 /
+    1.00x at 1024x8192->8192 (our wgmma's mainloop: 0.88x cuBLAS there), a tie below. Every other
+    product follows :func:`route` at any size: GemmScaleBatchNorm (the model converted),
+    ours against eager, H200, forward / training step: float64 (our CUDA cores against
+    the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
+    mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
     if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
+        return False
+    if batch is None and _choose(a, b_nk, precision).cfg is _WGMMA[_HALF]:  # (16-bit only)
         return False
     return _route_of(a, b_nk, precision) == VENDOR
 
 
 def vendor_linear(kind: str, precision: str):
-    """``run(x, weight) -> x @ weight.T``: the vendor's product (a new C-contiguous array)."""
-    impl = _vendor(kind).linear
-    return lambda x, weight: impl(x, weight, None, precision)
+    """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
+    C-contiguous array), as a plan (:class:`_VendorPlan`)."""
+    return _VendorPlan(_vendor(kind).linear, precision)
 
 
 STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
@@ -1036,7 +1044,7 @@ def _fresh(checked, x, weight, bias, precision, out):
     if xo.kind == "cpu" or 0 in shape:
         return None
     if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
-        return _VendorPlan(_vendor(xo.kind).linear, prec)
+        return vendor_linear(xo.kind, prec)
     if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view

@@ -378,7 +378,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
 class _ZProduct:
     """z = x @ W.T for :func:`_plan`, on our GEMM or the vendor's (``vendor``:
-    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=0) -> z``, a new
+    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=None) -> z``, a new
     C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for none), z's per-tile
     column statistics there (tiles of ``bm`` rows: the GEMM's epilogue, or a pass of its
     own after the vendor's); ``workspace``: the elements of a split K's ``ws`` (ours; a
@@ -406,7 +406,7 @@ class _ZProduct:
     def __call__(self, x, weight, part, ws=None):
         place, ptr = self._place, self._place.ptr
         if self.vendor:
-            z = self._linear(x, weight)
+            z = self._linear(x, weight, None)
             if part:
                 launch_all(place, (self._stats(ptr(z), part),))
             return z

@@ -698,6 +698,28 @@ def test_vendor_pads_a_misaligned_n(dtype, dispatched):
     assert_grad_close(xg.grad, w.double().sum(0).expand(m, -1), 3e-2)
 
 
+@pytest.mark.parametrize("cc", [90, 80])
+def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
+    """GPU-free: a fused op's 16-bit forward GEMM is ours where it runs on Hopper's wgmma
+    (K-major, 16-byte aligned operands by TMA), else the vendor's, as its backward
+    products are (cupykern.gemm.fused_vendor)."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def op(rows, cols, dtype="bfloat16", ptr=0x10000):
+        return _array.Operand(torch.empty(0), "torch", dtype, (rows, cols), (cols, 1), ptr, 0,
+                              "a", True)
+
+    for dtype in ("bfloat16", "float16"):
+        x, w = op(64, 512, dtype), op(512, 512, dtype)
+        assert gemm.fused_vendor(x, w, "highest") == (cc != 90)
+        assert gemm.fused_vendor(x, w, "highest", batch=64)  # a backward product: route's
+    assert gemm.fused_vendor(op(64, 512, ptr=0x10002), op(512, 512), "highest")  # misaligned
+    assert gemm.fused_vendor(op(64, 512, "float64"), op(512, 512, "float64"), "highest")
+    assert not gemm.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
+
+
 def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     """GPU-free: GemmScaleBatchNorm's backward plans dx / dW on ours only where the
     dispatcher gives the product to ours (else the vendor's product, planned alike)."""

@@ -98,6 +98,47 @@ def test_training_steps_and_eval(shape, momentum):
         assert torch.allclose(new(x[:1]), ref(x[:1]), atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+# The forward's BatchNorm pass per dtype: float64 of the dtype's rounded inputs within these
+FORWARD_BOUND = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3,
+                 torch.bfloat16: 4e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
+@pytest.mark.parametrize("shape", [(64, 96, 512), (200, 64, 136), (37, 50, 23), (256, 128, 1032)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_coefficients_in_the_apply_pass_match_their_own_pass(monkeypatch, shape, dtype):
+    """A batch of few M-tiles merges its column statistics in the apply pass
+    (bn_train_apply: a thread's 16-byte vector of columns side by side); more tiles, in a
+    pass of their own (bn_train_coef, then bn_apply). Both give the same bits (outputs
+    and running statistics), and the reference's result within the dtype's bound."""
+    import importlib
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    m, fin, fout = shape
+    results = []
+    for tiles in (core._FUSED_TILES, 0):
+        monkeypatch.setattr(core, "_FUSED_TILES", tiles)
+        core._plans.clear()
+        ref, new = _pair(fin, fout)
+        ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
+        torch.manual_seed(1)
+        x = torch.randn(m, fin, device="cuda", dtype=dtype) + 0.5
+        with torch.no_grad():
+            results.append((new(x), new.bn.running_mean.clone(), new.bn.running_var.clone()))
+    core._plans.clear()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    ref64 = model3.Model(fin, fout, (fout,))
+    ref64.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        want = ref64.double().cuda()(x.double())
+    bound = FORWARD_BOUND[dtype]
+    assert torch.allclose(results[0][0].double(), want, atol=bound, rtol=bound), \
+        (results[0][0].double() - want).abs().max()
+    for got, name in zip(results[0][1:], ("running_mean", "running_var")):
+        assert torch.allclose(got.double(), getattr(ref64.bn, name), atol=bound, rtol=bound), name
+
+
 @pytest.mark.gpu
 def test_deterministic_and_precisions():
     ref, new = _pair(1024, 512)
