@@ -167,6 +167,7 @@ def run_normalize():
                 xc = dev(randn(5, 1002, seed=10), dtype, "cupy")[:, 1:]
                 outc = cupy.empty((5, 1002), dtype=xc.dtype)[:, 1:]
                 check(f"{tag} cupy offset rows out=", fn(xc, out=outc), norm_ref(host(xc), kind), t)
+            print(f"normalize {tag}: {_checks[0]} checks so far", flush=True)  # (a slow tool's progress)
     for mod, kind in ((L1Norm(), "l1"), (L2Norm(), "l2")):
         for dtype in (torch.float32, torch.bfloat16):
             x = dev(randn(4, 777, seed=11), dtype)
@@ -461,7 +462,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":"))
     ap.add_argument("--only", nargs="+", choices=list(GROUPS), default=list(GROUPS),
                     help="run only these kernel families")
-    for group in ap.parse_args().only:
+    ap.add_argument("--dtypes", nargs="+", choices=list(NAME.values()), default=list(NAME.values()),
+                    help="run only these dtypes (a slow tool's run, split over processes)")
+    args = ap.parse_args()
+    global DTYPES, CUPY_DTYPES
+    DTYPES = tuple(d for d in DTYPES if NAME[d] in args.dtypes)
+    CUPY_DTYPES = tuple(d for d in CUPY_DTYPES if d in DTYPES)
+    for group in args.only:
         GROUPS[group]()
         print(f"{group}: {_checks[0]} checks so far", flush=True)
     torch.cuda.synchronize()
