@@ -24,6 +24,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CUPY_DTYPES = (torch.float16, torch.float32, torch.float64)  # CuPy has no bfloat16
 PRECISIONS = ("highest", "high", "medium")
 NAME = {d: str(d).removeprefix("torch.") for d in DTYPES}
+KINDS = ("l1", "l2")  # normalize's
 _failures: list[str] = []
 _checks = [0]
 
@@ -103,7 +104,7 @@ def run_normalize():
         per_vec = 16 // isz
         configs = [c for c in nz.CONFIGS[isz] if c[0] == 1 or clusters]
         bconfigs = [c for c in nz.BACKWARD_CONFIGS[isz] if c[0] == 1 or clusters]
-        for kind in ("l1", "l2"):
+        for kind in KINDS:
             t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
             tag = f"{kind} {NAME[dtype]}"
             # Cluster kernel, every config: rows of 1 and 7 (head/tail scalars only), 1001
@@ -182,7 +183,7 @@ def run_normalize_rows():
     for dtype in DTYPES:
         isz = dtype.itemsize
         per_vec = 16 // isz
-        for kind in ("l1", "l2"):
+        for kind in KINDS:
             t, fn = tol(dtype), getattr(cupykern, f"{kind}_normalize")
             tag = f"{kind} {NAME[dtype]}"
             for ncols in (5, 1001):
@@ -459,13 +460,16 @@ GROUPS = {"normalize": run_normalize, "normalize_rows": run_normalize_rows, "lin
 
 
 def main():
+    global DTYPES, CUPY_DTYPES, KINDS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].rstrip(":"))
     ap.add_argument("--only", nargs="+", choices=list(GROUPS), default=list(GROUPS),
                     help="run only these kernel families")
     ap.add_argument("--dtypes", nargs="+", choices=list(NAME.values()), default=list(NAME.values()),
                     help="run only these dtypes (a slow tool's run, split over processes)")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS,
+                    help="normalize, normalize_rows: run only these norms")
     args = ap.parse_args()
-    global DTYPES, CUPY_DTYPES
+    KINDS = tuple(args.kinds)
     DTYPES = tuple(d for d in DTYPES if NAME[d] in args.dtypes)
     CUPY_DTYPES = tuple(d for d in CUPY_DTYPES if d in DTYPES)
     for group in args.only:
