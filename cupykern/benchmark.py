@@ -42,19 +42,31 @@ def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=N
     return time_each((fn,), iters=iters, warmup=warmup, flush=flush, setup=setup)[0]
 
 
-def time_each(fns, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> list:
+def time_each(fns, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None,
+              seconds: float = 0.0) -> list:
     """:func:`time_ms` of each of ``fns``, their calls interleaved (one of each per
     round), so that every function meets the same drift of clocks and host load: what
     makes a comparison of host-bound calls (whose times swing by tens of percent between
-    seconds on the GPU machines here) fair."""
+    seconds on the GPU machines here) fair. ``seconds``: rounds for about that long in
+    all, from ``iters`` up to 20 times as many, so that short host-bound calls get a
+    median of hundreds of calls (on these hosts a small training step's median over 15
+    rounds moved by 10-20% from one run to the next)."""
+    import time
+
     import torch
 
     scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush else None
+    rounds = []
     for _ in range(warmup):
+        start = time.perf_counter()
         for fn in fns:
             if setup:
                 setup()
             fn()
+        torch.cuda.synchronize()
+        rounds.append(time.perf_counter() - start)
+    if seconds and rounds:  # (the fastest warm-up round: the first compiles and plans)
+        iters = max(iters, min(20 * iters, int(seconds / max(min(rounds), 1e-6))))
     times = [[] for _ in fns]
     for _ in range(iters):
         for fn, ts in zip(fns, times):

@@ -85,12 +85,12 @@ for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
 # 25.9 / 27.2 (13.6), but K <= 1024 lost: 2048x1024x1024 17.9 / 14.5, 1000x520x1030 16.3
 # / 13.4, 640x1024x2048 15.0 / 14.7 (the slabs' round trip outweighs short chunks).
 _WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
-# The element type gemm_wgmma's tensor maps declare, per mode. TF32: the copy engine
+# The element type gemm_wgmma's tensor maps declare, per (dtype, mode). TF32: the copy engine
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
 # cuBLAS's error on mixed-sign data); 3xTF32 splits the raw fp32 bits itself.
-_MAP_DTYPE = {0: _tma.FLOAT32, 1: _tma.TFLOAT32,
-              "float16": _tma.FLOAT16, "bfloat16": _tma.BFLOAT16}  # (16-bit: per dtype)
+_MAP_DTYPE = {("float32", 0): _tma.FLOAT32, ("float32", 1): _tma.TFLOAT32,
+              ("float16", _HALF): _tma.FLOAT16, ("bfloat16", _HALF): _tma.BFLOAT16}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
@@ -335,7 +335,7 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
     slice x 32 columns), or two unused ones without TMA."""
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE)
-    dt = _MAP_DTYPE[mode if dtype == "float32" else dtype]
+    dt = _MAP_DTYPE[dtype, mode]
     k = cfg["KS"]  # the kernel's K slice: one 128-byte swizzled row
     # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
     ma = _tma.row_maps(K, M, lda, k, k, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
@@ -479,6 +479,15 @@ def mm_plan(a, b, precision: str):
 # 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
+# A fused op's float64 products of at most this many multiply-adds stay ours (CUDA cores),
+# forward and backward: a cuBLAS call through torch costs these hosts 50-150 us (the
+# profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. H100, one run,
+# GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of 160
+# calls in alternating blocks, the vendor's products / ours: forward 0.98 / 1.68x at
+# 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512 (2**26), 0.94 / 0.48x at
+# 256x1024->1024 (2**28: our CUDA-core GEMM 126 us against 64); training step 0.78 /
+# 0.95x, 0.78 / 0.96x, 0.79 / 0.98x, and at 256x4096->4096 0.96 / 0.45x.
+FUSED_F64_WORK = 2 ** 26
 
 
 def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
@@ -487,7 +496,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
     pass of its own, :func:`statistics_call`) or a backward product of an input of
     ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
     always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
-    backward products from FUSED_VENDOR_BATCH rows on. A 16-bit forward keeps ours where
+    backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
+    at most FUSED_F64_WORK multiply-adds (host time). A 16-bit forward keeps ours where
     it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
     the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at
@@ -501,6 +511,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
     if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
         return False
+    if a.dtype == "float64" and a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK:
+        return False
     if batch is None and _choose(a, b_nk, precision).cfg is _WGMMA[_HALF]:  # (16-bit only)
         return False
     return _route_of(a, b_nk, precision) == VENDOR
@@ -510,6 +522,11 @@ def vendor_linear(kind: str, precision: str):
     """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
     C-contiguous array), as a plan (:class:`_VendorPlan`)."""
     return _VendorPlan(_vendor(kind).linear, precision)
+
+
+def vendor_matmul(kind: str, precision: str):
+    """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan."""
+    return _VendorPlan(_vendor(kind).matmul, precision)
 
 
 STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
@@ -535,7 +552,7 @@ def routed_mm_plan(a, b, precision: str, batch: int):
                  b.name, b.torch)
     if fused_vendor(a, bt, precision, batch):
         # (straight to the library: matmul_core's lookup costs a small step ~10 us of host)
-        return _VendorPlan(_vendor(a.kind).matmul, precision)
+        return vendor_matmul(a.kind, precision)
     return _on_arrays(mm_plan(a, b, precision))
 
 
@@ -1258,7 +1275,7 @@ def _matmul_fresh(checked, a, b, precision, out):
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
     if _matmul_route(ao, bo, prec) == VENDOR:
-        return _VendorPlan(_vendor(ao.kind).matmul, prec)
+        return vendor_matmul(ao.kind, prec)
     if ao.ndim != 2 or bo.ndim != 2:
         return None
     return _on_arrays(mm_plan(ao, bo, prec))

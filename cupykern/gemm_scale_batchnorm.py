@@ -316,7 +316,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
                     (coef, *coef_launch, coef_args + (c0, 0, c0 + step, 0), 0),
                     *product.gemm(ptr(x), ptr(weight), ptr(out), 0, c0, c0 + step, 0, ptr(ws))))
                 return out
-            z = product(x, weight, 0)  # (the GEMM first: see run_train)
+            z = product(x, weight, 0)[0]  # (the GEMM first: see run_train)
             zp = ptr(z)
             out, coefs = empty(place, (M, N)) if save else z, empty(place, (4, N), acc)  # (ca, cm, cb, inv)
             c0 = ptr(coefs)
@@ -357,7 +357,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         buf = empty(place, (scratch,), acc)  # (held to the launches)
         b0 = ptr(buf)
         part = b0 + 4 * step
-        z = product(x, weight, part, b0 + ws_off if ws_off else 0)
+        z, pending = product(x, weight, part, b0 + ws_off if ws_off else 0)
         zp = ptr(z)
         out = empty(place, (M, N)) if save else z  # (without save bn_apply runs in place)
         coefs = empty(place, (4, N), acc) if own_coefs else None
@@ -365,9 +365,9 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
                    factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
         if fused:
-            launch_all(place, ((*fused, (zp, ptr(out), *mn, part, *sizes[:2], *vectors), 0),))
+            launch_all(place, (*pending, (*fused, (zp, ptr(out), *mn, part, *sizes[:2], *vectors), 0)))
         else:
-            launch_all(place, ((coef, *coef_launch, (part, *sizes, *vectors), 0),
+            launch_all(place, (*pending, (coef, *coef_launch, (part, *sizes, *vectors), 0),
                                apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
         if save:
             return out, z, coefs if own_coefs else head(buf, (4, N))
@@ -378,10 +378,11 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
 class _ZProduct:
     """z = x @ W.T for :func:`_plan`, on our GEMM or the vendor's (``vendor``:
-    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=None) -> z``, a new
-    C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for none), z's per-tile
-    column statistics there (tiles of ``bm`` rows: the GEMM's epilogue, or a pass of its
-    own after the vendor's); ``workspace``: the elements of a split K's ``ws`` (ours; a
+    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=None) -> (z,
+    pending)``, z a new C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for
+    none), z's per-tile column statistics there (tiles of ``bm`` rows): the GEMM's
+    epilogue (launched here), or after the vendor's a pass of its own, ``pending``, the
+    launches the caller sends out in its next batch (else empty); ``workspace``: the elements of a split K's ``ws`` (ours; a
     pointer, or None: allocated for the call);
     ``kernel`` / ``gemm``: our GEMM and its launches (:func:`cupykern.gemm.gemm_call`),
     for an epilogue of the caller's own."""
@@ -407,14 +408,12 @@ class _ZProduct:
         place, ptr = self._place, self._place.ptr
         if self.vendor:
             z = self._linear(x, weight, None)
-            if part:
-                launch_all(place, (self._stats(ptr(z), part),))
-            return z
+            return z, ((self._stats(ptr(z), part),) if part else ())
         held = workspace(place, self.kernel) if ws is None else None  # (to the launches)
         z = empty(place, self._shape)
         launch_all(place, self.gemm(ptr(x), ptr(weight), ptr(z), 0, 0, 0, part,
                                     ptr(held) if ws is None else ws))
-        return z
+        return z, ()
 
 
 def check_real(v, name: str) -> float:

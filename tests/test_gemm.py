@@ -716,8 +716,26 @@ def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
         assert gemm.fused_vendor(x, w, "highest") == (cc != 90)
         assert gemm.fused_vendor(x, w, "highest", batch=64)  # a backward product: route's
     assert gemm.fused_vendor(op(64, 512, ptr=0x10002), op(512, 512), "highest")  # misaligned
-    assert gemm.fused_vendor(op(64, 512, "float64"), op(512, 512, "float64"), "highest")
     assert not gemm.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
+
+
+@pytest.mark.parametrize("batch", [None, 128])
+def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, batch, dispatched):
+    """GPU-free: a fused op's float64 products (forward, or backward with ``batch``) are
+    ours up to FUSED_F64_WORK multiply-adds (a cuBLAS call's host time outweighs our
+    CUDA cores there), the vendor's above."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    def op(rows, cols):
+        return _array.Operand(torch.empty(0), "torch", "float64", (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+
+    assert gemm.FUSED_F64_WORK == 128 * 1024 * 512
+    assert not gemm.fused_vendor(op(128, 1024), op(512, 1024), "highest", batch)
+    assert not gemm.fused_vendor(op(64, 512), op(512, 512), "highest", batch)
+    assert gemm.fused_vendor(op(129, 1024), op(512, 1024), "highest", batch)
+    assert gemm.fused_vendor(op(256, 4096), op(4096, 4096), "highest", batch)
 
 
 def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):

@@ -185,6 +185,35 @@ def test_float64_and_cupy():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vendor", [False, True])
+def test_float64_training_on_either_route(monkeypatch, vendor):
+    """float64 products run on ours up to cupykern.gemm.FUSED_F64_WORK multiply-adds, on
+    cuBLAS above it: both routes (forced by moving the boundary, each at a shape of its
+    own, so that no cached plan of the other is reused) match the float64 reference:
+    output, running statistics and every gradient."""
+    from cupykern import gemm
+    from cupykern._array import operand
+
+    monkeypatch.setattr(gemm, "FUSED_F64_WORK", 0 if vendor else 2 ** 26)
+    rows, fin, fout = (70, 40, 36) if vendor else (71, 40, 36)
+    ref, new = _pair(fin, fout)
+    ref, new = ref.cuda().double(), new.cuda().double()
+    x = torch.randn(rows, fin, device="cuda", dtype=torch.float64)
+    assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest") == vendor
+    xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
+    r, n = ref(xr), new(xn)
+    torch.testing.assert_close(n, r, atol=1e-10, rtol=1e-10)
+    g = torch.randn_like(r)
+    r.backward(g)
+    n.backward(g)
+    for a, b in zip([xn.grad] + [p.grad for p in new.parameters()],
+                    [xr.grad] + [p.grad for p in ref.parameters()]):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    for buf in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(new.bn, buf), getattr(ref.bn, buf), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
 def test_module_on_second_device():
     ref, new = (m.to("cuda:1") for m in _pair(96, 40))

@@ -243,6 +243,9 @@ BATCHED = ((32, 512, 64), (32, 64, 512))
 # other dtypes (precision ignored)
 MODES = [("float32", "highest"), ("float32", "high"), ("bfloat16", None), ("float16", None),
          ("float64", None)]
+# Each sweep point times ours and PyTorch's for about this long in all (time_each's
+# ``seconds``): a host-bound point gets hundreds of rounds, not the 15 of a big one.
+SWEEP_SECONDS = 0.4
 
 
 def _peaks(quick):
@@ -294,7 +297,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
     ours = lambda: fn(*args, precision=prec)  # noqa: E731
     with matmul_precision(prec or "highest"):
         eager = lambda: theirs(*args)  # noqa: E731
-        t_ours, t_eager = time_each((ours, eager), iters=iters)
+        t_ours, t_eager = time_each((ours, eager), iters=iters, seconds=SWEEP_SECONDS)
         t_comp = None
         if compile_:
             torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
@@ -374,13 +377,14 @@ def _gsbn_point(kind, shape, dtype, prec, peaks, bw, iters):
     with matmul_precision(prec if prec in ("highest", "high") else "highest"):
         if kind == "forward":
             with torch.no_grad():
-                t_new, t_ref = time_each([lambda m=m: run(m, x) for m in (new, ref)], iters=iters)
+                t_new, t_ref = time_each([lambda m=m: run(m, x) for m in (new, ref)], iters=iters,
+                                         seconds=SWEEP_SECONDS)
                 want = ref64(x64)
                 err = {k: ((run(m, x).double() - want).abs().max() / want.abs().max()).item()
                        for k, m in (("err_ours", new), ("err_torch", ref))}
         else:
             t_new, t_ref = time_each([lambda m=m: run(m, x).backward(g) for m in (new, ref)],
-                                     iters=iters, setup=clear)
+                                     iters=iters, setup=clear, seconds=SWEEP_SECONDS)
             clear()
             for m, xi, gi in ((new, x, g), (ref, x, g), (ref64, x64, g.double())):
                 run(m, xi).backward(gi)
