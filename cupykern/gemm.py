@@ -1,5 +1,5 @@
 """``linear`` (``x @ weight.T + bias``) and ``matmul`` (NumPy's ``a @ b``): our own
-tensor-core GEMM (kernels_cu/gemm.cu) or, where the dispatcher (:func:`route`, one table,
+tensor-core GEMM (kernels_cu/gemm*.cu) or, where the dispatcher (:func:`route`, one table,
 each boundary with its measurement) finds that no kernel of ours beats it for a plain
 product, cuBLAS through torch or CuPy. The fused ops (GemmScaleBatchNorm, M4) keep our
 kernels; ``mm`` is our GEMM for their backward passes.
@@ -40,12 +40,14 @@ from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, 
                      torch_layer)
 from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
-_FILE = "gemm.cu"
+# Kernel files, one per variant (kernels_cu/gemm.cuh: what they share): the CUDA-core
+# kernel and the passes, mma.sync (sm_80+), wgmma (Hopper)
+_FILE, _MMA_FILE, _WGMMA_FILE = "gemm.cu", "gemm_mma.cu", "gemm_wgmma.cu"
 PRECISIONS = ("highest", "high", "medium")
 _MODE = {"highest": 0, "high": 1, "medium": 2}
 _HALF = 3  # float16 / bfloat16 tensor-core mode
 # Launch constants, named here once; each kernel takes them as template parameters and
-# static_asserts what its code relies on (kernels_cu/gemm.cu).
+# static_asserts what its code relies on (kernels_cu/gemm_mma.cu, gemm_wgmma.cu).
 # gemm_mma (sm_80+): 128x128 tiles, 8 warps, STAGES K slices of 128 bytes per row, each
 # smem row padded by 16 bytes (ldmatrix / cp.async conflict-free).
 _MMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 4}
@@ -93,7 +95,7 @@ _MAP_DTYPE = {("float32", 0): _tma.FLOAT32, ("float32", 1): _tma.TFLOAT32,
               ("float16", _HALF): _tma.FLOAT16, ("bfloat16", _HALF): _tma.BFLOAT16}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
-# Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cu): a grid of
+# Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cuh): a grid of
 # few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
 # kernel's K slice: ALIGN, the float32 kernels' slice, or gemm_wgmma's KS; the last chunk
 # may be shorter) when it would fill at most 1 / FILL of the SMs (gemm_wgmma's 16-bit
@@ -148,7 +150,7 @@ def _reduce_expr(dtype: str, slabs: str | None = None) -> str:
 _LAYOUTS = [(ta, tb, al) for ta in (False, True) for tb in (False, True)
             for al in ((False,) if ta and tb else (True, False))]
 _MMA_DTYPES = [("float32", m) for m in _MODE.values()] + [(d, _HALF) for d in ("float16", "bfloat16")]
-_loader.register(_FILE, [_mma_expr(d, m, al, ta, tb) for d, m in _MMA_DTYPES
+_loader.register(_MMA_FILE, [_mma_expr(d, m, al, ta, tb) for d, m in _MMA_DTYPES
                          for ta, tb, al in _LAYOUTS], min_cc=80)
 _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
@@ -159,7 +161,7 @@ _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16",
 # product may be stored transposed (mm's swapped product, see _swaps). 16-bit: K-major
 # operands by TMA only. TMA kernels also come in clusters (CLUSTER > 1).
 _F32_WGMMA = (0, 1)
-_loader.register(_FILE, [_wgmma_expr("float32", m, ta, tb, tma, False, cl) for m in _F32_WGMMA
+_loader.register(_WGMMA_FILE, [_wgmma_expr("float32", m, ta, tb, tma, False, cl) for m in _F32_WGMMA
                          for ta, tb in _TRANSPOSES for tma in {False, not tb} if tma or ta or tb
                          for cl in {1, _WGMMA[m]["CLUSTER"] if tma else 1}]
                  + [_wgmma_expr("float32", m, True, False, True, True, cl) for m in _F32_WGMMA
@@ -320,7 +322,7 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
         return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb, cfg)
-    fn = _loader.function(_FILE, expr, a.device, cfg["SMEM"])
+    fn = _loader.function(_MMA_FILE if cfg is _MMA else _WGMMA_FILE, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
         grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
