@@ -481,25 +481,29 @@ def mm_plan(a, b, precision: str):
 # 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
-# A fused op's float64 products of at most this many multiply-adds stay ours (CUDA cores),
-# forward and backward: a cuBLAS call through torch costs these hosts 50-150 us (the
-# profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. H100, one run,
-# GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of 160
-# calls in alternating blocks, the vendor's products / ours: forward 0.98 / 1.68x at
-# 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512 (2**26), 0.94 / 0.48x at
-# 256x1024->1024 (2**28: our CUDA-core GEMM 126 us against 64); training step 0.78 /
-# 0.95x, 0.78 / 0.96x, 0.79 / 0.98x, and at 256x4096->4096 0.96 / 0.45x.
-FUSED_F64_WORK = 2 ** 26
+# A fused op's float64 products stay ours (CUDA cores) up to these multiply-adds, by role:
+# a cuBLAS call through torch costs these hosts 50-150 us (the profiler: aten::mm 42-77
+# us, aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
+# the GPU's work; a training step, host-bound up to ~2**31, does not. H100, one run,
+# GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of
+# 160 calls in alternating blocks. Forward alone, the vendor's product / ours: 0.98 /
+# 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512 (2**26), 0.94 / 0.48x at
+# 256x1024->1024 (2**28: our GEMM 126 us against 64). Training step, all three products
+# the vendor's / the forward's ours / all ours: 0.78 / 0.88 / 0.95x at 2**24, 0.78 /
+# 0.80 / 0.96x at 2**26, 0.79 / 0.96 / 0.98x at 2**28, 0.76 / 0.94 / 0.87x at
+# 512x2048->1024 (2**30), 0.96 / 0.87 / 0.45x at 256x4096->4096 (2**32), 1.12 / 0.72 /
+# 0.37x at 2048^3.
+FUSED_F64_WORK = {"forward": 2 ** 26, "forward with grad": 2 ** 30, "backward": 2 ** 28}
 
 
-def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
+def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool = False) -> bool:
     """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
-    pass of its own, :func:`statistics_call`) or a backward product of an input of
-    ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
+    pass of its own, :func:`statistics_call`; ``grad``: a forward whose backward will run)
+    or a backward product of an input of ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
     always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
     backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
-    at most FUSED_F64_WORK multiply-adds (host time). A 16-bit forward keeps ours where
+    at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
     it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
     the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at
@@ -513,8 +517,10 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None) -> bool:
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
     if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
         return False
-    if a.dtype == "float64" and a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK:
-        return False
+    if a.dtype == "float64":
+        role = "backward" if batch is not None else "forward with grad" if grad else "forward"
+        if a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
+            return False
     if batch is None and _choose(a, b_nk, precision).cfg is _WGMMA[_HALF]:  # (16-bit only)
         return False
     return _route_of(a, b_nk, precision) == VENDOR

@@ -296,7 +296,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
     step = N * ITEMSIZE[acc]
-    product = _ZProduct(a, b, precision)
+    product = _ZProduct(a, b, precision, save)
     coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
     ptr = place.ptr
 
@@ -378,7 +378,8 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 
 class _ZProduct:
     """z = x @ W.T for :func:`_plan`, on our GEMM or the vendor's (``vendor``:
-    :func:`cupykern.gemm.fused_vendor`): ``self(x, weight, part, ws=None) -> (z,
+    :func:`cupykern.gemm.fused_vendor`; ``grad``: the forward of a training step):
+    ``self(x, weight, part, ws=None) -> (z,
     pending)``, z a new C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for
     none), z's per-tile column statistics there (tiles of ``bm`` rows): the GEMM's
     epilogue (launched here), or after the vendor's a pass of its own, ``pending``, the
@@ -390,10 +391,10 @@ class _ZProduct:
     __slots__ = ("vendor", "kernel", "gemm", "bm", "workspace", "_place", "_shape", "_linear",
                  "_stats")
 
-    def __init__(self, a, b, precision):
+    def __init__(self, a, b, precision, grad=False):
         M, N = a.shape[0], b.shape[0]
         self._place, self._shape = Place(a), (M, N)
-        self.vendor = fused_vendor(a, b, precision)
+        self.vendor = fused_vendor(a, b, precision, grad=grad)
         if self.vendor:
             self.kernel = self.gemm = None
             self.bm, self.workspace = STATS_BM, 0

@@ -719,23 +719,27 @@ def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
     assert not gemm.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
 
 
-@pytest.mark.parametrize("batch", [None, 128])
-def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, batch, dispatched):
-    """GPU-free: a fused op's float64 products (forward, or backward with ``batch``) are
-    ours up to FUSED_F64_WORK multiply-adds (a cuBLAS call's host time outweighs our
-    CUDA cores there), the vendor's above."""
+def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, dispatched):
+    """GPU-free: a fused op's float64 products are ours up to FUSED_F64_WORK[role]
+    multiply-adds (a cuBLAS call's host time outweighs our CUDA cores there), the
+    vendor's above: 2**26 for a forward alone, 2**30 for a training step's forward, 2**28
+    for a backward product."""
     from cupykern import _array, _loader, gemm
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+
     def op(rows, cols):
         return _array.Operand(torch.empty(0), "torch", "float64", (rows, cols), (cols, 1),
                               0x10000, 0, "a", True)
 
-    assert gemm.FUSED_F64_WORK == 128 * 1024 * 512
-    assert not gemm.fused_vendor(op(128, 1024), op(512, 1024), "highest", batch)
-    assert not gemm.fused_vendor(op(64, 512), op(512, 512), "highest", batch)
-    assert gemm.fused_vendor(op(129, 1024), op(512, 1024), "highest", batch)
-    assert gemm.fused_vendor(op(256, 4096), op(4096, 4096), "highest", batch)
+    assert gemm.FUSED_F64_WORK == {"forward": 2 ** 26, "forward with grad": 2 ** 30,
+                                   "backward": 2 ** 28}
+    for kwargs, rows in (({}, 128), ({"grad": True}, 2048), ({"batch": 512}, 512)):
+        # (rows x 1024 @ (1024 x 512): rows * 2**19 multiply-adds)
+        assert not gemm.fused_vendor(op(rows, 1024), op(512, 1024), "highest", **kwargs)
+        assert not gemm.fused_vendor(op(64, 512), op(512, 512), "highest", **kwargs)
+        assert gemm.fused_vendor(op(rows + 1, 1024), op(512, 1024), "highest", **kwargs)
+        assert gemm.fused_vendor(op(256, 4096), op(4096, 4096), "highest", **kwargs)
 
 
 def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):

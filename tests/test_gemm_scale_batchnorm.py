@@ -188,18 +188,21 @@ def test_float64_and_cupy():
 @pytest.mark.parametrize("vendor", [False, True])
 def test_float64_training_on_either_route(monkeypatch, vendor):
     """float64 products run on ours up to cupykern.gemm.FUSED_F64_WORK multiply-adds, on
-    cuBLAS above it: both routes (forced by moving the boundary, each at a shape of its
+    cuBLAS above it: both routes (forced by moving the boundaries, each at a shape of its
     own, so that no cached plan of the other is reused) match the float64 reference:
-    output, running statistics and every gradient."""
+    output, running statistics and every gradient, in training and eval mode."""
     from cupykern import gemm
     from cupykern._array import operand
 
-    monkeypatch.setattr(gemm, "FUSED_F64_WORK", 0 if vendor else 2 ** 26)
+    if vendor:
+        monkeypatch.setattr(gemm, "FUSED_F64_WORK", dict.fromkeys(gemm.FUSED_F64_WORK, 0))
     rows, fin, fout = (70, 40, 36) if vendor else (71, 40, 36)
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().double(), new.cuda().double()
     x = torch.randn(rows, fin, device="cuda", dtype=torch.float64)
-    assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest") == vendor
+    for grad in (False, True):
+        assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
+                                 grad=grad) == vendor
     xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
     r, n = ref(xr), new(xn)
     torch.testing.assert_close(n, r, atol=1e-10, rtol=1e-10)
@@ -211,6 +214,15 @@ def test_float64_training_on_either_route(monkeypatch, vendor):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     for buf in ("running_mean", "running_var"):
         torch.testing.assert_close(getattr(new.bn, buf), getattr(ref.bn, buf), atol=1e-12, rtol=1e-12)
+    ref.eval(), new.eval()  # eval mode: the affine map in the GEMM's epilogue, or a pass of its own
+    xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
+    r, n = ref(xr), new(xn)
+    torch.testing.assert_close(n, r, atol=1e-10, rtol=1e-10)
+    r.backward(g)
+    n.backward(g)
+    torch.testing.assert_close(xn.grad, xr.grad, atol=1e-9, rtol=1e-9)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.gpu

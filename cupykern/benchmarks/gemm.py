@@ -398,12 +398,13 @@ def _gsbn_point(kind, shape, dtype, prec, peaks, bw, iters):
     t_bytes = isz * (M * K + N * K + M * N) * (1 if kind == "forward" else 3) / bw
     return sweep_row(f"gsbn {kind}", f"{M}x{K}->{N}", dtype, prec or "-", t_new, t_ref, None,
                      max(t_math, t_bytes), "tensor peak" if t_math >= t_bytes else "copy",
-                     route=_gsbn_route(x, new.gemm.weight, prec, region), **err)
+                     route=_gsbn_route(x, new.gemm.weight, prec, region, kind == "step"), **err)
 
 
-def _gsbn_route(x, w, prec, region):
+def _gsbn_route(x, w, prec, region, grad):
     """How ours ran: "fused" (our GEMM and epilogue), "vendor+bn" (the vendor's GEMM, our
-    BatchNorm passes) or "torch" (PyTorch's composition: big products under autocast)."""
+    BatchNorm passes) or "torch" (PyTorch's composition: big products under autocast), for
+    the forward of a training step if ``grad``."""
     from cupykern import gemm
     from cupykern._array import operand
     from cupykern.torch import gemm_scale_batchnorm as tgsbn
@@ -412,7 +413,8 @@ def _gsbn_route(x, w, prec, region):
         if tgsbn._autocast_vendor(x, w):
             return "torch"
     precision = prec if prec in gemm.PRECISIONS else "high"
-    return "vendor+bn" if gemm.fused_vendor(operand(x, "x"), operand(w, "w"), precision) else "fused"
+    vendor = gemm.fused_vendor(operand(x, "x"), operand(w, "w"), precision, grad=grad)
+    return "vendor+bn" if vendor else "fused"
 
 
 def _route_name(op, args, prec):
