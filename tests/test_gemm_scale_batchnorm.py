@@ -185,24 +185,31 @@ def test_float64_and_cupy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vendor", [False, True])
-def test_float64_training_on_either_route(monkeypatch, vendor):
-    """float64 products run on ours up to cupykern.gemm.FUSED_F64_WORK multiply-adds, on
-    cuBLAS above it: both routes (forced by moving the boundaries, each at a shape of its
-    own, so that no cached plan of the other is reused) match the float64 reference:
-    output, running statistics and every gradient, in training and eval mode."""
+@pytest.mark.parametrize("route", ["ours", "vendor", "by role"])
+def test_float64_training_on_either_route(monkeypatch, route):
+    """float64 products run on ours up to cupykern.gemm.FUSED_F64_WORK[role]
+    multiply-adds, on cuBLAS above: every product ours, every product cuBLAS's (forced by
+    moving the boundaries), and at 2**29 by role (a forward alone cuBLAS's, a training
+    step's forward ours, its backward products cuBLAS's), each at a shape of its own so
+    that no cached plan of another is reused, match the float64 reference: output,
+    running statistics and every gradient, in training and eval mode."""
     from cupykern import gemm
     from cupykern._array import operand
 
-    if vendor:
+    if route == "vendor":
         monkeypatch.setattr(gemm, "FUSED_F64_WORK", dict.fromkeys(gemm.FUSED_F64_WORK, 0))
-    rows, fin, fout = (70, 40, 36) if vendor else (71, 40, 36)
+    rows, fin, fout = {"ours": (71, 40, 36), "vendor": (70, 40, 36),
+                       "by role": (512, 1024, 1024)}[route]
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().double(), new.cuda().double()
     x = torch.randn(rows, fin, device="cuda", dtype=torch.float64)
     for grad in (False, True):
+        want = route == "vendor" or (route == "by role" and not grad)
         assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
-                                 grad=grad) == vendor
+                                 grad=grad) == want
+    if route == "by role":  # (the backward products: dx = dz @ W, dW = dz^T @ x)
+        assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
+                                 batch=rows)
     xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
     r, n = ref(xr), new(xn)
     torch.testing.assert_close(n, r, atol=1e-10, rtol=1e-10)
