@@ -19,7 +19,8 @@ Precision of float32 inputs follows PyTorch's names (on our kernels; the vendor'
   likewise allows any algorithm at least as accurate as bf16).
 
 float16 / bfloat16 inputs use the tensor cores directly (fp32 accumulation);
-float64 uses a CUDA-core kernel. Any M, N, K work: tiles are bounds-checked, and
+float64 uses the FP64 tensor cores (DMMA) where the GPU has them (sm_80, sm_90,
+sm_100), a CUDA-core kernel elsewhere. Any M, N, K work: tiles are bounds-checked, and
 rows that are not 16-byte aligned take an element-wise load path. On Hopper,
 float32 "highest"/"high" with 16-byte aligned rows, and float16 / bfloat16 with K-major
 16-byte aligned rows, use wgmma (sm_90a); everything else uses mma.sync (sm_80+). Below
@@ -41,8 +42,8 @@ from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, 
 from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
 # Kernel files, one per variant (kernels_cu/gemm.cuh: what they share): the CUDA-core
-# kernel and the passes, mma.sync (sm_80+), wgmma (Hopper)
-_FILE, _MMA_FILE, _WGMMA_FILE = "gemm.cu", "gemm_mma.cu", "gemm_wgmma.cu"
+# kernel and the passes, mma.sync (sm_80+), wgmma (Hopper), float64's mma.sync (DMMA)
+_FILE, _MMA_FILE, _WGMMA_FILE, _DMMA_FILE = "gemm.cu", "gemm_mma.cu", "gemm_wgmma.cu", "gemm_dmma.cu"
 PRECISIONS = ("highest", "high", "medium")
 _MODE = {"highest": 0, "high": 1, "medium": 2}
 _HALF = 3  # float16 / bfloat16 tensor-core mode
@@ -94,6 +95,14 @@ _WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
 _MAP_DTYPE = {("float32", 0): _tma.FLOAT32, ("float32", 1): _tma.TFLOAT32,
               ("float16", _HALF): _tma.FLOAT16, ("bfloat16", _HALF): _tma.BFLOAT16}
 _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 outputs each
+# gemm_dmma (float64 on the FP64 tensor cores): 128x128 tiles, 8 warps of 64x32, STAGES
+# K slices of BK doubles per row, each smem row padded by 8 doubles (conflict-free
+# 16-byte fragment loads); 147 KB fits sm_80's 163 KB.
+_DMMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 3, "BK": 16}
+_DMMA["SMEM"] = _DMMA["STAGES"] * (_DMMA["BM"] + _DMMA["BN"]) * (_DMMA["BK"] + 8) * 8
+# The GPUs with FP64 tensor cores (A100, H100 / H200, B200); the others' float64 rate is a
+# sliver of their float32 one, and DMMA no faster than their CUDA cores.
+_DMMA_CCS = (80, 90, 100)
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cuh): a grid of
 # few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
@@ -128,6 +137,12 @@ def _wgmma_expr(dtype: str, mode: int, ta: bool = False, tb: bool = False, tma: 
             f"{c['SMEM']}, {c['KS']}>")
 
 
+def _dmma_expr(ta: bool, tb: bool, aligned: bool) -> str:
+    c = _DMMA
+    return (f"gemm_dmma<{_cbool(ta)}, {_cbool(tb)}, {_cbool(aligned)}, {c['BM']}, {c['BN']}, "
+            f"{c['THREADS']}, {c['STAGES']}, {c['BK']}, {c['SMEM']}>")
+
+
 def _simple_expr(dtype: str, ta: bool = False, tb: bool = False) -> str:
     return (f"gemm_simple<{CTYPE[dtype]}, {_cbool(ta)}, {_cbool(tb)}, {_SIMPLE['TILE']}, "
             f"{_SIMPLE['THREADS']}>")
@@ -154,6 +169,7 @@ _loader.register(_MMA_FILE, [_mma_expr(d, m, al, ta, tb) for d, m in _MMA_DTYPES
                          for ta, tb, al in _LAYOUTS], min_cc=80)
 _TRANSPOSES = [(ta, tb) for ta in (False, True) for tb in (False, True)]
 _loader.register(_FILE, [_simple_expr("float64", ta, tb) for ta, tb in _TRANSPOSES])
+_loader.register(_DMMA_FILE, [_dmma_expr(ta, tb, al) for ta, tb, al in _LAYOUTS], min_cc=80)
 _loader.register(_FILE, [_simple_expr(d, ta, tb) for d in ("float32", "float16", "bfloat16")
                          for ta, tb in _TRANSPOSES], max_cc=79)
 # float32: K-major operands are loaded by bulk tensor copies (TMA), a transposed B by
@@ -283,6 +299,9 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     dt, isz = a.dtype, ITEMSIZE[a.dtype]
     cc = _loader.device_cc(a.device)
     (ta, lda), (tb, ldb) = layout(a), layout(b)
+    if dt == "float64" and cc in _DMMA_CCS:
+        aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
+        return _Choice(_dmma_expr(ta, tb, aligned and not (ta and tb)), _DMMA, None, False, lda, ldb)
     if dt == "float64" or cc < 80:
         return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
     mode = _MODE[precision] if dt == "float32" else _HALF
@@ -322,7 +341,8 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
         return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb, cfg)
-    fn = _loader.function(_MMA_FILE if cfg is _MMA else _WGMMA_FILE, expr, a.device, cfg["SMEM"])
+    file = _MMA_FILE if cfg is _MMA else _DMMA_FILE if cfg is _DMMA else _WGMMA_FILE
+    fn = _loader.function(file, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
         grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
@@ -481,18 +501,21 @@ def mm_plan(a, b, precision: str):
 # 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
-# A fused op's float64 products stay ours (CUDA cores) up to these multiply-adds, by role:
-# a cuBLAS call through torch costs these hosts 50-150 us (the profiler: aten::mm 42-77
-# us, aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
+# A fused op's float64 products stay ours up to these multiply-adds, by role: a cuBLAS
+# call through torch costs these hosts 50-150 us (the profiler: aten::mm 42-77 us,
+# aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
 # the GPU's work; a training step, host-bound up to ~2**31, does not. H100, one run,
 # GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of
-# 160 calls in alternating blocks. Forward alone, the vendor's product / ours: 0.98 /
-# 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512 (2**26), 0.94 / 0.48x at
-# 256x1024->1024 (2**28: our GEMM 126 us against 64). Training step, all three products
-# the vendor's / the forward's ours / all ours: 0.78 / 0.88 / 0.95x at 2**24, 0.78 /
-# 0.80 / 0.96x at 2**26, 0.79 / 0.96 / 0.98x at 2**28, 0.76 / 0.94 / 0.87x at
-# 512x2048->1024 (2**30), 0.96 / 0.87 / 0.45x at 256x4096->4096 (2**32), 1.12 / 0.72 /
-# 0.37x at 2048^3.
+# 160 calls in alternating blocks, ours then on CUDA cores. Forward alone, the vendor's
+# product / ours: 0.98 / 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512
+# (2**26), 0.94 / 0.48x at 256x1024->1024 (2**28: our GEMM 126 us against 64). Training
+# step, all three products the vendor's / the forward's ours / all ours: 0.78 / 0.88 /
+# 0.95x at 2**24, 0.78 / 0.80 / 0.96x at 2**26, 0.79 / 0.96 / 0.98x at 2**28, 0.76 /
+# 0.94 / 0.87x at 512x2048->1024 (2**30), 0.96 / 0.87 / 0.45x at 256x4096->4096
+# (2**32), 1.12 / 0.72 / 0.37x at 2048^3. Ours now runs DMMA (gemm_dmma, 3x the CUDA
+# cores, 0.35-0.72x cuBLAS's DGEMM); the same limits, rerun on an H200 (all ours / the
+# limits / all the vendor's), measure within the runs' noise of each other: step
+# 0.96-1.00 / 0.95-1.02 / 0.95-1.01x from 2**24 to 2**31.
 FUSED_F64_WORK = {"forward": 2 ** 26, "forward with grad": 2 ** 30, "backward": 2 ** 28}
 
 
@@ -500,7 +523,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
     pass of its own, :func:`statistics_call`; ``grad``: a forward whose backward will run)
-    or a backward product of an input of ``batch`` rows. float32 keeps ours where it was tuned against cuBLAS: the forward
+    or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
+    tuned against cuBLAS: the forward
     always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
     backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
     at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
@@ -512,8 +536,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     1.54-1.58x / 0.91-1.17x from 2048^3 to 8192x1024->1024, 0.91 / 0.95x and 0.97 /
     1.00x at 1024x8192->8192 (our wgmma's mainloop: 0.88x cuBLAS there), a tie below. Every other
     product follows :func:`route` at any size: GemmScaleBatchNorm (the model converted),
-    ours against eager, H200, forward / training step: float64 (our CUDA cores against
-    the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
+    ours against eager, H200, forward / training step: float64 (our CUDA cores, then,
+    against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
     if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
         return False
@@ -767,17 +791,18 @@ OURS, VENDOR = "ours", "vendor"
 _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
-_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28}
+_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
+          "HALF_MISALIGNED_MIN_WORK": 2 ** 26}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
           aligned: bool = True) -> str:
     """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
     (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
-    capability ``cc``; ``aligned``: the K-contiguous float32 rows are (or are made) 16-byte
-    aligned, so that Hopper runs them on wgmma. Each rule with its measurement: H200, one
-    run, our kernel forced against the vendor (cuBLAS through torch; "highest": SGEMM),
-    events around each call, host included, shapes as M x K x N."""
+    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_wgmma_rows`). Each
+    rule with its measurement: H200, one run, our kernel forced against the vendor
+    (cuBLAS through torch; "highest": SGEMM), events around each call, host included,
+    shapes as M x K x N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
@@ -786,8 +811,12 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # has Turing's fp16 tensor cores and tuned tiles (not measured: no sm_75 machine).
     if cc < 80:
         return VENDOR
-    # float64: ours is a CUDA-core kernel; cuBLAS runs Hopper's FP64 tensor cores (DMMA):
-    # 1x4096x4096 440 us against 35 (0.08x, the issue's figure).
+    # float64: ours was a CUDA-core kernel (1x4096x4096 440 us against 35, 0.08x, the
+    # issue's figure). On DMMA it still never wins against cuBLAS's DGEMM (mm, H200, one
+    # run: 1x4096x4096 125 us against 41, 256x1024x1024 44.6 / 20.9, 2048^3 433 / 293,
+    # 4096^3 3232 / 2319, 8192^3 26.2 / 18.1 ms; 40-42 TFLOP/s against 59-61), nor
+    # against F.linear's addmm once its bias is added apart (bias_apart: 2048^3 418 us
+    # against 316).
     if dtype == "float64":
         return VENDOR
     # float16 / bfloat16: ours was mma.sync, a third of cuBLAS's wgmma (1024x8192x8192 bf16
@@ -796,9 +825,21 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # 1024x8192x8192 0.97x, 2048x8192x8192 0.95x, 512x8192x8192 0.98x, 1024x4096x16384
     # 0.86x, 8192^3 0.98x, 4096^3 0.92x, 16384x4096x4096 0.94x, 2048^3 0.94x; and few
     # tiles lose by far without split K (256x4096x4096 0.48x, 128x1024x512 0.41x).
-    if dtype != "float32":
-        return VENDOR
+    # Except where N leaves the output's rows off 16-byte alignment (N % 8): cuBLAS then
+    # runs slow kernels (padded_n's copy is the vendor path's best), while ours stores any
+    # row. Ours (wgmma, operands K-major in place) / the vendor route, x eager, bf16
+    # linear (2026-11-27): 64x512x513 (2**24) 0.98 / 0.96x, 128x1024x1001 1.50 / 1.00x,
+    # 333x776x555 1.52 / 0.97x, 256x1024x1025 1.75 / 1.00x, 1024x1024x1023 2.39 / 1.00x,
+    # 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x, 2048x2048x2047 5.79 / 3.61x,
+    # 8192x1024x50257 5.70 / 3.88x (against torch.compile, which pads the output's rows:
+    # 0.95 / 0.65x). A misaligned K is not ours: its element loads run mma.sync
+    # (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first: 256x4096x4100
+    # 0.56x).
     c, work = _ROUTE, M * N * K
+    if dtype != "float32":
+        if cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]:
+            return OURS
+        return VENDOR
     if precision == "highest":
         # The vendor's "highest" is SGEMM (exact fp32 products and sums). It takes what is
         # memory-bound or too small to fill the GPU, where 3xTF32's three tensor-core
@@ -838,6 +879,17 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     return N
 
 
+def bias_apart(M: int, N: int, K: int, dtype: str) -> bool:
+    """Whether the vendor's linear adds the bias after its product (a GEMM, then one
+    elementwise pass) rather than in cuBLAS's GEMM with a bias (torch's addmm): float64
+    products of at least 2**28 multiply-adds, where addmm runs at about half the plain
+    GEMM's rate (H200, one run, F.linear against mm + add_, us: 1024^3 79.4 / 49.2, 2048^3
+    579 / 316, 4096^3 5128 / 2606, 3000x5000x700 716 / 395, 8192x2048x64 84.6 / 61.1,
+    256x12288x4096 933 / 519; a tie at 256x1024x1024, 2**28: 25.9 / 25.5, and
+    4x2048x2048: 22.8 / 23.3)."""
+    return dtype == "float64" and M * N * K >= 2 ** 28
+
+
 _FORCED = [None]  # forced_route's override
 
 
@@ -869,7 +921,7 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     (M, K), N = ao.shape, bo_nk.shape[0]
     cc = _loader.device_cc(ao.device)
     aligned = True
-    if ao.dtype == "float32" and cc == 90:
+    if ao.dtype != "float64" and cc == 90:
         work = M * N * K
         aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
     which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
@@ -879,9 +931,14 @@ def _route_of(ao, bo_nk, precision: str) -> str:
 
 
 def _wgmma_rows(o, work: int) -> bool:
-    """Whether ours reads the 2-D float32 Operand ``o`` on Hopper's wgmma: rows (after any
-    copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed one."""
+    """Whether ours reads the 2-D Operand ``o`` on Hopper's wgmma: float32 rows (after any
+    copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed one;
+    16-bit rows K-contiguous and 16-byte aligned in place, by TMA (see :func:`route`)."""
     lay = layout(o)
+    if o.dtype != "float32":
+        isz = ITEMSIZE[o.dtype]
+        return (lay is not None and not lay[0] and _read_mode(o, work)[0] == "view"
+                and vector_aligned(o.ptr, lay[1], o.shape[1], isz) and _tma.fits(*o.shape, lay[1], isz))
     if lay is None:
         return True  # copied: a fresh array
     mode = _read_mode(o, work)[0]

@@ -379,11 +379,11 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
 class _ZProduct:
     """z = x @ W.T for :func:`_plan`, on our GEMM or the vendor's (``vendor``:
     :func:`cupykern.gemm.fused_vendor`; ``grad``: the forward of a training step):
-    ``self(x, weight, part, ws=None) -> (z,
-    pending)``, z a new C-contiguous (M, N) array, and, with ``part`` (a pointer, 0 for
-    none), z's per-tile column statistics there (tiles of ``bm`` rows): the GEMM's
-    epilogue (launched here), or after the vendor's a pass of its own, ``pending``, the
-    launches the caller sends out in its next batch (else empty); ``workspace``: the elements of a split K's ``ws`` (ours; a
+    ``self(x, weight, part, ws=None) -> (z, pending)``, z a new C-contiguous (M, N)
+    array, and, with ``part`` (a pointer, 0 for none), z's per-tile column statistics
+    there (tiles of ``bm`` rows): the GEMM's epilogue (launched here), or after the
+    vendor's a pass of its own, ``pending``, the launches the caller sends out in its next
+    batch (else empty); ``workspace``: the elements of a split K's ``ws`` (ours; a
     pointer, or None: allocated for the call);
     ``kernel`` / ``gemm``: our GEMM and its launches (:func:`cupykern.gemm.gemm_call`),
     for an epilogue of the caller's own."""

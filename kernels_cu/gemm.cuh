@@ -1,6 +1,6 @@
 // gemm.cuh: what the GEMM kernels share (kernels_cu/gemm.cu: the CUDA-core kernel
-// and the passes; gemm_mma.cu: mma.sync, sm_80+; gemm_wgmma.cu: Hopper), and their
-// common contract:
+// and the passes; gemm_mma.cu: mma.sync, sm_80+; gemm_wgmma.cu: Hopper; gemm_dmma.cu:
+// float64 on the FP64 tensor cores), and their common contract:
 //
 // C = epilogue(A @ B^T) with A (M, K) and B (N, K), each K-contiguous (row stride lda/ldb)
 // or, in gemm_mma with TA / TB, M- (N-) contiguous: A(m, k) at a[k*lda + m] (backward
@@ -18,7 +18,11 @@
 //   MODE 1  "high": TF32 (raw fp32 bits; the tensor core ignores the low 13 bits).
 //   MODE 2  "medium": fp32 data rounded to bf16 in registers, bf16 MMA.
 //   MODE 3  native float16 / bfloat16 inputs.
-// gemm_simple: CUDA-core kernel for float64, and for every dtype below sm_80 (no mma.sync).
+// gemm_dmma: float64 through mma.sync's f64 shapes (sm_80, sm_90, sm_100), 128x128 block
+// tile, 8 warps of 64x32, a 3-stage ring of 16-deep K slices (cp.async, or register
+// gathers for transposed / misaligned operands), 16-byte fragment loads.
+// gemm_simple: CUDA-core kernel for float64 on GPUs without FP64 tensor cores, and for
+// every dtype below sm_80 (no mma.sync).
 //
 // Split K (every float32 / float64 kernel, and gemm_wgmma's 16-bit mode): block z of a
 // grid with gridDim.z > 1 multiplies the K chunk [z*kchunk, (z+1)*kchunk) and stores its
@@ -101,6 +105,81 @@ __device__ __forceinline__ A epilogue(A v, int n, const T* bias, const A* alpha,
   if (alpha) return alpha[n] * v + beta[n];
   if (bias) return v + to_acc(bias[n]);
   return v;
+}
+
+// ---- the epilogue of gemm_mma and gemm_dmma: 8 warps as 2 (M) x 4 (N) warp tiles of
+// 64 x 32, each holding 4 x 4 m16n8 fragments acc[i][j][e]: rows 16i + g (e = 0, 1) and
+// 16i + g + 8 (e = 2, 3), columns 8j + 2t + (e & 1); g = lane / 4, t = lane % 4.
+// c = epilogue(acc) for the block tile at (m0, n0).
+template <typename T, typename A>
+__device__ __forceinline__ void store_fragments(const A (&acc)[4][4][4], T* __restrict__ c, int M, int N,
+                                                long long ldc, int m0, int n0, const T* bias,
+                                                const A* alpha, const A* beta) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r0 = m0 + (warp & 1) * 64 + (lane >> 2), c0 = n0 + (warp >> 1) * 32 + 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = c0 + j * 8 + e;
+      if (col >= N) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r0 + i * 16 + h * 8;
+          if (row < M) c[(long long)row * ldc + col] = from_acc<T>(epilogue(acc[i][j][2 * h + e], col, bias, alpha, beta));
+        }
+    }
+}
+
+__device__ __forceinline__ void store_pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+__device__ __forceinline__ void store_pair(double* p, double x, double y) { *reinterpret_cast<double2*>(p) = make_double2(x, y); }
+
+// The tile's partial statistics (Epilogue above) of the sums as stored in T, through
+// `smem` (free: the caller has drained its pipeline): 16 slots (warp row, g) x BN
+// columns, slot rows padded to BN + 8 so that a quarter warp's pair stores hit distinct
+// banks, merged in slot order. Needs (2 * 16 * (BN + 8) + 16) * sizeof(A) bytes.
+template <typename T, typename A, int BM, int BN>
+__device__ __forceinline__ void fragment_statistics(const A (&acc)[4][4][4], unsigned char* smem, A* part,
+                                                    int M, int N, int m0, int n0) {
+  static_assert(BM == 128 && BN == 128, "fragment_statistics: 2 x 4 warps of 64 x 32");
+  constexpr int LD = BN + 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
+  const int g = lane >> 2, t = lane & 3, r0 = m0 + wm * 64 + g;
+  A* s_mean = reinterpret_cast<A*>(smem);
+  A* s_m2 = s_mean + 16 * LD;
+  A* s_cnt = s_m2 + 16 * LD;
+  const int slot = wm * 8 + g;
+  bool valid[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) valid[2 * i + h] = r0 + i * 16 + h * 8 < M;
+  for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      A n, x[2], y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        A v[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) v[2 * i + h] = to_acc(from_acc<T>(acc[i][j][2 * h + e]));
+        if (range) local_range(v, valid, x[e], y[e]);
+        else local_stats(v, valid, n, x[e], y[e]);
+      }
+      const int col = wn * 32 + j * 8 + 2 * t;
+      store_pair(s_mean + slot * LD + col, x[0], x[1]);
+      store_pair(s_m2 + slot * LD + col, y[0], y[1]);
+      if (!range && wn == 0 && t == 0 && j == 0) s_cnt[slot] = n;
+    }
+    __syncthreads();
+    if (range) merge_range<A, 16, BN, LD>(s_mean, s_m2, part, threadIdx.x, m0 / BM, n0, N);
+    else merge_slots<A, 16, BN, LD>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
+    __syncthreads();
+  }
 }
 
 // This block's K chunk (see Split K above): operands, K and the output slab. (P and Q

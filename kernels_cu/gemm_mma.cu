@@ -308,61 +308,10 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
     if ((GA || GB) && next) store(kt + STAGES - 1);
   }
   float (&res)[4][4][4] = MODE == 0 ? pro : acc;
-
-  // Fragment (i, j): rows r0 + i*16 + {0, 8}, columns c0 + j*8 + {0, 1}.
-  const int g = lane >> 2, t = lane & 3;
-  const int r0 = m0 + wm * 64 + g, c0 = n0 + wn * 32 + 2 * t;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = c0 + j * 8 + e;
-      if (col >= N) continue;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = r0 + i * 16 + h * 8;
-          if (row < M) c[(long long)row * ldc + col] = from_acc<T>(epilogue(res[i][j][2 * h + e], col, bias, alpha, beta));
-        }
-    }
-
+  store_fragments(res, c, M, N, ldc, m0, n0, bias, alpha, beta);
   if (part) {
     cp_async_wait<0>();
-    __syncthreads();  // the pipeline's smem is free: reuse it for 16 slots x BN partials
-    constexpr int LD = BN + 8;  // padded slot rows and float2 stores: no bank conflicts (see wg_store)
-    float* s_mean = reinterpret_cast<float*>(smem);
-    float* s_m2 = s_mean + 16 * LD;
-    float* s_cnt = s_m2 + 16 * LD;
-    const int slot = wm * 8 + g;
-    bool valid[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) valid[2 * i + h] = r0 + i * 16 + h * 8 < M;
-    for (int range = 0; range < 2; ++range) {  // (mean, M2), then (min, max), same slots
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float n, a[2], b[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v[8];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) v[2 * i + h] = to_acc(from_acc<T>(res[i][j][2 * h + e]));
-          if (range) local_range(v, valid, a[e], b[e]);
-          else local_stats(v, valid, n, a[e], b[e]);
-        }
-        const int col = wn * 32 + j * 8 + 2 * t;
-        *reinterpret_cast<float2*>(s_mean + slot * LD + col) = make_float2(a[0], a[1]);
-        *reinterpret_cast<float2*>(s_m2 + slot * LD + col) = make_float2(b[0], b[1]);
-        if (!range && wn == 0 && t == 0 && j == 0) s_cnt[slot] = n;
-      }
-      __syncthreads();
-      if (range) merge_range<float, 16, BN, LD>(s_mean, s_m2, part, threadIdx.x, m0 / BM, n0, N);
-      else merge_slots<float, 16, BN, LD>(s_mean, s_m2, s_cnt, part, threadIdx.x, m0 / BM, n0, N);
-      __syncthreads();
-    }
+    __syncthreads();  // the pipeline's smem is free for the statistics slots
+    fragment_statistics<T, float, BM, BN>(res, smem, part, M, N, m0, n0);
   }
 }

@@ -564,6 +564,13 @@ ROUTES = [
     ((512, 1023, 1024, "float32", "high", "torch", 90, True), "ours"),
     ((512, 1024, 1024, "float32", "high", "torch", 90, True), "vendor"),
     ((256, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**28
+    # 16-bit, N % 8: ours on Hopper's wgmma from 2**26 (operands K-major in place)
+    ((64, 1025, 1024, "float16", "highest", "torch", 90, True), "ours"),  # 2**26 + 2**16
+    ((63, 1025, 1024, "float16", "highest", "torch", 90, True), "vendor"),
+    ((128, 1001, 1024, "bfloat16", "highest", "torch", 90, False), "vendor"),
+    ((128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
+    ((128, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
+    ((128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
 ]
 
 
@@ -674,16 +681,39 @@ def test_dispatched_compiles_without_graph_break(dispatched):
     assert torch.allclose(fn(x).double(), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_half_wgmma_rows(dispatched):
+    """GPU-free: 16-bit operands count as wgmma's (route's ``aligned``) only K-major,
+    16-byte aligned and read in place (a transposed one is copied first, or read by
+    mma.sync); float32 ones also transposed, or copied to aligned rows."""
+    from cupykern import _array, gemm
+
+    def op(dtype, ptr=0x10000, ld=1024, transposed=False):
+        shape, strides = ((512, 1024), (1, 512)) if transposed else ((512, 1024), (ld, 1))
+        return _array.Operand(None, "torch", dtype, shape, strides, ptr, 0, "a", True)
+
+    work = 512 * 1024 * 1024
+    for dtype in ("float16", "bfloat16"):
+        assert gemm._wgmma_rows(op(dtype), work)
+        assert not gemm._wgmma_rows(op(dtype, ptr=0x10002), work)
+        assert not gemm._wgmma_rows(op(dtype, ld=1028), work)
+        assert not gemm._wgmma_rows(op(dtype, transposed=True), work)
+    assert gemm._wgmma_rows(op("float32", transposed=True), work)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_vendor_pads_a_misaligned_n(dtype, dispatched):
-    """16-bit products of an N off 16-byte alignment and at least 2**30 multiply-adds run
-    padded on the vendor (cupykern.gemm.padded_n): the N columns, contiguous, within
-    16-bit rounding of float64; gradients through the padding."""
+def test_misaligned_n_16_bit(dtype, dispatched):
+    """16-bit products of an N off 16-byte alignment: linear on Hopper runs ours (wgmma,
+    any output row), matmul's row-major b and other GPUs' products run padded on the
+    vendor (cupykern.gemm.padded_n): the N columns, contiguous, within 16-bit rounding of
+    float64; gradients through either."""
     from cupykern import gemm
+    from cupykern._array import operand
     m, n, k = 1024, 1025, 1024
     assert gemm.padded_n(m, n, k, str(dtype)[6:]) == 1032
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    assert gemm._route_of(operand(x, "x"), operand(w, "w"), "highest") == ("ours" if hopper else "vendor")
     xg = x.clone().requires_grad_()
     for _ in range(2):  # (the second call: the eager path without the op's boundary)
         out = cupykern.linear(xg, w, b)
@@ -696,6 +726,44 @@ def test_vendor_pads_a_misaligned_n(dtype, dispatched):
         assert err <= 1.6e-2 * mag
     out.float().sum().backward()
     assert_grad_close(xg.grad, w.double().sum(0).expand(m, -1), 3e-2)
+
+
+@pytest.mark.parametrize("cc", [75, 80, 86, 89, 90, 100, 120])
+def test_float64_on_the_fp64_tensor_cores_where_there_are_some(monkeypatch, cc):
+    """GPU-free: float64 GEMMs run DMMA (gemm_dmma) on the GPUs with FP64 tensor cores
+    (sm_80, sm_90, sm_100), the CUDA-core kernel elsewhere; every layout, aligned or not."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def op(ptr=0x10000, transposed=False):
+        shape, strides = ((300, 64), (1, 300)) if transposed else ((300, 64), (64, 1))
+        return _array.Operand(None, "torch", "float64", shape, strides, ptr, 0, "a", True)
+
+    for a, b, aligned in ((op(), op(), True), (op(0x10008), op(), False), (op(transposed=True), op(), True),
+                          (op(transposed=True), op(transposed=True), False)):
+        expr = gemm._choose(a, b, "highest").expr
+        if cc in (80, 90, 100):
+            assert expr.startswith("gemm_dmma<") and f", {str(aligned).lower()}, 128" in expr, expr
+        else:
+            assert expr.startswith("gemm_simple<double"), expr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 1), (127, 129, 15), (128, 128, 16), (129, 127, 17),
+                                   (257, 255, 33), (64, 64, 4099), (300, 1, 1000), (2, 3, 4097)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_float64_tensor_core_gemm_edges(shape):
+    """Our float64 GEMM (DMMA where the GPU has FP64 tensor cores) at its tile and K-slice
+    edges ±1, split K (64x64x4099), and operands row-major, column-major and starting
+    8 bytes off 16-byte alignment, against cuBLAS's float64 within 1e-12 of |a| @ |b|."""
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    wide_a = torch.randn(m, k + 1, device="cuda", dtype=torch.float64, generator=g)
+    wide_b = torch.randn(k, n + 1, device="cuda", dtype=torch.float64, generator=g)
+    for a in (wide_a[:, :k].contiguous(), wide_a[:, 1:], _col_major(wide_a[:, :k])):
+        for b in (wide_b[:, :n].contiguous(), wide_b[:, 1:], _col_major(wide_b[:, :n])):
+            _check_mm(a, b, None, 1e-12)
 
 
 @pytest.mark.parametrize("cc", [90, 80])

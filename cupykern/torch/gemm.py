@@ -48,7 +48,8 @@ _HALF = (torch.float16, torch.bfloat16)
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
     :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
-    computed padded, see :func:`cupykern.gemm.padded_n`). float32 only where torch's TF32
+    computed padded, see :func:`cupykern.gemm.padded_n`; big float64 ones with their bias
+    added apart, :func:`cupykern.gemm.bias_apart`). float32 only where torch's TF32
     switch gives the precision asked ("highest": SGEMM, TF32 off; "high" / "medium": TF32
     on), as it does for ``precision=None``; an explicit precision against the switch runs
     on ours (flipping the switch for the call would change other threads' matmuls too)."""
@@ -67,11 +68,14 @@ class Vendor:
             with torch.autocast(x.device.type, enabled=False):
                 return Vendor.linear(x, weight, bias, precision)
         N, K = weight.shape
+        M = x.numel() // K if K else 0
         if x.dtype in _HALF and N % 8:
-            pad = core.padded_n(x.numel() // K if K else 0, N, K, str(x.dtype)[6:]) - N
+            pad = core.padded_n(M, N, K, str(x.dtype)[6:]) - N
             if pad:
                 bias = None if bias is None else F.pad(bias, (0, pad))
                 return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
+        if bias is not None and core.bias_apart(M, N, K, str(x.dtype)[6:]):
+            return torch.matmul(x, weight.T).add_(bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
