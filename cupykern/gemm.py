@@ -882,12 +882,14 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
 def bias_apart(M: int, N: int, K: int, dtype: str) -> bool:
     """Whether the vendor's linear adds the bias after its product (a GEMM, then one
     elementwise pass) rather than in cuBLAS's GEMM with a bias (torch's addmm): float64
-    products of at least 2**28 multiply-adds, where addmm runs at about half the plain
-    GEMM's rate (H200, one run, F.linear against mm + add_, us: 1024^3 79.4 / 49.2, 2048^3
-    579 / 316, 4096^3 5128 / 2606, 3000x5000x700 716 / 395, 8192x2048x64 84.6 / 61.1,
-    256x12288x4096 933 / 519; a tie at 256x1024x1024, 2**28: 25.9 / 25.5, and
-    4x2048x2048: 22.8 / 23.3)."""
-    return dtype == "float64" and M * N * K >= 2 ** 28
+    products of at least 2**28 multiply-adds and K >= 1024, where addmm runs at about half
+    the plain GEMM's rate (H200, one run, F.linear against mm + add_, us: 1024^3 79.4 /
+    49.2, 2048^3 579 / 316, 4096^3 5128 / 2606, 3000x5000x700 716 / 395, 8192x2048x64
+    84.6 / 61.1, 256x12288x4096 933 / 519; a tie at 256x1024x1024, 2**28: 25.9 / 25.5,
+    and 4x2048x2048: 22.8 / 23.3). A short K makes the GEMM memory-bound, and the extra
+    pass over the output then costs more than addmm loses (the sweep, 100000x64x64:
+    67.3 us against 53.3)."""
+    return dtype == "float64" and M * N * K >= 2 ** 28 and K >= 1024
 
 
 _FORCED = [None]  # forced_route's override

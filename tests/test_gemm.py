@@ -841,3 +841,14 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     assert not vendor(op(256, 4096), op(4096, 4096), "highest", 256)
+
+
+def test_float64_bias_apart_boundaries():
+    """GPU-free: the vendor's float64 linear adds its bias apart (mm, then one pass) from
+    2**28 multiply-adds with K >= 1024, where torch's addmm runs at half mm's rate."""
+    from cupykern import gemm
+    assert gemm.bias_apart(256, 1024, 1024, "float64")
+    assert not gemm.bias_apart(255, 1024, 1024, "float64")
+    assert not gemm.bias_apart(1 << 16, 1024, 1023, "float64")
+    assert not gemm.bias_apart(100000, 64, 64, "float64")
+    assert not gemm.bias_apart(4096, 4096, 4096, "float32")
