@@ -299,14 +299,13 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     dt, isz = a.dtype, ITEMSIZE[a.dtype]
     cc = _loader.device_cc(a.device)
     (ta, lda), (tb, ldb) = layout(a), layout(b)
+    # 16-byte K-contiguous rows (a transposed operand is read by elements, or by TMA)
+    aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
     if dt == "float64" and cc in _DMMA_CCS:
-        aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
         return _Choice(_dmma_expr(ta, tb, aligned and not (ta and tb)), _DMMA, None, False, lda, ldb)
     if dt == "float64" or cc < 80:
         return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
     mode = _MODE[precision] if dt == "float32" else _HALF
-    # 16-byte K-contiguous rows (a transposed operand is read 4 bytes at a time, or by TMA)
-    aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
     hopper = aligned and cc == 90
     if mode == _MODE["medium"] and hopper:
         mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
@@ -550,15 +549,19 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     return _route_of(a, b_nk, precision) == VENDOR
 
 
-def vendor_linear(kind: str, precision: str):
+def vendor_linear(kind: str, precision: str, problem=None):
     """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
-    C-contiguous array), as a plan (:class:`_VendorPlan`)."""
-    return _VendorPlan(_vendor(kind).linear, precision)
+    C-contiguous array), as a plan (:class:`_VendorPlan`); ``problem`` (M, N, K, dtype):
+    also its eager form (:func:`planned_vendor`)."""
+    vendor = _vendor(kind)
+    return _VendorPlan(vendor.linear, precision, problem and vendor.linear_form(*problem))
 
 
-def vendor_matmul(kind: str, precision: str):
-    """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan."""
-    return _VendorPlan(_vendor(kind).matmul, precision)
+def vendor_matmul(kind: str, precision: str, problem=None):
+    """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan;
+    ``problem`` (M, N, K, dtype, b_matrix): also its eager form."""
+    vendor = _vendor(kind)
+    return _VendorPlan(vendor.matmul, precision, problem and vendor.matmul_form(*problem))
 
 
 STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
@@ -949,10 +952,11 @@ def _wgmma_rows(o, work: int) -> bool:
 
 def _vendor(kind: str):
     """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
-    precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), ``takes(dtype,
-    precision)`` (whether the library's own float32 setting gives that precision now:
-    the vendor path never flips a library-wide switch, which other threads would see)
-    and ``state()`` (that setting, part of each plan's key)."""
+    precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), their eager
+    forms for one problem (``linear_form`` / ``matmul_form``, see :class:`_VendorPlan`),
+    ``takes(dtype, precision)`` (whether the library's own float32 setting gives that
+    precision now: the vendor path never flips a library-wide switch, which other threads
+    would see) and ``state()`` (that setting, part of each plan's key)."""
     return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
 
 
@@ -974,6 +978,12 @@ class _CupyVendor:
     @staticmethod
     def state():
         return _loader.cupy()._core._routines_linalg.get_compute_type(np.float32)
+
+    @staticmethod
+    def linear_form(*problem):
+        return None  # (no eager form: CuPy's calls run the plan itself)
+
+    matmul_form = linear_form
 
     @staticmethod
     def takes(dtype: str, precision: str) -> bool:
@@ -1128,7 +1138,8 @@ def _fresh(checked, x, weight, bias, precision, out):
     if xo.kind == "cpu" or 0 in shape:
         return None
     if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
-        return vendor_linear(xo.kind, prec)
+        M, N = int(np.prod(shape[:-1])), shape[-1]
+        return vendor_linear(xo.kind, prec, (M, N, xo.shape[-1], xo.dtype))
     if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view
@@ -1155,23 +1166,28 @@ def _rows_planned(xo):
 
 class _VendorPlan:
     """A plan where :func:`route` chose the vendor: ``run(*arrays) = impl(*arrays,
-    precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``)."""
+    precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``); ``eager``: the
+    same product as the vendor's library computes it outside autocast and tracing, with
+    what ``impl`` decides per call decided (``eager(*arrays)``; torch only, else None)."""
 
-    __slots__ = ("impl", "precision")
+    __slots__ = ("impl", "precision", "eager")
 
-    def __init__(self, impl, precision):
-        self.impl, self.precision = impl, precision
+    def __init__(self, impl, precision, eager=None):
+        self.impl, self.precision, self.eager = impl, precision, eager
 
     def __call__(self, *arrays):
         return self.impl(*arrays, self.precision)
 
 
-def planned_vendor(x, weight, bias, precision) -> bool:
-    """Whether :func:`linear`'s cached plan for these arguments (checked precision) is the
-    vendor's: the torch layer then calls torch's own ``F.linear`` in plain eager mode,
-    without the op's boundary (False until a first call has planned them)."""
-    key = (signature(x), signature(weight), signature(bias), precision, vendor_state(x))
-    return type(_plans.get(key)) is _VendorPlan
+def planned_vendor(x, weight, bias, precision):
+    """The eager form of :func:`linear`'s cached plan for these arguments (checked
+    precision) where that plan is the vendor's: the torch layer calls it in plain eager
+    mode (torch's own ``F.linear``, with torch's autograd), without the op's boundary.
+    None until a first call has planned them, or where ours computes them. (Arguments that
+    :func:`signature` does not describe, such as tensor subclasses, have no plan.)"""
+    plan = _plans.get((signature(x), signature(weight), signature(bias), precision,
+                       vendor_state(x)))
+    return plan.eager if type(plan) is _VendorPlan else None
 
 
 # ---- matmul: NumPy's matmul on the same dispatcher.
@@ -1342,13 +1358,15 @@ def _matmul_fresh(checked, a, b, precision, out):
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
     if _matmul_route(ao, bo, prec) == VENDOR:
-        return vendor_matmul(ao.kind, prec)
+        K = ao.shape[-1]
+        N = bo.shape[-1] if bo.ndim > 1 else 1
+        return vendor_matmul(ao.kind, prec, (ao.size // K, N, K, ao.dtype, bo.ndim > 1))
     if ao.ndim != 2 or bo.ndim != 2:
         return None
     return _on_arrays(mm_plan(ao, bo, prec))
 
 
-def planned_vendor_matmul(a, b, precision) -> bool:
+def planned_vendor_matmul(a, b, precision):
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    key = (signature(a), signature(b), precision, vendor_state(a))
-    return type(_matmul_plans.get(key)) is _VendorPlan
+    plan = _matmul_plans.get((signature(a), signature(b), precision, vendor_state(a)))
+    return plan.eager if type(plan) is _VendorPlan else None

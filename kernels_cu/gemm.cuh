@@ -231,8 +231,37 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-// Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2.
-template <int BM, int BN, int GROUP_M>
+// The cp.async ring of gemm_mma and gemm_dmma: STAGES - 1 K slices in flight ahead of
+// the one computed. load(kt) issues slice kt's copies (cp.async, or a register gather),
+// store(kt) writes a gathered slice to its stage, compute(kt) reads stage kt % STAGES.
+// GATHERED (an operand goes through registers): a gathered slice is stored after the
+// compute, into the stage read an iteration ago (free since this iteration's barrier).
+template <int STAGES, bool GATHERED, class Load, class Store, class Compute>
+__device__ __forceinline__ void ring_mainloop(int ktiles, Load&& load, Store&& store, Compute&& compute) {
+  static_assert(STAGES >= 2, "the ring needs a stage in flight beside the one computed");
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ktiles) {
+      load(s);
+      store(s);
+    }
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage kt landed; stage (kt-1)%STAGES is no longer read
+    const bool next = kt + STAGES - 1 < ktiles;
+    if (next) load(kt + STAGES - 1);
+    cp_async_commit();
+    compute(kt);
+    if (GATHERED && next) store(kt + STAGES - 1);
+  }
+}
+
+// Grouped raster: GROUP_M M-tiles share each N-tile while it is hot in L2 (every
+// tensor-core kernel's order of output tiles).
+constexpr int GROUP_M = 16;
+template <int BM, int BN>
 __device__ __forceinline__ void grouped_tile(int M, int N, int& m0, int& n0, int pid = blockIdx.x) {
   const int mtiles = (M + BM - 1) / BM, ntiles = (N + BN - 1) / BN;
   const int group = pid / (GROUP_M * ntiles);

@@ -93,7 +93,7 @@ gemm_dmma(const double* __restrict__ a, const double* __restrict__ b, double* __
   const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   int m0, n0;
-  grouped_tile<BM, BN, 16>(M, N, m0, n0);
+  grouped_tile<BM, BN>(M, N, m0, n0);
   const double* ga = a + (TA ? m0 : (long long)m0 * lda);
   const double* gb = b + (TB ? n0 : (long long)n0 * ldb);
 
@@ -126,20 +126,7 @@ gemm_dmma(const double* __restrict__ a, const double* __restrict__ b, double* __
   // rows BM + wn*32 + j*8 + g; K pair t.
   const unsigned a_off = ((wm * 64 + g) * LD + 2 * t) * 8, b_off = ((BM + wn * 32 + g) * LD + 2 * t) * 8;
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ktiles) {
-      load(s);
-      store(s);
-    }
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage kt landed; stage (kt-1)%STAGES is no longer read
-    const bool next = kt + STAGES - 1 < ktiles;
-    if (next) load(kt + STAGES - 1);
-    cp_async_commit();
+  ring_mainloop<STAGES, GA || GB>(ktiles, load, store, [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 8) {
@@ -159,9 +146,7 @@ gemm_dmma(const double* __restrict__ a, const double* __restrict__ b, double* __
 #pragma unroll
         for (int j = 0; j < 4; ++j) dmma_k8(acc[i][j], fa[i], fb[j]);
     }
-    // Stage (kt-1)%STAGES: nobody reads it in this iteration (the barrier above).
-    if ((GA || GB) && next) store(kt + STAGES - 1);
-  }
+  });
 
   store_fragments(acc, c, M, N, ldc, m0, n0, bias, alpha, beta);
   if (part) {

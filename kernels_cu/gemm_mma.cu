@@ -65,7 +65,6 @@ __device__ __forceinline__ void promote_centred(float (&pro)[N], float (&acc)[N]
 // template parameters of gemm_mma, defined once in Python (gemm.py); the kernel checks
 // them against what its warp layout needs. Only derived constants live here.
 namespace mma_cfg {
-constexpr int GROUP_M = 16;
 constexpr int KB = 128;                 // bytes of K per row and stage
 constexpr int ROW = KB + 16;            // padded smem row: ldmatrix/cp.async conflict-free
 template <int BM, int BN> constexpr int TILE = (BM + BN) * ROW;  // bytes per stage
@@ -163,7 +162,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
 
   int m0, n0;
-  grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0);
+  grouped_tile<BM, BN>(M, N, m0, n0);
   const T* ga = a + (TA ? m0 : (long long)m0 * lda);
   const T* gb = b + (TB ? n0 : (long long)n0 * ldb);
 
@@ -204,21 +203,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = pro[i][j][e] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ktiles) {
-      load(s);
-      store(s);
-    }
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage kt landed; stage (kt-1)%STAGES is no longer read
-    const bool next = kt + STAGES - 1 < ktiles;
-    if (next) load(kt + STAGES - 1);
-    cp_async_commit();
-
+  ring_mainloop<STAGES, GA || GB>(ktiles, load, store, [&](int kt) {
     const unsigned st = s0 + (kt % STAGES) * TILE;
     if (MODE == 2) {
       // Two tf32-layout steps (16 floats of K) feed one bf16 m16n8k16 MMA: slots
@@ -304,9 +289,7 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
     if (MODE == 0)  // promotion: at most 32 K products ever sum in the tensor core
       promote_centred(reinterpret_cast<float(&)[64]>(pro), reinterpret_cast<float(&)[64]>(acc),
                       centre_scale(kt), centre_scale(kt + 1));
-    // Stage (kt-1)%STAGES: nobody reads it in this iteration (the barrier above).
-    if ((GA || GB) && next) store(kt + STAGES - 1);
-  }
+  });
   float (&res)[4][4][4] = MODE == 0 ? pro : acc;
   store_fragments(res, c, M, N, ldc, m0, n0, bias, alpha, beta);
   if (part) {

@@ -44,7 +44,6 @@
 // BM, BN, THREADS, STAGES and the dynamic smem size SMEM are template parameters of
 // gemm_wgmma, defined once in Python (gemm.py); only derived constants live here.
 namespace wg_cfg {
-constexpr int GROUP_M = 16;
 template <int MODE, int BM, int BN, int STAGES> struct Cfg {
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;  // one 32-float K slice
   static constexpr int B_SMALL = A_BYTES + B_BYTES;  // MODE 0: B's remainders follow B
@@ -499,7 +498,7 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   // a slice's stage and barrier phase follow the CTA's running count of slices
   const int end = TC ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : blockIdx.x + 1;
   const int total = (end - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;  // slices
-  const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN, GROUP_M>(M, N, m0, n0, tile); };
+  const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN>(M, N, m0, n0, tile); };
   if (tid == 0) {
     if constexpr (TMA) {
       tma_prefetch(ma);

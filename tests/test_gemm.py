@@ -852,3 +852,31 @@ def test_float64_bias_apart_boundaries():
     assert not gemm.bias_apart(1 << 16, 1024, 1023, "float64")
     assert not gemm.bias_apart(100000, 64, 64, "float64")
     assert not gemm.bias_apart(4096, 4096, 4096, "float32")
+
+
+def test_vendor_eager_forms():
+    """GPU-free: the vendor's eager form of a problem (what the torch layer's direct call
+    runs once a plan chose the vendor): torch's F.linear / matmul, the padded product of a
+    16-bit misaligned N from 2**30 multiply-adds, float64's bias apart from 2**28; each
+    form computes the product, contiguous."""
+    import functools
+
+    from cupykern.torch.gemm import Vendor, _linear_bias_apart, _padded_linear, _padded_matmul
+    F = torch.nn.functional
+    assert Vendor.linear_form(1024, 4096, 4096, "bfloat16") is F.linear
+    padded = Vendor.linear_form(1024, 1025, 1024, "float16")
+    assert padded.func is _padded_linear and padded.keywords == {"pad": 7}
+    assert Vendor.linear_form(1023, 1025, 1024, "float16") is F.linear  # (just under 2**30)
+    assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
+    assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
+    assert Vendor.matmul_form(1024, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}
+    assert Vendor.matmul_form(1024, 1, 1025, "bfloat16", False) is torch.matmul
+    x, w, b = _data(6, 5, 4, torch.float64)
+    for form in (_linear_bias_apart, functools.partial(_padded_linear, pad=3)):
+        out = form(x, w, b)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_linear_bias_apart(x, w, None), F.linear(x, w), rtol=1e-12, atol=1e-12)
+    out = _padded_matmul(x, w.T.contiguous(), pad=3)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-12, atol=1e-12)

@@ -16,11 +16,13 @@ autograd, without the op's boundary (its microseconds are most of a small produc
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from .. import gemm as core
-from ._op import Op, _direct, lower_precision
+from ._op import Op, _eager, lower_precision
 
 
 def resolve_precision(precision) -> str:
@@ -42,9 +44,6 @@ def resolve_precision(precision) -> str:
     return torch.get_float32_matmul_precision()
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
     :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
@@ -63,32 +62,61 @@ class Vendor:
         return dtype != "float32" or (precision != "highest") == torch._C._get_cublas_allow_tf32()
 
     @staticmethod
+    def linear_form(M: int, N: int, K: int, dtype: str):
+        """``fn(x, weight, bias)``: how the vendor computes a linear of M x K by N x K
+        outside autocast; planned once per signature (:func:`cupykern.gemm.planned_vendor`)."""
+        pad = core.padded_n(M, N, K, dtype) - N
+        if pad:
+            return functools.partial(_padded_linear, pad=pad)
+        return _linear_bias_apart if core.bias_apart(M, N, K, dtype) else F.linear
+
+    @staticmethod
+    def matmul_form(M: int, N: int, K: int, dtype: str, b_matrix: bool):
+        """``fn(a, b)``, as :meth:`linear_form` for ``torch.matmul`` (M: a's rows, all
+        batches; ``b_matrix``: b has a last dim N, not a vector's)."""
+        pad = core.padded_n(M, N, K, dtype) - N if b_matrix else 0
+        return functools.partial(_padded_matmul, pad=pad) if pad else torch.matmul
+
+    @staticmethod
     def linear(x, weight, bias, precision):
         if torch._C._is_any_autocast_enabled():  # (a fused op's product, in x's dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return Vendor.linear(x, weight, bias, precision)
         N, K = weight.shape
-        M = x.numel() // K if K else 0
-        if x.dtype in _HALF and N % 8:
-            pad = core.padded_n(M, N, K, str(x.dtype)[6:]) - N
-            if pad:
-                bias = None if bias is None else F.pad(bias, (0, pad))
-                return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
-        if bias is not None and core.bias_apart(M, N, K, str(x.dtype)[6:]):
-            return torch.matmul(x, weight.T).add_(bias)
-        return F.linear(x, weight, bias)
+        form = Vendor.linear_form(x.numel() // K if K else 0, N, K, _name(x.dtype))
+        return form(x, weight, bias)
 
     @staticmethod
     def matmul(a, b, precision):
         if torch._C._is_any_autocast_enabled():  # (a fused op's product, in a's dtype)
             with torch.autocast(a.device.type, enabled=False):
                 return Vendor.matmul(a, b, precision)
-        if a.dtype in _HALF and b.dim() > 1 and b.shape[-1] % 8:
-            N, K = b.shape[-1], b.shape[-2]
-            pad = core.padded_n(a.numel() // K if K else 0, N, K, str(a.dtype)[6:]) - N
-            if pad:
-                return torch.matmul(a, F.pad(b, (0, pad)))[..., :N].contiguous()
-        return torch.matmul(a, b)
+        N, K = (b.shape[-1], b.shape[-2]) if b.dim() > 1 else (1, b.shape[0])
+        form = Vendor.matmul_form(a.numel() // K if K else 0, N, K, _name(a.dtype), b.dim() > 1)
+        return form(a, b)
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _padded_linear(x, weight, bias, pad):
+    """F.linear of N + pad rows of W (zeros), its N columns copied out (see
+    :func:`cupykern.gemm.padded_n`)."""
+    N = weight.shape[0]
+    bias = None if bias is None else F.pad(bias, (0, pad))
+    return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
+
+
+def _padded_matmul(a, b, pad):
+    return torch.matmul(a, F.pad(b, (0, pad)))[..., :b.shape[-1]].contiguous()
+
+
+def _linear_bias_apart(x, weight, bias):
+    """F.linear as mm, then the bias added in place (see :func:`cupykern.gemm.bias_apart`)."""
+    if bias is None:
+        return F.linear(x, weight)
+    return torch.matmul(x, weight.T).add_(bias)
 
 
 def _impl(x, weight, bias, precision):
@@ -163,9 +191,9 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops."""
     prec = resolve_precision(precision)
     if out is None:
-        if _direct((x, weight) if bias is None else (x, weight, bias)) and \
-                core.planned_vendor(x, weight, bias, prec):
-            return Vendor.linear(x, weight, bias, prec)
+        run = _eager() and core.planned_vendor(x, weight, bias, prec)
+        if run:
+            return run(x, weight, bias)
         return linear_op(x, weight, bias, prec)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
@@ -218,8 +246,9 @@ def matmul(a, b, *, precision=None, out=None):
     ``out=`` it takes no gradient."""
     prec = resolve_precision(precision)
     if out is None:
-        if _direct((a, b)) and core.planned_vendor_matmul(a, b, prec):
-            return Vendor.matmul(a, b, prec)
+        run = _eager() and core.planned_vendor_matmul(a, b, prec)
+        if run:
+            return run(a, b)
         return matmul_op(a, b, prec)
     core.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
