@@ -870,7 +870,9 @@ def test_vendor_eager_forms():
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
     assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
     assert Vendor.matmul_form(1024, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}
-    assert Vendor.matmul_form(1024, 1, 1025, "bfloat16", False) is torch.matmul
+    # (a 1-D b, whose N of 1 is not a row length: never padded, however big the product)
+    assert Vendor.matmul_form(1 << 20, 1, 1 << 20, "bfloat16", True).keywords == {"pad": 7}
+    assert Vendor.matmul_form(1 << 20, 1, 1 << 20, "bfloat16", False) is torch.matmul
     x, w, b = _data(6, 5, 4, torch.float64)
     for form in (_linear_bias_apart, functools.partial(_padded_linear, pad=3)):
         out = form(x, w, b)
