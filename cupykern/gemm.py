@@ -554,14 +554,14 @@ def vendor_linear(kind: str, precision: str, problem=None):
     C-contiguous array), as a plan (:class:`_VendorPlan`); ``problem`` (M, N, K, dtype):
     also its eager form (:func:`planned_vendor`)."""
     vendor = _vendor(kind)
-    return _VendorPlan(vendor.linear, precision, problem and vendor.linear_form(*problem))
+    return _VendorPlan(vendor, vendor.linear, precision, problem and vendor.linear_form(*problem))
 
 
 def vendor_matmul(kind: str, precision: str, problem=None):
     """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan;
     ``problem`` (M, N, K, dtype, b_matrix): also its eager form."""
     vendor = _vendor(kind)
-    return _VendorPlan(vendor.matmul, precision, problem and vendor.matmul_form(*problem))
+    return _VendorPlan(vendor, vendor.matmul, precision, problem and vendor.matmul_form(*problem))
 
 
 STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
@@ -586,8 +586,10 @@ def routed_mm_plan(a, b, precision: str, batch: int):
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
     if fused_vendor(a, bt, precision, batch):
-        # (straight to the library: matmul_core's lookup costs a small step ~10 us of host)
-        return vendor_matmul(a.kind, precision)
+        # (straight to the library, in its eager form: matmul_core's lookup and the
+        # vendor's per-call choices would cost a small step ~15 us of host)
+        (M, K), N = a.shape, b.shape[1]
+        return vendor_matmul(a.kind, precision, (M, N, K, a.dtype, True))
     return _on_arrays(mm_plan(a, b, precision))
 
 
@@ -795,7 +797,9 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
-          "HALF_MISALIGNED_MIN_WORK": 2 ** 26}
+          "HALF_MISALIGNED_MIN_WORK": 2 ** 26,
+          # the vendor path's own forms: padded_n, bias_apart
+          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
@@ -877,7 +881,7 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     kernels (H200, linear 8192x1024x50257 bfloat16: 9.0 ms, torch.compile's padded GEMM
     1.3 ms, 0.14x); the vendor path pads W (or b) with zero rows, computes the padded
     product and copies its N columns out."""
-    if dtype in ("float16", "bfloat16") and N % 8 and M * N * K >= 2 ** 30:
+    if dtype in ("float16", "bfloat16") and N % 8 and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
         return cdiv(N, 8) * 8
     return N
 
@@ -892,7 +896,8 @@ def bias_apart(M: int, N: int, K: int, dtype: str) -> bool:
     and 4x2048x2048: 22.8 / 23.3). A short K makes the GEMM memory-bound, and the extra
     pass over the output then costs more than addmm loses (the sweep, 100000x64x64:
     67.3 us against 53.3)."""
-    return dtype == "float64" and M * N * K >= 2 ** 28 and K >= 1024
+    c = _ROUTE
+    return dtype == "float64" and M * N * K >= c["BIAS_APART_MIN_WORK"] and K >= c["BIAS_APART_MIN_K"]
 
 
 _FORCED = [None]  # forced_route's override
@@ -928,7 +933,11 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     aligned = True
     if ao.dtype != "float64" and cc == 90:
         work = M * N * K
-        aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
+        if ao.dtype == "float32":
+            aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
+        else:  # 16-bit wgmma reads both in place, where _choose takes it
+            aligned = (all(_read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
+                       and _choose(ao, bo_nk, precision).cfg is _WGMMA[_HALF])
     which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
     if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
         return OURS
@@ -936,14 +945,10 @@ def _route_of(ao, bo_nk, precision: str) -> str:
 
 
 def _wgmma_rows(o, work: int) -> bool:
-    """Whether ours reads the 2-D Operand ``o`` on Hopper's wgmma: float32 rows (after any
-    copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed one;
-    16-bit rows K-contiguous and 16-byte aligned in place, by TMA (see :func:`route`)."""
+    """Whether ours reads the float32 2-D Operand ``o`` on Hopper's wgmma: its rows (after
+    any copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed
+    one (see :func:`route`)."""
     lay = layout(o)
-    if o.dtype != "float32":
-        isz = ITEMSIZE[o.dtype]
-        return (lay is not None and not lay[0] and _read_mode(o, work)[0] == "view"
-                and vector_aligned(o.ptr, lay[1], o.shape[1], isz) and _tma.fits(*o.shape, lay[1], isz))
     if lay is None:
         return True  # copied: a fresh array
     mode = _read_mode(o, work)[0]
@@ -953,7 +958,8 @@ def _wgmma_rows(o, work: int) -> bool:
 def _vendor(kind: str):
     """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
     precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), their eager
-    forms for one problem (``linear_form`` / ``matmul_form``, see :class:`_VendorPlan`),
+    forms for one problem (``linear_form`` / ``matmul_form``, see :class:`_VendorPlan`;
+    None where the library has none), valid unless ``autocasting()``,
     ``takes(dtype, precision)`` (whether the library's own float32 setting gives that
     precision now: the vendor path never flips a library-wide switch, which other threads
     would see) and ``state()`` (that setting, part of each plan's key)."""
@@ -1096,8 +1102,8 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     CUDA tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(x), signature(weight), signature(bias), precision, vendor_state(x))
-        run, checked = cached_checked(_plans, key, check, _fresh, (x, weight, bias, precision, None))
+        run, checked = cached_checked(_plans, _linear_key(x, weight, bias, precision), check,
+                                      _fresh, (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
     xo, wo, bo, o, prec, shape = checked or check(x, weight, bias, precision, out)
@@ -1168,14 +1174,19 @@ class _VendorPlan:
     """A plan where :func:`route` chose the vendor: ``run(*arrays) = impl(*arrays,
     precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``); ``eager``: the
     same product as the vendor's library computes it outside autocast and tracing, with
-    what ``impl`` decides per call decided (``eager(*arrays)``; torch only, else None)."""
+    what ``impl`` decides per call decided (``eager(*arrays)``), or None: CuPy's, and a
+    plan made without its problem (:func:`vendor_linear`). A run takes the eager form
+    unless the ``vendor`` is autocasting."""
 
-    __slots__ = ("impl", "precision", "eager")
+    __slots__ = ("impl", "precision", "eager", "_autocasting")
 
-    def __init__(self, impl, precision, eager=None):
+    def __init__(self, vendor, impl, precision, eager=None):
         self.impl, self.precision, self.eager = impl, precision, eager
+        self._autocasting = vendor.autocasting if eager is not None else None
 
     def __call__(self, *arrays):
+        if self.eager is not None and not self._autocasting():
+            return self.eager(*arrays)
         return self.impl(*arrays, self.precision)
 
 
@@ -1185,9 +1196,13 @@ def planned_vendor(x, weight, bias, precision):
     mode (torch's own ``F.linear``, with torch's autograd), without the op's boundary.
     None until a first call has planned them, or where ours computes them. (Arguments that
     :func:`signature` does not describe, such as tensor subclasses, have no plan.)"""
-    plan = _plans.get((signature(x), signature(weight), signature(bias), precision,
-                       vendor_state(x)))
+    plan = _plans.get(_linear_key(x, weight, bias, precision))
     return plan.eager if type(plan) is _VendorPlan else None
+
+
+def _linear_key(x, weight, bias, precision) -> tuple:
+    """The key of :func:`linear_core`'s cached plans."""
+    return signature(x), signature(weight), signature(bias), precision, vendor_state(x)
 
 
 # ---- matmul: NumPy's matmul on the same dispatcher.
@@ -1257,9 +1272,8 @@ def matmul_core(a, b, precision=None, out=None):
     tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        key = (signature(a), signature(b), precision, vendor_state(a))
-        run, checked = cached_checked(_matmul_plans, key, check_matmul, _matmul_fresh,
-                                      (a, b, precision, None))
+        run, checked = cached_checked(_matmul_plans, _matmul_key(a, b, precision), check_matmul,
+                                      _matmul_fresh, (a, b, precision, None))
         if run is not None:
             return run(a, b)
     ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
@@ -1368,5 +1382,10 @@ def _matmul_fresh(checked, a, b, precision, out):
 
 def planned_vendor_matmul(a, b, precision):
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    plan = _matmul_plans.get((signature(a), signature(b), precision, vendor_state(a)))
+    plan = _matmul_plans.get(_matmul_key(a, b, precision))
     return plan.eager if type(plan) is _VendorPlan else None
+
+
+def _matmul_key(a, b, precision) -> tuple:
+    """The key of :func:`matmul_core`'s cached plans."""
+    return signature(a), signature(b), precision, vendor_state(a)

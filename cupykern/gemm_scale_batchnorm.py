@@ -35,7 +35,17 @@ from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_v
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
+_BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
+# bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows.
+# H200, the passes alone, one launch / three, us of GPU (CUDA graph) and back to back
+# with host, float32 N = 512: M = 64 6.7 / 14.2 and 8.4 / 21.9, 256 8.2 / 14.8 and
+# 11.6 / 24.8, 512 15.0 / 15.1 and 15.7 / 25.3, 1024 27.9 / 15.5 and 28.7 / 26.3 (its
+# blocks, one per 32 columns, then hold too many rows each); N = 4096 and bfloat16 alike
+# (M = 512: 15.4-16.2 / 18.1-26.9 GPU; 1024: 30.8-44.3 / 31.2-37.2). Its warps per block
+# by element size: each stages a 32 x 33 tile of dz in static shared memory, which eight
+# of float64 would overfill.
+_GRAD_FUSED = {"ROWS": 512, "WARPS": {2: 8, 4: 8, 8: 4}}
 # Training batches of at most this many GEMM M-tiles merge their statistics in the apply
 # pass (bn_train_apply: each of its rows of blocks merges them all) rather than in a
 # launch of their own: a launch costs the host ~9 us after a synchronize (H100 machines here).
@@ -60,12 +70,18 @@ def _grad_exprs(t):
             f"bn_grad_dz<{t}, {g}>", f"bn_grad_eval_coef<{t}, {_COEF_THREADS}>")
 
 
+def _fused_grad_expr(dtype, training: bool):
+    warps = _GRAD_FUSED["WARPS"][ITEMSIZE[dtype]]
+    return f"bn_grad_fused<{CTYPE[dtype]}, {str(training).lower()}, {warps}>"
+
+
 for _dt in CTYPE:
     _t = CTYPE[_dt]
     _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
                              *(_apply_expr(_dt, v, f) for v in (1, 16 // ITEMSIZE[_dt])
-                               for f in (False, True)),
-                             *_grad_exprs(_t)])
+                               for f in (False, True))])
+    _loader.register(_BACKWARD_FILE, [*_grad_exprs(_t),
+                                      *(_fused_grad_expr(_dt, m) for m in (False, True))])
 
 
 def batch_size_error(size) -> ValueError:
@@ -325,6 +341,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
                                apply_(zp, ptr(out), c0, c0 + step, cb, 0)))
             return (out, z, coefs) if save else out
 
+        run_eval.backward_runs = {}  # (see cupykern.torch.gemm_scale_batchnorm._planned_backward)
         return run_eval
 
     # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv), the GEMM's partial
@@ -373,6 +390,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
             return out, z, coefs if own_coefs else head(buf, (4, N))
         return out
 
+    run_train.backward_runs = {}  # (see cupykern.torch.gemm_scale_batchnorm._planned_backward)
     return run_train
 
 
@@ -398,7 +416,7 @@ class _ZProduct:
         if self.vendor:
             self.kernel = self.gemm = None
             self.bm, self.workspace = STATS_BM, 0
-            self._linear = vendor_linear(a.kind, precision)
+            self._linear = vendor_linear(a.kind, precision, (M, N, a.shape[1], a.dtype))
             self._stats = statistics_call(self._place, M, N)
         else:
             self.kernel = gemm_kernel(a, b, precision)
@@ -510,7 +528,7 @@ def grad_partials(g, z, cm):
     type (bn_grad_partials): add them over the tiles (axis 0) for the column sums."""
     zo, place, (M, N) = _checked_z(z)
     go, grid, block, mn = _grad_launch(zo, place, g)
-    fn = _loader.function(_FILE, _grad_exprs(CTYPE[zo.dtype])[0], zo.device)
+    fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[0], zo.device)
     part = empty(place, (grid[1], 2, N), acc_dtype(zo.dtype))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(cm),
                                           place.ptr(part)), 0),))
@@ -521,7 +539,7 @@ def grad_dz(g, z, k, cm):
     """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
     zo, place, (M, N) = _checked_z(z)
     go, grid, block, mn = _grad_launch(zo, place, g)
-    fn = _loader.function(_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
+    fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
     dz = empty(place, (M, N))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(k),
                                           place.ptr(cm), place.ptr(dz), 0), 0),))
@@ -541,23 +559,33 @@ def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, train
     (4, N) holding the gradients of the GEMM bias (0 in training mode: it cancels),
     scale, bn_weight and bn_bias.
 
-    Three bandwidth passes (per-tile column sums of g and g*(z - mean), their ordered
-    merge into the vector gradients, dz and its transpose), then dx = dz @ W and dW =
+    Bandwidth passes (column sums of g and g*(z - mean), their ordered merge into the
+    vector gradients, dz and its transpose: one launch for a batch of up to
+    _GRAD_FUSED["ROWS"] rows, else three), then dx = dz @ W and dW =
     dz^T @ x at ``precision`` on our GEMM (or cuBLAS where cupykern.gemm.route says so), each reading dz K-major (x is read in place
     where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other
     layouts are copied."""
     arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
     options = (training, eps, precision, input_grad, weight_grad)
-    checked = None
-    if type(training) is bool and type(eps) is float and type(precision) is str:  # cached
-        key = tuple(signature(v) for v in arrays) + options + (vendor_state(g),)
-        run, checked = cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
-                                      arrays + (training,), options[1:])
-        if run is not None:
-            return run(*arrays)
+    run, checked = backward_run(arrays, options)
+    if run is not None:
+        return run(*arrays)
     checked = checked or _check_backward(*arrays, training)
     run = _backward_plan(*checked, *options)
     return run(*(None if o is None else o.obj for o in checked))
+
+
+def backward_run(arrays, options):
+    """``(run, checked)`` for :func:`backward`'s 9 arrays and its options (training, eps,
+    precision, input_grad, weight_grad): ``run(*arrays)`` the launch plan cached for calls
+    like this one, or None (the general path, which reuses ``checked``: the arrays'
+    validation where this call made it, else None)."""
+    training, eps, precision = options[:3]
+    if not (type(training) is bool and type(eps) is float and type(precision) is str):
+        return None, None  # (unhashable or unchecked options: the general path checks them)
+    key = tuple(signature(v) for v in arrays) + options + (vendor_state(arrays[0]),)
+    return cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
+                          arrays + (training,), options[1:])
 
 
 def _check_backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training):
@@ -606,23 +634,16 @@ def _backward_fresh(checked, *arrays_options):
 def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precision, input_grad,
                    weight_grad):
     """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
-    Operands (g with contiguous rows, vectors contiguous): the three passes and the two
-    GEMMs (:func:`cupykern.gemm.routed_mm_plan`: ours, or the vendor's where the
+    Operands (g with contiguous rows, vectors contiguous): the passes (:func:`_grad_passes`)
+    and the two GEMMs (:func:`cupykern.gemm.routed_mm_plan`: ours, or the vendor's where the
     dispatcher says so) with their sizes fixed (any other GEMM, e.g. of an empty product
     or of an operand that needs a general copy, is :func:`cupykern.gemm.matmul_core`'s
     call after them)."""
     prec = check_precision(precision)
     M, N = zo.shape
-    place, t = Place(zo), CTYPE[zo.dtype]
-    acc = acc_dtype(zo.dtype)
-    step = N * ITEMSIZE[acc]
-    partials, train_coef, dz_fn, eval_coef = (_loader.function(_FILE, e, zo.device)
-                                              for e in _grad_exprs(t))
-    grid, block = _grad_geometry(M, N)
-    tiles = grid[1]
-    coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
-    m_, n_, tiles_, eps_ = scalar(M, "int"), scalar(N, "int"), scalar(tiles, "int"), scalar(eps, "double")
-    ld, scratch, ptr = go.strides[0], 3 * N + 2 * tiles * N, place.ptr
+    place = Place(zo)
+    ptr = place.ptr
+    passes, scratch = _grad_passes(go, zo, training, eps)
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
     has_k = xo.shape[1] > 0
@@ -631,25 +652,19 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     dw_plan = routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M) if weight_grad and has_k else None
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
-        # The three passes go out in one batch, then each GEMM as soon as it is ready: the
+        # The passes go out in one batch, then each GEMM as soon as it is ready: the
         # GPU, done with the forward, waits for the host until the first GEMM (H200,
         # 1024x8192 "high", benchmarked: 55 us idle before the dz pass when the column
         # sums went out alone; H100, 80 us when the GEMMs' preparation came first).
-        dvec, buf = empty(place, (4, N)), empty(place, (scratch,), acc)
+        dvec = empty(place, (4, N))
+        buf = empty(place, (scratch,), acc_dtype(zo.dtype)) if scratch else None  # (held to the launches)
         dz = empty(place, (M, N)) if input_grad else None
         dzt = empty(place, (N, M)) if weight_grad else None
-        gp, zp, c0, k, d0 = ptr(g), ptr(z), ptr(coefs), ptr(buf), ptr(dvec)
-        part, grads = k + 3 * step, (d0 + row, d0 + 2 * row, d0 + 3 * row, d0)
-        if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
-            coef = (train_coef, *coef_launch, (part, tiles_, m_, n_, ptr(scale), ptr(bn_weight),
-                                               c0 + 3 * step, eps_, *grads, k), 0)
-            dz_args = (gp, ld, zp, m_, n_, k, c0 + step)
-        else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
-            coef = (eval_coef, *coef_launch, (part, tiles_, n_, ptr(bias), ptr(scale), ptr(bn_weight),
-                                              ptr(running_mean), c0, c0 + 3 * step, *grads), 0)
-            dz_args = (gp, ld, 0, m_, n_, c0, c0 + step)
-        launch_all(place, ((partials, grid, block, (gp, ld, zp, m_, n_, c0 + step, part), 0), coef,
-                           (dz_fn, grid, block, dz_args + (ptr(dz), ptr(dzt)), 0)))
+        d0 = ptr(dvec)
+        launch_all(place, passes(ptr(g), ptr(z), ptr(coefs),
+                                 (ptr(bias), ptr(scale), ptr(bn_weight), ptr(running_mean)),
+                                 (d0 + row, d0 + 2 * row, d0 + 3 * row, d0), ptr(buf), ptr(dz),
+                                 ptr(dzt)))
         dx = dx_plan(dz, weight) if dx_plan else None
         dw = dw_plan(dzt, x) if dw_plan else None
         if input_grad and dx is None:
@@ -659,6 +674,49 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
         return dx, dw, dvec
 
     return run
+
+
+def _grad_passes(go, zo, training, eps):
+    """``(passes, scratch)``: the backward's passes over g and z (Operands: g with contiguous
+    rows, z contiguous (M, N)) as ``passes(g, z, coefs, vectors, grads, buf, dz, dzt) ->
+    launches`` (pointers; vectors: bias, scale, bn_weight, running_mean; grads: where
+    d scale, d bn_weight, d bn_bias, d bias go; dz / dzt: 0 where not wanted), which need
+    a scratch buffer ``buf`` of ``scratch`` elements of the accumulation type (0: none)."""
+    M, N = zo.shape
+    t, dev = CTYPE[zo.dtype], zo.device
+    step = N * ITEMSIZE[acc_dtype(zo.dtype)]  # (bytes of one row of coefs)
+    m_, n_, eps_, ld = scalar(M, "int"), scalar(N, "int"), scalar(eps, "double"), go.strides[0]
+    if M <= _GRAD_FUSED["ROWS"]:
+        fused = _loader.function(_BACKWARD_FILE, _fused_grad_expr(zo.dtype, training), dev)
+        launch = ((cdiv(N, 32),), (32 * _GRAD_FUSED["WARPS"][ITEMSIZE[zo.dtype]],))
+
+        def one(g, z, c0, vectors, grads, buf, dz, dzt):  # (coefs: ca, cm, cb, inv)
+            return ((fused, *launch, (g, ld, z, m_, n_, c0 + step, *vectors, c0, c0 + 3 * step,
+                                      eps_, *grads, dz, dzt), 0),)
+
+        return one, 0
+    partials, train_coef, dz_fn, eval_coef = (_loader.function(_BACKWARD_FILE, e, dev)
+                                              for e in _grad_exprs(t))
+    grid, block = _grad_geometry(M, N)
+    tiles = grid[1]
+    coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
+    tiles_ = scalar(tiles, "int")
+
+    def three(g, z, c0, vectors, grads, k, dz, dzt):
+        bias, scale, gamma, rmean = vectors
+        part = k + 3 * step
+        if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
+            coef = (train_coef, *coef_launch, (part, tiles_, m_, n_, scale, gamma, c0 + 3 * step,
+                                               eps_, *grads, k), 0)
+            dz_args = (g, ld, z, m_, n_, k, c0 + step)
+        else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
+            coef = (eval_coef, *coef_launch, (part, tiles_, n_, bias, scale, gamma, rmean, c0,
+                                              c0 + 3 * step, *grads), 0)
+            dz_args = (g, ld, 0, m_, n_, c0, c0 + step)
+        return ((partials, grid, block, (g, ld, z, m_, n_, c0 + step, part), 0), coef,
+                (dz_fn, grid, block, dz_args + (dz, dzt), 0))
+
+    return three, 3 * N + 2 * tiles * N
 
 
 def reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):

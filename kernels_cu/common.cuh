@@ -57,6 +57,10 @@ template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double v) {
   return from_acc<bf16_t>((float)v);  // double->float->bf16 can double-round; only used for scalars
 }
 
+// p[n] in the accumulation type, or dflt where the optional array p is null.
+template <typename T, typename A>
+__device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
+
 // 16 bytes of T: the unit of every vectorised load and store.
 template <typename T> struct Vec16 {
   static constexpr int N = 16 / sizeof(T);

@@ -85,7 +85,7 @@ gemm_dmma(const double* __restrict__ a, const double* __restrict__ b, double* __
           const double* __restrict__ alpha, const double* __restrict__ beta, double* __restrict__ part) {
   constexpr int LD = BK + 8, TILE = (BM + BN) * LD * 8;  // bytes per stage
   static_assert(THREADS == 256 && BM == 128 && BN == 128, "gemm_dmma: 2 x 4 warps of 64 x 32 cover 128 x 128");
-  static_assert(BK % 8 == 0 && STAGES >= 2, "gemm_dmma: whole 8-wide K steps, a ring of 2 or more");
+  static_assert(BK % 8 == 0, "gemm_dmma: whole 8-wide K steps");
   static_assert(SMEM == STAGES * TILE, "gemm_dmma: SMEM must be STAGES * (BM + BN) * (BK + 8) * 8");
   static_assert((2 * 16 * (BN + 8) + 16) * 8 <= SMEM, "gemm_dmma: the statistics slots reuse the ring");
   extern __shared__ __align__(128) unsigned char smem[];

@@ -151,7 +151,6 @@ gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, in
   // The warp layout is fixed: 8 warps as 2 (M) x 4 (N) warp tiles of 64 x 32.
   static_assert(THREADS == 256, "gemm_mma: the warp layout needs THREADS == 256 (8 warps, 2 x 4)");
   static_assert(BM == 128 && BN == 128, "gemm_mma: the 2 x 4 warps of 64 x 32 cover BM == BN == 128");
-  static_assert(STAGES >= 2, "gemm_mma: the cp.async ring needs STAGES >= 2");
   static_assert(SMEM == STAGES * TILE, "gemm_mma: SMEM must be STAGES * (BM + BN) * (128 + 16)");
   static_assert((2 * 16 * (BN + 8) + 16) * 4 <= SMEM, "gemm_mma: the statistics slots reuse the ring");
   static_assert(MODE >= 0 && MODE <= 3, "gemm_mma: MODE is 0..3");

@@ -681,22 +681,27 @@ def test_dispatched_compiles_without_graph_break(dispatched):
     assert torch.allclose(fn(x).double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_half_wgmma_rows(dispatched):
-    """GPU-free: 16-bit operands count as wgmma's (route's ``aligned``) only K-major,
-    16-byte aligned and read in place (a transposed one is copied first, or read by
-    mma.sync); float32 ones also transposed, or copied to aligned rows."""
-    from cupykern import _array, gemm
+def test_half_wgmma_rows(dispatched, monkeypatch):
+    """GPU-free, on a pretended Hopper: a 16-bit product of a misaligned N (route's own
+    rule) is ours only where our wgmma reads both operands K-major, 16-byte aligned and in
+    place (as _choose takes them; a transposed one is copied first, or read by mma.sync);
+    float32 operands count as wgmma's also transposed, or copied to aligned rows."""
+    from cupykern import _array, _loader, gemm
 
-    def op(dtype, ptr=0x10000, ld=1024, transposed=False):
-        shape, strides = ((512, 1024), (1, 512)) if transposed else ((512, 1024), (ld, 1))
+    monkeypatch.setattr(_loader, "device_cc", lambda device: 90)
+
+    def op(dtype, rows=512, ptr=0x10000, ld=1024, transposed=False):
+        shape, strides = ((rows, 1024), (1, rows)) if transposed else ((rows, 1024), (ld, 1))
         return _array.Operand(None, "torch", dtype, shape, strides, ptr, 0, "a", True)
 
-    work = 512 * 1024 * 1024
     for dtype in ("float16", "bfloat16"):
-        assert gemm._wgmma_rows(op(dtype), work)
-        assert not gemm._wgmma_rows(op(dtype, ptr=0x10002), work)
-        assert not gemm._wgmma_rows(op(dtype, ld=1028), work)
-        assert not gemm._wgmma_rows(op(dtype, transposed=True), work)
+        b = op(dtype, rows=1025)  # (N % 8: the rule that gives ours a 16-bit product)
+        assert gemm._route_of(op(dtype), b, "highest") == gemm.OURS
+        assert gemm._route_of(op(dtype, ptr=0x10002), b, "highest") == gemm.VENDOR
+        assert gemm._route_of(op(dtype, ld=1028), b, "highest") == gemm.VENDOR
+        assert gemm._route_of(op(dtype, transposed=True), b, "highest") == gemm.VENDOR
+        assert gemm._route_of(op(dtype), op(dtype, rows=1025, ptr=0x10002), "highest") == gemm.VENDOR
+    work = 512 * 1024 * 1024
     assert gemm._wgmma_rows(op("float32", transposed=True), work)
 
 

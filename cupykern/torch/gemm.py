@@ -57,6 +57,8 @@ class Vendor:
     def state():
         return torch._C._get_cublas_allow_tf32()
 
+    autocasting = staticmethod(torch._C._is_any_autocast_enabled)  # (where the forms don't hold)
+
     @staticmethod
     def takes(dtype: str, precision: str) -> bool:
         return dtype != "float32" or (precision != "highest") == torch._C._get_cublas_allow_tf32()
@@ -79,7 +81,7 @@ class Vendor:
 
     @staticmethod
     def linear(x, weight, bias, precision):
-        if torch._C._is_any_autocast_enabled():  # (a fused op's product, in x's dtype)
+        if Vendor.autocasting():  # (a fused op's product, in x's dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return Vendor.linear(x, weight, bias, precision)
         N, K = weight.shape
@@ -88,7 +90,7 @@ class Vendor:
 
     @staticmethod
     def matmul(a, b, precision):
-        if torch._C._is_any_autocast_enabled():  # (a fused op's product, in a's dtype)
+        if Vendor.autocasting():  # (a fused op's product, in a's dtype)
             with torch.autocast(a.device.type, enabled=False):
                 return Vendor.matmul(a, b, precision)
         N, K = (b.shape[-1], b.shape[-2]) if b.dim() > 1 else (1, b.shape[0])

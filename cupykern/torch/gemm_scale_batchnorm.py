@@ -5,9 +5,10 @@ The op updates ``running_mean`` / ``running_var`` / ``num_batches_tracked`` in p
 training mode (declared mutable in its schema) and has autograd: gradients for x,
 weight, bias, scale, bn weight and bn bias. On the GPU, when a gradient is wanted, the
 forward also returns z = x @ W.T and per-column coefficients (``save``), and the
-backward is ``cupykern::gemm_scale_batchnorm_backward``: three bandwidth passes and two
-GEMMs on our kernels at the forward's precision, in either mode (in eval mode BatchNorm
-is a per-column affine map: the passes are two column sums and dz = ca * g). Elsewhere
+backward is ``cupykern::gemm_scale_batchnorm_backward``: bandwidth passes (one launch for
+a small batch, else three) and two GEMMs at the forward's precision, in either mode (in
+eval mode BatchNorm is a per-column affine map: the passes are two column sums and dz =
+ca * g). Elsewhere
 (CPU, double backward) the backward is written in PyTorch ops and recomputes the GEMM.
 """
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (apply_coefficients, backward, batch_size_error, check,
-                                    check_inputs, check_real, gemm_scale_batchnorm_core,
-                                    gemm_statistics, grad_dz, grad_partials, planned_run)
+from ..gemm_scale_batchnorm import (apply_coefficients, backward, backward_run,
+                                    batch_size_error, check, check_inputs, check_real,
+                                    gemm_scale_batchnorm_core, gemm_statistics, grad_dz,
+                                    grad_partials, planned_run)
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
+from .._array import UNPLANNED, signature
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
@@ -107,16 +110,45 @@ def _backward(ctx, g, *_):
     x, weight, bias, scale, gamma, z, coefs, rmean, rvar = ctx.saved_tensors
     want = ctx.wants
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
+        arrays = (g, z, coefs, x, weight, bias, scale, gamma, rmean)
+        options = (ctx.training, ctx.eps, ctx.precision, want[0], want[1])
         # In plain eager mode straight to the implementation, as the op's own entry would
-        # go after checking each of its 14 arguments (~10 us of a small step's host time)
-        call = _backward_impl if _direct((g, x, weight)) else backward_op
-        dx, dw, dvec = call(g, z, coefs, x, weight, bias, scale, gamma, rmean, ctx.training,
-                            ctx.eps, ctx.precision, want[0], want[1])
+        # go after checking each of its 14 arguments (~10 us of a small step's host time),
+        # and after a planned forward to the backward plan that its plan keeps
+        if not _direct((g, x, weight)):
+            dx, dw, dvec = backward_op(*arrays, *options)
+        else:
+            run = _planned_backward(getattr(ctx, "planned", None), arrays, options)
+            dx, dw, dvec = run(*arrays) if run else _backward_impl(*arrays, *options)
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     if not ctx.training and not torch.is_grad_enabled():
         return _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
+
+
+def _planned_backward(planned, arrays, options):
+    """The backward's launch plan ``run(*arrays)`` after a planned forward (``planned``, a
+    :class:`_Ran`; else None): kept by the forward's plan per g's signature, the gradients
+    wanted and torch's TF32 switch (the other arrays and options are the forward plan's
+    own: what its key held), so that a step looks up one signature, not nine. None for the
+    general path."""
+    if planned is None:
+        return None
+    sg = signature(arrays[0])
+    key = (sg, *options[3:], torch._C._get_cublas_allow_tf32())
+    runs = planned.run.backward_runs
+    run = runs.get(key, runs)
+    if run is runs:
+        run = backward_run(arrays, options)[0]
+        if sg is not UNPLANNED:
+            if len(runs) >= _BACKWARD_RUNS:
+                runs.clear()
+            runs[key] = run
+    return run
+
+
+_BACKWARD_RUNS = 16  # backward plans a forward plan keeps (g's layouts, gradients wanted)
 
 
 def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
@@ -585,7 +617,22 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if run is None or save != wants_grad(arrays):
             return None
         res = run(*arrays)  # the kernels go out first: the GPU runs them during autograd's records
-        return op.call_planned(lambda *_: res, True, *args)[0] if save else res
+        return op.call_planned(_Ran(res, run), True, *args)[0] if save else res
+
+
+class _Ran:
+    """The planned forward for :meth:`Op.call_planned`: its result, handed over once (so
+    that the graph, which keeps this as ``ctx.planned``, does not keep the outputs), and
+    its plan ``run``, whose ``backward_runs`` the backward fills (:func:`_planned_backward`)."""
+
+    __slots__ = ("res", "run")
+
+    def __init__(self, res, run):
+        self.res, self.run = res, run
+
+    def __call__(self, *_):
+        res, self.res = self.res, None
+        return res
 
 
 def _arguments(gemm, bn, scale):
