@@ -379,7 +379,8 @@ def test_eval_backward_matches_autograd():
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
-@pytest.mark.parametrize("shape", [(2, 5, 3), (37, 50, 23), (130, 300, 257), (1024, 512, 384)],
+@pytest.mark.parametrize("shape", [(2, 5, 3), (37, 50, 23), (130, 300, 257), (512, 64, 33),
+                                   (513, 64, 33), (1024, 512, 384)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_fused_backward_matches_float64(shape, precision, bound, training):
     """Every gradient of the model (training mode's fused backward: column sums, dz, our
@@ -421,6 +422,73 @@ def test_fused_backward_one_product(frozen, batch):
     for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
         if o is not None:
             assert_grad_close(o, r, 1e-4, 1e-6, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_backward_passes_either_launch(dtype, training):
+    """The backward's passes in one launch (bn_grad_fused, up to _GRAD_FUSED["ROWS"]
+    rows) and in three give the same gradients, within rounding of the sums' order, at
+    batches that leave a warp several 32-row chunks or a part of one, N of one column and
+    of a partial 32-column block, and g with rows wider than N (a sliced view)."""
+    from cupykern import gemm_scale_batchnorm as core
+
+    for batch, fout in ((300, 1), (300, 33), (45, 70)):
+        ref, new = _pair(20, fout)
+        _running_stats(ref, new)
+        new = new.cuda().to(dtype).train(training)
+        x = torch.randn(batch, 20, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn(batch, fout + 3, device="cuda", dtype=dtype)[:, :fout]
+        grads = []
+        for rows in (core._GRAD_FUSED["ROWS"], 0):  # (0: three launches at any batch)
+            core._plans.clear()  # (a forward plan keeps the backward plans it began)
+            core._backward_plans.clear()
+            old, core._GRAD_FUSED["ROWS"] = core._GRAD_FUSED["ROWS"], rows
+            try:
+                for p in [x, *new.parameters()]:
+                    p.grad = None
+                with matmul_precision("highest"):
+                    new(x).backward(g)
+            finally:
+                core._GRAD_FUSED["ROWS"] = old
+                core._plans.clear()
+                core._backward_plans.clear()
+            grads.append([x.grad] + [p.grad for p in new.parameters()])
+        want = _grads_float64(ref, x, g, training)
+        for name, one, three, r in zip(["x"] + [n for n, _ in new.named_parameters()],
+                                       *grads, want):
+            assert_grad_close(one, r, 1e-4, 1e-6, name)
+            assert_grad_close(one, three, 1e-5 if dtype == torch.float32 else 1e-12, 0, name)
+
+
+@pytest.mark.gpu
+def test_backward_plan_kept_by_the_forward_plan():
+    """After a planned forward, the backward's plan comes from the forward plan's own,
+    per g's layout, the gradients wanted and torch's TF32 switch: each change in turn
+    still gives float64's gradients."""
+    ref, new = _pair(48, 40)
+    new = new.cuda().train()
+    x = torch.randn(64, 48, device="cuda")
+    g = torch.randn(64, 40, device="cuda")
+    with matmul_precision("highest"):
+        new(x.requires_grad_()).backward(g)  # (plans the forward)
+    cases = [(True, g, "highest"), (True, g.t().contiguous().t(), "highest"),
+             (False, g, "highest"), (True, g, "high"), (True, g, "highest")]
+    for grad_x, gi, precision in cases:
+        xi = x.detach().requires_grad_(grad_x)
+        for p in new.parameters():
+            p.grad = None
+        ref.load_state_dict(new.state_dict())  # (running statistics moved on)
+        want = _grads_float64(ref, xi, gi)
+        with matmul_precision(precision):
+            new(xi).backward(gi)
+        bound = 1e-4 if precision == "highest" else 2e-2
+        assert (xi.grad is not None) == grad_x
+        ours = [xi.grad] + [p.grad for p in new.parameters()]
+        for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+            if o is not None:
+                assert_grad_close(o, r, bound, 1e-6, name)
 
 
 @pytest.mark.gpu
