@@ -378,20 +378,24 @@ def run_gemm_scale_batchnorm():
         if mod.bn.num_batches_tracked.item() != 1:
             _failures.append("GemmScaleBatchNorm: num_batches_tracked not incremented")
     # The fused backward in both modes (column sums, dz and its transpose, dx and dW GEMMs)
-    # against float64 autograd; 200 rows: dz^T's 16-byte stores, then a chunk's tail.
-    cases = [((130, 200, 136), True), ((37, 50, 23), True), ((200, 72, 130), True),
-             ((130, 200, 136), False), ((37, 50, 23), False)]
-    for (m, k, n), training in cases:
+    # against float64 autograd: its passes in one launch (bn_grad_fused, up to 512 rows;
+    # float64: four warps a block) and in three (600 rows); 200 rows: dz^T's 16-byte
+    # stores, then a chunk's tail.
+    f32, f64 = torch.float32, torch.float64
+    cases = [((130, 200, 136), True, f32), ((37, 50, 23), True, f32), ((200, 72, 130), True, f32),
+             ((130, 200, 136), False, f32), ((37, 50, 23), False, f32), ((600, 40, 136), True, f32),
+             ((600, 40, 136), False, f32), ((150, 30, 40), True, f64)]
+    for (m, k, n), training, dtype in cases:
         torch.manual_seed(1)
-        mod = GemmScaleBatchNorm(k, n, (n,)).cuda().train(training)
+        mod = GemmScaleBatchNorm(k, n, (n,)).cuda().to(dtype).train(training)
         mod.bn.running_var.uniform_(0.5, 1.5)
         ref = copy.deepcopy(mod).cpu().double()
-        x, g = dev(randn(m, k, seed=5), torch.float32), dev(randn(m, n, seed=6), torch.float32)
+        x, g = dev(randn(m, k, seed=5), dtype), dev(randn(m, n, seed=6), dtype)
         xr = host(x).requires_grad_()
         x.requires_grad_()
         mod(x).backward(g)
         ref(xr).backward(host(g))
-        name = f"GemmScaleBatchNorm backward {m}x{k}->{n} training={training}"
+        name = f"GemmScaleBatchNorm backward {m}x{k}->{n} {NAME[dtype]} training={training}"
         check(f"{name} x", x.grad, xr.grad, 1e-4)
         for (pname, p), (_, pr) in zip(mod.named_parameters(), ref.named_parameters()):
             # (gemm.bias: exactly 0 in training mode; the reference holds rounding noise)
