@@ -549,19 +549,19 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     return _route_of(a, b_nk, precision) == VENDOR
 
 
-def vendor_linear(kind: str, precision: str, problem=None):
+def vendor_linear(kind: str, precision: str, problem):
     """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
-    C-contiguous array), as a plan (:class:`_VendorPlan`); ``problem`` (M, N, K, dtype):
-    also its eager form (:func:`planned_vendor`)."""
+    C-contiguous array), as a plan (:class:`_VendorPlan`) of ``problem`` (M, N, K, dtype),
+    with its eager form (:func:`planned_vendor`)."""
     vendor = _vendor(kind)
-    return _VendorPlan(vendor, vendor.linear, precision, problem and vendor.linear_form(*problem))
+    return _VendorPlan(vendor, vendor.linear, precision, vendor.linear_form(*problem))
 
 
-def vendor_matmul(kind: str, precision: str, problem=None):
-    """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan;
-    ``problem`` (M, N, K, dtype, b_matrix): also its eager form."""
+def vendor_matmul(kind: str, precision: str, problem):
+    """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan of
+    ``problem`` (M, N, K, dtype, b_matrix), with its eager form."""
     vendor = _vendor(kind)
-    return _VendorPlan(vendor, vendor.matmul, precision, problem and vendor.matmul_form(*problem))
+    return _VendorPlan(vendor, vendor.matmul, precision, vendor.matmul_form(*problem))
 
 
 STATS_BM = _SPLIT["BM"]  # rows per tile of statistics_call's partials
@@ -806,7 +806,7 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
           aligned: bool = True) -> str:
     """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
     (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
-    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_wgmma_rows`). Each
+    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_route_of`). Each
     rule with its measurement: H200, one run, our kernel forced against the vendor
     (cuBLAS through torch; "highest": SGEMM), events around each call, host included,
     shapes as M x K x N."""
@@ -907,7 +907,8 @@ _FORCED = [None]  # forced_route's override
 def forced_route(which):
     """Within it, :func:`route` answers ``which`` (OURS or VENDOR) for every product: the
     tests of our kernels at shapes the vendor would take, and the benchmark's timing of
-    each path. Plans made outside are dropped on the way in and out."""
+    each path. Plans made outside (linear's, matmul's and those of :func:`register_plans`)
+    are dropped on the way in and out."""
     if which not in (OURS, VENDOR):
         raise ValueError(f"which: expected {OURS!r} or {VENDOR!r}, got {which!r}")
     old = _FORCED[0]
@@ -920,9 +921,18 @@ def forced_route(which):
         _drop_plans()
 
 
+def register_plans(*caches: dict) -> None:
+    """Plan caches (dicts) whose plans depend on :func:`route`: :func:`forced_route`
+    drops them with linear's and matmul's own."""
+    _ROUTED_CACHES.extend(caches)
+
+
+_ROUTED_CACHES: list = []
+
+
 def _drop_plans():
-    _plans.clear()
-    _matmul_plans.clear()
+    for cache in (_plans, _matmul_plans, *_ROUTED_CACHES):
+        cache.clear()
 
 
 def _route_of(ao, bo_nk, precision: str) -> str:
@@ -1174,9 +1184,8 @@ class _VendorPlan:
     """A plan where :func:`route` chose the vendor: ``run(*arrays) = impl(*arrays,
     precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``); ``eager``: the
     same product as the vendor's library computes it outside autocast and tracing, with
-    what ``impl`` decides per call decided (``eager(*arrays)``), or None: CuPy's, and a
-    plan made without its problem (:func:`vendor_linear`). A run takes the eager form
-    unless the ``vendor`` is autocasting."""
+    what ``impl`` decides per call decided (``eager(*arrays)``), or None (CuPy's). A run
+    takes the eager form unless the ``vendor`` is autocasting."""
 
     __slots__ = ("impl", "precision", "eager", "_autocasting")
 

@@ -30,7 +30,8 @@ from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_vector,
                    fresh_like, fused_vendor, gemm, gemm_call, gemm_kernel, linear_core, matmul_core,
-                   routed_mm_plan, statistics_call, vendor_linear, vendor_state, workspace)
+                   register_plans, routed_mm_plan, statistics_call, vendor_linear, vendor_state,
+                   workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
@@ -548,6 +549,7 @@ def grad_dz(g, z, k, cm):
 
 # (signatures, training, eps, precision, input_grad, weight_grad, vendor state) -> run
 _backward_plans: dict = {}
+register_plans(_plans, _backward_plans)  # (their GEMMs follow the route: forced_route drops them)
 
 
 def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training, eps,
@@ -641,7 +643,7 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     call after them)."""
     prec = check_precision(precision)
     M, N = zo.shape
-    place = Place(zo)
+    place, acc = Place(zo), acc_dtype(zo.dtype)  # (run keeps no Operand: they hold arrays)
     ptr = place.ptr
     passes, scratch = _grad_passes(go, zo, training, eps)
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
@@ -657,7 +659,7 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
         # 1024x8192 "high", benchmarked: 55 us idle before the dz pass when the column
         # sums went out alone; H100, 80 us when the GEMMs' preparation came first).
         dvec = empty(place, (4, N))
-        buf = empty(place, (scratch,), acc_dtype(zo.dtype)) if scratch else None  # (held to the launches)
+        buf = empty(place, (scratch,), acc) if scratch else None  # (held to the launches)
         dz = empty(place, (M, N)) if input_grad else None
         dzt = empty(place, (N, M)) if weight_grad else None
         d0 = ptr(dvec)

@@ -24,7 +24,7 @@ from ..gemm_scale_batchnorm import (apply_coefficients, backward, backward_run,
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
-from .._array import UNPLANNED, signature
+from .._array import cached, signature
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
@@ -135,20 +135,8 @@ def _planned_backward(planned, arrays, options):
     general path."""
     if planned is None:
         return None
-    sg = signature(arrays[0])
-    key = (sg, *options[3:], torch._C._get_cublas_allow_tf32())
-    runs = planned.run.backward_runs
-    run = runs.get(key, runs)
-    if run is runs:
-        run = backward_run(arrays, options)[0]
-        if sg is not UNPLANNED:
-            if len(runs) >= _BACKWARD_RUNS:
-                runs.clear()
-            runs[key] = run
-    return run
-
-
-_BACKWARD_RUNS = 16  # backward plans a forward plan keeps (g's layouts, gradients wanted)
+    key = (signature(arrays[0]), *options[3:], torch._C._get_cublas_allow_tf32())
+    return cached(planned.run.backward_runs, key, lambda: backward_run(arrays, options)[0])
 
 
 def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
@@ -222,8 +210,8 @@ def _backward_impl(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, 
 def _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
                       input_grad, weight_grad):
     """The fused backward's formulas in PyTorch ops (its CPU implementation: what opcheck
-    and the CPU tests check the kernels' algebra against; kernels_cu/gemm_scale_batchnorm.cu
-    derives them)."""
+    and the CPU tests check the kernels' algebra against;
+    kernels_cu/gemm_scale_batchnorm_backward.cu derives them)."""
     acc = coefs.dtype
     ga, za = g.to(acc), z.to(acc)
     ca, cm, _, inv = coefs
