@@ -100,15 +100,20 @@ _SIMPLE = {"TILE": 64, "THREADS": 256}  # CUDA-core kernel: 16x16 threads, 4x4 o
 # 16-byte fragment loads); 147 KB fits sm_80's 163 KB.
 _DMMA = {"BM": 128, "BN": 128, "THREADS": 256, "STAGES": 3, "BK": 16}
 _DMMA["SMEM"] = _DMMA["STAGES"] * (_DMMA["BM"] + _DMMA["BN"]) * (_DMMA["BK"] + 8) * 8
+# Its split K takes chunks down to one ALIGN (32 doubles): a DMMA tile does 4x an fp32
+# tile's work per K. H100, GemmScaleBatchNorm's float64 forward, graph-timed us, ours /
+# eager, chunks of at least 128 / 64 / 32: 64x512->512 26.0 / 21.2 / 19.5 (21.7),
+# 128x1024->512 31.2 / 27.0 / 27.1 (27.0).
+_DMMA["SPLIT_MIN_K"] = 32
 # The GPUs with FP64 tensor cores (A100, H100 / H200, B200); the others' float64 rate is a
 # sliver of their float32 one, and DMMA no faster than their CUDA cores.
 _DMMA_CCS = (80, 90, 100)
 _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 tiles, 8 warps
 # Split K (float32 / float64, and 16-bit on gemm_wgmma; kernels_cu/gemm.cuh): a grid of
-# few tiles takes up to MAX K chunks (of a length of at least MIN_K, a multiple of the
-# kernel's K slice: ALIGN, the float32 kernels' slice, or gemm_wgmma's KS; the last chunk
-# may be shorter) when it would fill at most 1 / FILL of the SMs (gemm_wgmma's 16-bit
-# mode with a long K: its SPLIT_FILL);
+# few tiles takes up to MAX K chunks (of a length of at least MIN_K, or the kernel's
+# SPLIT_MIN_K, a multiple of the kernel's K slice: ALIGN, the float32 kernels' slice, or
+# gemm_wgmma's KS; the last chunk may be shorter) when it would fill at most 1 / FILL of
+# the SMs (gemm_wgmma's 16-bit mode with a long K: its SPLIT_FILL);
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
@@ -371,7 +376,7 @@ def _splits(a, tiles: int, cfg) -> int:
     16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would
     hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
-    splits = min(sms // tiles, K // _SPLIT["MIN_K"], _SPLIT["MAX"])
+    splits = min(sms // tiles, K // cfg.get("SPLIT_MIN_K", _SPLIT["MIN_K"]), _SPLIT["MAX"])
     fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
     if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
             or splits < 2:

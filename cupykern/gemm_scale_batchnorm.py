@@ -38,7 +38,8 @@ _COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread p
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
-# bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows.
+# bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows,
+# COLS columns (a warp's lanes) per block.
 # H200, the passes alone, one launch / three, us of GPU (CUDA graph) and back to back
 # with host, float32 N = 512: M = 64 6.7 / 14.2 and 8.4 / 21.9, 256 8.2 / 14.8 and
 # 11.6 / 24.8, 512 15.0 / 15.1 and 15.7 / 25.3, 1024 27.9 / 15.5 and 28.7 / 26.3 (its
@@ -46,7 +47,7 @@ _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column 
 # (M = 512: 15.4-16.2 / 18.1-26.9 GPU; 1024: 30.8-44.3 / 31.2-37.2). Its warps per block
 # by element size: each stages a 32 x 33 tile of dz in static shared memory, which eight
 # of float64 would overfill.
-_GRAD_FUSED = {"ROWS": 512, "WARPS": {2: 8, 4: 8, 8: 4}}
+_GRAD_FUSED = {"ROWS": 512, "COLS": 32, "WARPS": {2: 8, 4: 8, 8: 4}}
 # Training batches of at most this many GEMM M-tiles merge their statistics in the apply
 # pass (bn_train_apply: each of its rows of blocks merges them all) rather than in a
 # launch of their own: a launch costs the host ~9 us after a synchronize (H100 machines here).
@@ -73,7 +74,8 @@ def _grad_exprs(t):
 
 def _fused_grad_expr(dtype, training: bool):
     warps = _GRAD_FUSED["WARPS"][ITEMSIZE[dtype]]
-    return f"bn_grad_fused<{CTYPE[dtype]}, {str(training).lower()}, {warps}>"
+    return (f"bn_grad_fused<{CTYPE[dtype]}, {str(training).lower()}, {_GRAD_FUSED['COLS']}, "
+            f"{warps}>")
 
 
 for _dt in CTYPE:
@@ -690,7 +692,8 @@ def _grad_passes(go, zo, training, eps):
     m_, n_, eps_, ld = scalar(M, "int"), scalar(N, "int"), scalar(eps, "double"), go.strides[0]
     if M <= _GRAD_FUSED["ROWS"]:
         fused = _loader.function(_BACKWARD_FILE, _fused_grad_expr(zo.dtype, training), dev)
-        launch = ((cdiv(N, 32),), (32 * _GRAD_FUSED["WARPS"][ITEMSIZE[zo.dtype]],))
+        cols = _GRAD_FUSED["COLS"]
+        launch = ((cdiv(N, cols),), (cols * _GRAD_FUSED["WARPS"][ITEMSIZE[zo.dtype]],))
 
         def one(g, z, c0, vectors, grads, buf, dz, dzt):  # (coefs: ca, cm, cb, inv)
             return ((fused, *launch, (g, ld, z, m_, n_, c0 + step, *vectors, c0, c0 + 3 * step,

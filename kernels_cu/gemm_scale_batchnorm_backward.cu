@@ -70,15 +70,15 @@ __device__ __forceinline__ T dz_of(A k0, A k1, A k2, A m, A g, A z) {
   return from_acc<T>(k0 * (g - k1 - k2 * (z - m)));
 }
 
-// ---- one launch: a block owns 32 columns (a lane each) and every row ---------------------
+// ---- one launch: a block owns COLS = 32 columns (a lane each) and every row --------------
 // Its WARPS warps take 32-row chunks in turn (warp w: chunks w, w + WARPS, ...). Each sums
 // its chunks' S1, S2 in row order; warp 0 adds the warps' sums in warp order, writes the
 // vector gradients and dz's coefficients (eval: k = (ca, 0, 0)); then each warp writes its
 // chunks of dz (contiguous (M, N)) and, through a 32 x 32 tile in shared memory, of its
 // transpose dzt (contiguous (N, M)) in runs of 32 rows; either may be null (not wanted).
-// cm: the forward's column means (eval: zeros). Grid cdiv(N, 32), block 32 * WARPS.
-template <typename T, bool TRAIN, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS)
+// cm: the forward's column means (eval: zeros). Grid cdiv(N, COLS), block COLS * WARPS.
+template <typename T, bool TRAIN, int COLS, int WARPS>
+__global__ void __launch_bounds__(COLS * WARPS)
 bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
               const typename acc_of<T>::type* __restrict__ cm, const T* __restrict__ bias,
               const T* __restrict__ scale, const T* __restrict__ gamma,
@@ -86,7 +86,8 @@ bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, i
               const typename acc_of<T>::type* __restrict__ inv, double eps,
               T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
               T* __restrict__ dbias, T* __restrict__ dz, T* __restrict__ dzt) {
-  constexpr int CH = 32;
+  constexpr int CH = COLS;  // (a warp's lanes: its columns, and the rows of its chunks)
+  static_assert(COLS == 32, "bn_grad_fused: COLS is a warp's lanes");
   static_assert(WARPS >= 1 && WARPS <= 32, "bn_grad_fused: 1 to 32 warps");
   static_assert(WARPS * CH * (CH + 1) * sizeof(T) <= 40 * 1024, "bn_grad_fused: the warps' tiles fit static shared memory");
   typedef typename acc_of<T>::type A;

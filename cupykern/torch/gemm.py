@@ -61,7 +61,7 @@ class Vendor:
 
     @staticmethod
     def takes(dtype: str, precision: str) -> bool:
-        return dtype != "float32" or (precision != "highest") == torch._C._get_cublas_allow_tf32()
+        return dtype != "float32" or (precision != "highest") == Vendor.state()
 
     @staticmethod
     def linear_form(M: int, N: int, K: int, dtype: str):

@@ -28,7 +28,7 @@ from .._array import cached, signature
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
-from .gemm import linear_op, mm_op, resolve_precision
+from .gemm import Vendor, linear_op, mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
            "Tensor? bn_bias")
@@ -135,7 +135,7 @@ def _planned_backward(planned, arrays, options):
     general path."""
     if planned is None:
         return None
-    key = (signature(arrays[0]), *options[3:], torch._C._get_cublas_allow_tf32())
+    key = (signature(arrays[0]), *options[3:], Vendor.state())
     return cached(planned.run.backward_runs, key, lambda: backward_run(arrays, options)[0])
 
 
