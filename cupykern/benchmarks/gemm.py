@@ -297,13 +297,14 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
     ours = lambda: fn(*args, precision=prec)  # noqa: E731
     with matmul_precision(prec or "highest"):
         eager = lambda: theirs(*args)  # noqa: E731
-        t_ours, t_eager = time_each((ours, eager), iters=iters, seconds=SWEEP_SECONDS)
-        t_comp = None
-        if compile_:
+        fns = [ours, eager]
+        if compile_:  # (timed in the same rounds: a big product's clocks drift by ~10%)
             torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
             comp = compiled(lambda *a: theirs(*a))
             comp(*args)
-            t_comp = time_ms(lambda: comp(*args), iters=iters)
+            fns.append(lambda: comp(*args))
+        t_ours, t_eager, *t_comp = time_each(fns, iters=iters, seconds=SWEEP_SECONDS)
+        t_comp = t_comp[0] if t_comp else None
         scale = ref.abs().max().item() or 1.0
         err = {k: ((f().double() - ref).abs().max().item() / scale) for k, f in
                (("err_ours", ours), ("err_torch", eager))}
