@@ -344,7 +344,6 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
                                apply_(zp, ptr(out), c0, c0 + step, cb, 0)))
             return (out, z, coefs) if save else out
 
-        run_eval.backward_runs = {}  # (see cupykern.torch.gemm_scale_batchnorm._planned_backward)
         return run_eval
 
     # One scratch buffer: the coefficients (4, N) (ca, cm, cb, inv), the GEMM's partial
@@ -393,7 +392,6 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
             return out, z, coefs if own_coefs else head(buf, (4, N))
         return out
 
-    run_train.backward_runs = {}  # (see cupykern.torch.gemm_scale_batchnorm._planned_backward)
     return run_train
 
 

@@ -1,4 +1,5 @@
 """GemmScaleBatchNorm: outputs, running statistics, eval, errors, against PyTorch."""
+import contextlib
 import importlib
 import sys
 
@@ -463,25 +464,26 @@ def test_backward_passes_either_launch(dtype, training):
 
 
 @pytest.mark.gpu
-def test_backward_plan_kept_by_the_forward_plan():
-    """After a planned forward, the backward's plan comes from the forward plan's own,
-    per g's layout, the gradients wanted and torch's TF32 switch: each change in turn
-    still gives float64's gradients."""
+def test_backward_plan_follows_each_step():
+    """One module's training steps with x a row view, through changes of g's layout, the
+    gradients wanted, torch's TF32 switch and saved-tensor hooks (save_on_cpu gives the
+    saved x back contiguous: a backward plan of the first step's layout would read it
+    with the view's row stride): each step gives float64's gradients."""
     ref, new = _pair(48, 40)
     new = new.cuda().train()
-    x = torch.randn(64, 48, device="cuda")
+    x = torch.randn(64, 56, device="cuda")[:, :48]  # (rows of stride 56)
     g = torch.randn(64, 40, device="cuda")
-    with matmul_precision("highest"):
-        new(x.requires_grad_()).backward(g)  # (plans the forward)
-    cases = [(True, g, "highest"), (True, g.t().contiguous().t(), "highest"),
-             (False, g, "highest"), (True, g, "high"), (True, g, "highest")]
-    for grad_x, gi, precision in cases:
+    plain = contextlib.nullcontext
+    cases = [(True, g, "highest", plain), (True, g.t().contiguous().t(), "highest", plain),
+             (False, g, "highest", plain), (True, g, "high", plain),
+             (True, g, "highest", torch.autograd.graph.save_on_cpu), (True, g, "highest", plain)]
+    for grad_x, gi, precision, hooks in cases:
         xi = x.detach().requires_grad_(grad_x)
         for p in new.parameters():
             p.grad = None
         ref.load_state_dict(new.state_dict())  # (running statistics moved on)
         want = _grads_float64(ref, xi, gi)
-        with matmul_precision(precision):
+        with matmul_precision(precision), hooks():
             new(xi).backward(gi)
         bound = 1e-4 if precision == "highest" else 2e-2
         assert (xi.grad is not None) == grad_x

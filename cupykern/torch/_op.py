@@ -70,8 +70,7 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
     """An autograd.Function of ``forward`` with the op's own setup_context / backward.
     With ``lead``, the first argument (a dispatch keyset) is not the op's and gets no
     gradient; with ``trail``, the last (the planned implementation of
-    :meth:`Op.call_planned`, kept as ``ctx.planned`` for the backward), so that
-    ``ctx.needs_input_grad`` keeps the op's indices.
+    :meth:`Op.call_planned`), so that ``ctx.needs_input_grad`` keeps the op's indices.
     It uses the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd
     binds the arguments through ``inspect.signature`` on every call, tens of
     microseconds."""
@@ -80,8 +79,6 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
     def fwd(ctx, *args):
         out = forward(*args)
         setup_context(ctx, args[first:len(args) - last], out)
-        if trail:
-            ctx.planned = args[-1]
         return out
 
     def bwd(ctx, *grads):
@@ -314,8 +311,7 @@ class Op:
         """``self(*args)`` in plain eager mode (:func:`_direct`), where ``run(*args)`` computes
         what the implementation would (a module's cached launch plan for these arguments),
         with autograd if ``grad`` (a gradient is needed): the call without the checks
-        and lookups that chose ``run``. The backward finds ``run`` as ``ctx.planned``
-        (so it must not hold the outputs: autograd's graph would hold them in a cycle)."""
+        and lookups that chose ``run``."""
         if not grad:
             return run(*args)
         if self.planned is None:

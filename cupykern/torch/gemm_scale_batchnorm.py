@@ -17,18 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (apply_coefficients, backward, backward_run,
-                                    batch_size_error, check, check_inputs, check_real,
-                                    gemm_scale_batchnorm_core, gemm_statistics, grad_dz,
-                                    grad_partials, planned_run)
+from ..gemm_scale_batchnorm import (apply_coefficients, backward, batch_size_error, check,
+                                    check_inputs, check_real, gemm_scale_batchnorm_core,
+                                    gemm_statistics, grad_dz, grad_partials, planned_run)
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
-from .._array import cached, signature
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
-from .gemm import Vendor, linear_op, mm_op, resolve_precision
+from .gemm import linear_op, mm_op, resolve_precision
 
 _PARAMS = ("Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor? bn_weight, "
            "Tensor? bn_bias")
@@ -110,33 +108,18 @@ def _backward(ctx, g, *_):
     x, weight, bias, scale, gamma, z, coefs, rmean, rvar = ctx.saved_tensors
     want = ctx.wants
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
-        arrays = (g, z, coefs, x, weight, bias, scale, gamma, rmean)
-        options = (ctx.training, ctx.eps, ctx.precision, want[0], want[1])
         # In plain eager mode straight to the implementation, as the op's own entry would
-        # go after checking each of its 14 arguments (~10 us of a small step's host time),
-        # and after a planned forward to the backward plan that its plan keeps
-        if not _direct((g, x, weight)):
-            dx, dw, dvec = backward_op(*arrays, *options)
-        else:
-            run = _planned_backward(getattr(ctx, "planned", None), arrays, options)
-            dx, dw, dvec = run(*arrays) if run else _backward_impl(*arrays, *options)
+        # go after checking each of its 14 arguments (~10 us of a small step's host time).
+        # Its plan is looked up by every saved array's signature: saved-tensor hooks (e.g.
+        # torch.autograd.graph.save_on_cpu) may give them back in another layout.
+        call = _backward_impl if _direct((g, x, weight)) else backward_op
+        dx, dw, dvec = call(g, z, coefs, x, weight, bias, scale, gamma, rmean, ctx.training,
+                            ctx.eps, ctx.precision, want[0], want[1])
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     if not ctx.training and not torch.is_grad_enabled():
         return _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
     return _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
-
-
-def _planned_backward(planned, arrays, options):
-    """The backward's launch plan ``run(*arrays)`` after a planned forward (``planned``, a
-    :class:`_Ran`; else None): kept by the forward's plan per g's signature, the gradients
-    wanted and torch's TF32 switch (the other arrays and options are the forward plan's
-    own: what its key held), so that a step looks up one signature, not nine. None for the
-    general path."""
-    if planned is None:
-        return None
-    key = (signature(arrays[0]), *options[3:], Vendor.state())
-    return cached(planned.run.backward_runs, key, lambda: backward_run(arrays, options)[0])
 
 
 def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
@@ -605,22 +588,7 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if run is None or save != wants_grad(arrays):
             return None
         res = run(*arrays)  # the kernels go out first: the GPU runs them during autograd's records
-        return op.call_planned(_Ran(res, run), True, *args)[0] if save else res
-
-
-class _Ran:
-    """The planned forward for :meth:`Op.call_planned`: its result, handed over once (so
-    that the graph, which keeps this as ``ctx.planned``, does not keep the outputs), and
-    its plan ``run``, whose ``backward_runs`` the backward fills (:func:`_planned_backward`)."""
-
-    __slots__ = ("res", "run")
-
-    def __init__(self, res, run):
-        self.res, self.run = res, run
-
-    def __call__(self, *_):
-        res, self.res = self.res, None
-        return res
+        return op.call_planned(lambda *_: res, True, *args)[0] if save else res
 
 
 def _arguments(gemm, bn, scale):
