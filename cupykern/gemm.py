@@ -332,6 +332,12 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
                    _tensor_maps(tma, ta, dt, mode, cfg, M, N, K, lda, ldb), tma and ta, lda, ldb, cl)
 
 
+def _half_wgmma(a, b, precision: str) -> bool:
+    """Whether ``a @ b.T`` runs on our 16-bit wgmma kernel (as :func:`gemm_kernel` would
+    choose; float32 and float64 never do)."""
+    return a.dtype in ("float16", "bfloat16") and _choose(a, b, precision).cfg is _WGMMA[_HALF]
+
+
 def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
     place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
@@ -549,7 +555,7 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
         if a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
             return False
-    if batch is None and _choose(a, b_nk, precision).cfg is _WGMMA[_HALF]:  # (16-bit only)
+    if batch is None and _half_wgmma(a, b_nk, precision):
         return False
     return _route_of(a, b_nk, precision) == VENDOR
 
@@ -952,7 +958,7 @@ def _route_of(ao, bo_nk, precision: str) -> str:
             aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
         else:  # 16-bit wgmma reads both in place, where _choose takes it
             aligned = (all(_read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
-                       and _choose(ao, bo_nk, precision).cfg is _WGMMA[_HALF])
+                       and _half_wgmma(ao, bo_nk, precision))
     which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
     if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
         return OURS

@@ -72,10 +72,13 @@ def _grad_exprs(t):
             f"bn_grad_dz<{t}, {g}>", f"bn_grad_eval_coef<{t}, {_COEF_THREADS}>")
 
 
+def _fused_grad_warps(dtype) -> int:
+    return _GRAD_FUSED["WARPS"][ITEMSIZE[dtype]]
+
+
 def _fused_grad_expr(dtype, training: bool):
-    warps = _GRAD_FUSED["WARPS"][ITEMSIZE[dtype]]
     return (f"bn_grad_fused<{CTYPE[dtype]}, {str(training).lower()}, {_GRAD_FUSED['COLS']}, "
-            f"{warps}>")
+            f"{_fused_grad_warps(dtype)}>")
 
 
 for _dt in CTYPE:
@@ -691,7 +694,7 @@ def _grad_passes(go, zo, training, eps):
     if M <= _GRAD_FUSED["ROWS"]:
         fused = _loader.function(_BACKWARD_FILE, _fused_grad_expr(zo.dtype, training), dev)
         cols = _GRAD_FUSED["COLS"]
-        launch = ((cdiv(N, cols),), (cols * _GRAD_FUSED["WARPS"][ITEMSIZE[zo.dtype]],))
+        launch = ((cdiv(N, cols),), (cols * _fused_grad_warps(zo.dtype),))
 
         def one(g, z, c0, vectors, grads, buf, dz, dzt):  # (coefs: ca, cm, cb, inv)
             return ((fused, *launch, (g, ld, z, m_, n_, c0 + step, *vectors, c0, c0 + 3 * step,

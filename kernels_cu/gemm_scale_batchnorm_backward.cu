@@ -15,20 +15,29 @@
 // pointers may be null (not wanted); sums run in a fixed order (deterministic).
 #include "common.cuh"
 
-// S1 += g, S2 += g*(z - m) over rows [r0, r1) of column n, in row order, 16 loads in flight.
-// g has row stride ldg, z is contiguous.
+// g and z of column n at rows r .. r + 7, 16 loads in flight (g has row stride ldg, z is
+// contiguous). Rows from r1 on, and z where it is null, read as g = 0 and z = m: no term
+// in any sum, and a dz that is not stored.
+template <typename T, typename A>
+__device__ __forceinline__ void load_rows8(const T* __restrict__ g, long long ldg,
+                                           const T* __restrict__ z, int N, int n, int r, int r1,
+                                           A m, A (&gv)[8], A (&zv)[8]) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const bool ok = r + u < r1;
+    gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
+    zv[u] = ok && z ? to_acc(z[(long long)(r + u) * N + n]) : m;
+  }
+}
+
+// S1 += g, S2 += g*(z - m) over rows [r0, r1) of column n, in row order.
 template <typename T, typename A>
 __device__ __forceinline__ void grad_sums(const T* __restrict__ g, long long ldg,
                                           const T* __restrict__ z, int N, int n, int r0, int r1,
                                           A m, A& s1, A& s2) {
   for (int r = r0; r < r1; r += 8) {
     A gv[8], zv[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const bool ok = r + u < r1;
-      gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
-      zv[u] = ok ? to_acc(z[(long long)(r + u) * N + n]) : m;
-    }
+    load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);
 #pragma unroll
     for (int u = 0; u < 8; ++u) { s1 += gv[u]; s2 += gv[u] * (zv[u] - m); }
   }
@@ -121,12 +130,7 @@ bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, i
     const int len = min(CH, M - c);
     for (int r = 0; col && r < len; r += 8) {
       A gv[8], zv[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const bool ok = r + u < len;
-        gv[u] = ok ? to_acc(g[(long long)(c + r + u) * ldg + n]) : (A)0;
-        zv[u] = ok && TRAIN ? to_acc(z[(long long)(c + r + u) * N + n]) : m;
-      }
+      load_rows8(g, ldg, TRAIN ? z : nullptr, N, n, c + r, c + len, m, gv, zv);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         if (r + u < len) {
@@ -250,12 +254,7 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
     const int len = min(CH, r1 - c);
     for (int r = c; col && r < c + len; r += 8) {
       A gv[8], zv[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const bool ok = r + u < r1;
-        gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
-        zv[u] = ok && z ? to_acc(z[(long long)(r + u) * N + n]) : m;  // (z null: no term)
-      }
+      load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);  // (z null: no term)
       union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
 #pragma unroll
       for (int u = 0; u < 8; ++u) d.t[u] = dz_of<T>(k0, k1, k2, m, gv[u], zv[u]);

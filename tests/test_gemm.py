@@ -277,20 +277,23 @@ def _hopper():
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None):
+def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None, offset=0,
+              precision="highest"):
     """``epilogue(x @ w.T)`` by the kernel gemm.gemm_kernel chooses (x, w: 2-D CUDA tensors
     read in place; a split K's NaN-poisoned float32 workspace), into columns :N of a
-    NaN-poisoned (M, ldc) buffer, and with ``stats`` the epilogue's per-M-tile (mean, M2,
-    min, max) into a NaN-poisoned ``part``: (c, part, the buffer, the tile height of part,
-    the kernel's template instantiation)."""
+    NaN-poisoned (M, ldc) buffer that starts ``offset`` elements into its allocation (whose
+    first ``offset`` must stay NaN), and with ``stats`` the epilogue's per-M-tile (mean,
+    M2, min, max) into a NaN-poisoned ``part``: (c, part, the buffer, the tile height of
+    part, the kernel's template instantiation)."""
     from cupykern import gemm
     from cupykern._array import launch_all, operand
     a, b = operand(x, "x"), operand(w, "weight")
     (m, _), n = x.shape, w.shape[0]
-    expr = gemm._choose(a, b, "highest").expr
-    kernel = gemm.gemm_kernel(a, b, "highest")
+    expr = gemm._choose(a, b, precision).expr
+    kernel = gemm.gemm_kernel(a, b, precision)
     ws = torch.full((kernel.workspace,), float("nan"), device=x.device) if kernel.workspace else None
-    buf = torch.full((m, ldc or n), float("nan"), dtype=x.dtype, device=x.device)
+    flat = torch.full((offset + m * (ldc or n),), float("nan"), dtype=x.dtype, device=x.device)
+    buf = flat[offset:].view(m, ldc or n)
     part = None
     if stats:
         part = torch.full((-(-m // kernel.bm), gemm.PART_ROWS, n), float("nan"), device=x.device)
@@ -299,16 +302,17 @@ def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None):
     launch_all(a, call(x.data_ptr(), w.data_ptr(), buf.data_ptr(), ptr(bias), ptr(alpha), ptr(beta),
                        ptr(part), ptr(ws)))
     torch.cuda.synchronize()  # (ws is freed on return)
+    assert flat[:offset].isnan().all(), "written before the output"
     return buf[:, :n], part, buf, kernel.bm, expr
 
 
-def _check_half(c, buf, ref, mag, dtype):
-    """c within HALF_BOUND of the float64 ``ref``, every element written, nothing written
-    to the buffer's columns past c's."""
+def _check_written(c, buf, ref, mag, bound):
+    """c within ``bound`` * mag of the float64 ``ref``, every element written, nothing
+    written to the buffer's columns past c's."""
     assert not c.isnan().any(), "an output element was not written"
     assert buf[:, c.shape[1]:].isnan().all(), "written past the output's columns"
     err = (c.double() - ref).abs().max().item()
-    assert err <= HALF_BOUND[dtype] * mag, (err, mag)
+    assert err <= bound * mag, (err, mag)
 
 
 @pytest.mark.gpu
@@ -328,12 +332,34 @@ def test_half_wgmma_epilogues(shape, dtype):
     c, _, buf, _, expr = _our_gemm(x, w)
     if _hopper():
         assert expr.startswith(f"gemm_wgmma<{'bf16_t' if dtype == torch.bfloat16 else 'half_t'}, 3,")
-    _check_half(c, buf, ref, mag, dtype)
+    _check_written(c, buf, ref, mag, HALF_BOUND[dtype])
     c, _, buf, _, _ = _our_gemm(x, w, bias=b, ldc=n + 4)
-    _check_half(c, buf, ref + b.double(), mag + b.double().abs().max().item(), dtype)
+    _check_written(c, buf, ref + b.double(), mag + b.double().abs().max().item(),
+                   HALF_BOUND[dtype])
     c, _, buf, _, _ = _our_gemm(x, w, alpha=alpha, beta=beta, ldc=n + 3)
     a64, b64 = alpha.double(), beta.double()
-    _check_half(c, buf, a64 * ref + b64, (a64.abs() * mag + b64.abs()).max().item(), dtype)
+    _check_written(c, buf, a64 * ref + b64, (a64.abs() * mag + b64.abs()).max().item(),
+                   HALF_BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "highest"), (torch.float32, "high"),
+                                              (torch.bfloat16, "highest")], ids=str)
+def test_rows_off_vector_alignment(dtype, precision, offset):
+    """Output rows that start off a 4-element boundary (an odd row stride, an output at
+    an offset): on Hopper the wgmma epilogue stores them shifted (kernels_cu/gemm_wgmma.cu,
+    wg_store), every column once, with its bias, nothing before, after or between the
+    rows. 600 columns: two full N tiles and a part; rows cycle through all 4 shifts."""
+    m, n, k = 130, 600, 200
+    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    ref = x.double() @ w.double().T + b.double()
+    mag = (x.double().abs() @ w.double().abs().T).max().item() + b.double().abs().max().item()
+    c, _, buf, _, expr = _our_gemm(x, w, bias=b, ldc=n + 1, offset=offset, precision=precision)
+    if _hopper():
+        assert expr.startswith("gemm_wgmma<")
+    bound = {"highest": 1e-6, "high": 2e-3}[precision] if dtype == torch.float32 else HALF_BOUND[dtype]
+    _check_written(c, buf, ref, mag, bound)
 
 
 @pytest.mark.gpu
@@ -382,7 +408,7 @@ def test_half_off_tma_falls_back(case, dtype):
     assert expr.startswith("gemm_mma<")
     ref = x.double() @ w.double().T + b.double()
     mag = (x.double().abs() @ w.double().abs().T + b.double().abs()).max().item()
-    _check_half(c, buf, ref, mag, dtype)
+    _check_written(c, buf, ref, mag, HALF_BOUND[dtype])
 
 
 # (dtype, precision, max |error| / (|a| @ |b|)) of the backward GEMM checks below.
