@@ -36,6 +36,13 @@ def require_gpu() -> None:
                  "needs one. `python -m cupykern` checks the CPU path without a GPU.")
 
 
+# Each sweep point times ours and PyTorch's interleaved for about this long in all
+# (time_each's ``seconds``): a host-bound point gets hundreds of rounds, not the 15 of a
+# big one. (Timed one function after another, 30 calls each, the normalize sweep's
+# host-bound forward+backward points read 0.63-1.89x eager from run to run, H200.)
+SWEEP_SECONDS = 0.4
+
+
 def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:
     """Median milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
     untimed ``setup()`` run before each call)."""

@@ -36,8 +36,9 @@ import contextlib
 import time
 
 import cupykern
-from cupykern.benchmark import (compiled, copy_ms, graph_us, print_rows, require_gpu, summarize,
-                                sweep_row, tflops, time_each, time_ms, torch, write_sweep)
+from cupykern.benchmark import (SWEEP_SECONDS, compiled, copy_ms, graph_us, print_rows,
+                                require_gpu, summarize, sweep_row, tflops, time_each, time_ms,
+                                torch, write_sweep)
 
 
 @contextlib.contextmanager
@@ -243,11 +244,6 @@ BATCHED = ((32, 512, 64), (32, 64, 512))
 # other dtypes (precision ignored)
 MODES = [("float32", "highest"), ("float32", "high"), ("bfloat16", None), ("float16", None),
          ("float64", None)]
-# Each sweep point times ours and PyTorch's for about this long in all (time_each's
-# ``seconds``): a host-bound point gets hundreds of rounds, not the 15 of a big one.
-SWEEP_SECONDS = 0.4
-
-
 def _peaks(quick):
     """Same-run ceilings: cuBLAS's matrix rate per (dtype, precision) at a big square
     product (3xTF32 "highest": a third of the TF32 rate, the tensor-core work it does),

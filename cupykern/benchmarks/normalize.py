@@ -22,8 +22,9 @@ import tempfile
 
 import cupykern
 from cupykern import normalize
-from cupykern.benchmark import (compiled, copy_ms, graph_us, print_rows, require_gpu, summarize,
-                                sweep_row, time_ms, torch, write_sweep)
+from cupykern.benchmark import (SWEEP_SECONDS, compiled, copy_ms, graph_us, print_rows,
+                                require_gpu, summarize, sweep_row, time_each, time_ms, torch,
+                                write_sweep)
 
 REF = {
     "l1": lambda x: x / torch.mean(torch.abs(x), dim=1, keepdim=True),
@@ -182,14 +183,13 @@ def warm_compiles(points, workers):
 
 def sweep_shape(shape, dtype, iters, rows):
     """Forward, forward + backward (and, from BIG bytes, backward alone) of L1 and L2 at one
-    shape and dtype: sweep rows with host time included (time_ms) and, below BIG, the GPU
-    time alone (graph_us, ours and eager)."""
+    shape and dtype: sweep rows with host time included (ours, eager and compiled timed in
+    the same rounds, time_each) and, below BIG, the GPU time alone (graph_us)."""
     x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
     g = torch.randn_like(x)
     big = x.numel() * x.element_size() >= BIG
-    if not big:  # host time dominates here, and varies: more calls for a steady median
-        iters = max(iters, 30)
     copy = copy_ms(x, iters)
+    timed = lambda *fns: time_each(fns, iters=iters, seconds=SWEEP_SECONDS)  # noqa: E731
     for kind in REF:
         p = normalize.P[kind]
         f, e, c = ours(kind), REF[kind], compiled(REF[kind])
@@ -200,18 +200,17 @@ def sweep_shape(shape, dtype, iters, rows):
                 extra["compile_graph_us"] = graph_us(lambda: c(x))
             except Exception:  # (a compiled function that does not capture: no figure)
                 torch.cuda.synchronize()
-        t, te, tc = (time_ms(lambda fn=fn: fn(x), iters=iters) for fn in (f, e, c))
+        t, te, tc = timed(*(lambda fn=fn: fn(x) for fn in (f, e, c)))
         rows.append(sweep_row(f"{kind}_normalize", shape, dtype, "forward", t, te, tc, copy,
                               "copy", **extra))
         xr = x.detach().requires_grad_()
-        t, te, tc = (time_ms(lambda fn=fn: torch.autograd.grad(fn(xr), xr, g), iters=iters)
-                     for fn in (f, e, c))
+        t, te, tc = timed(*(lambda fn=fn: torch.autograd.grad(fn(xr), xr, g) for fn in (f, e, c)))
         rows.append(sweep_row(f"{kind}_normalize", shape, dtype, "forward+backward", t, te, tc,
                               2.5 * copy, "2.5x copy"))
         if big:  # the backward alone against its ceiling (reads x and dy, writes dx)
             ye = e(xr)
-            t = time_ms(lambda: normalize.normalize_backward(x, g, p, 1), iters=iters)
-            te = time_ms(lambda: torch.autograd.grad(ye, xr, g, retain_graph=True), iters=iters)
+            t, te = timed(lambda: normalize.normalize_backward(x, g, p, 1),
+                          lambda: torch.autograd.grad(ye, xr, g, retain_graph=True))
             rows.append(sweep_row(f"{kind}_normalize", shape, dtype, "backward", t, te, None,
                                   1.5 * copy, "1.5x copy"))
             del ye
