@@ -534,9 +534,9 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
     pass of its own, :func:`statistics_call`; ``grad``: a forward whose backward will run)
     or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
-    tuned against cuBLAS: the forward
-    always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
-    backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
+    tuned against cuBLAS, except where Hopper would run it off wgmma (:func:`_off_wgmma`):
+    the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32
+    sweep), the backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
     at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
     it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
@@ -549,7 +549,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     ours against eager, H200, forward / training step: float64 (our CUDA cores, then,
     against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
-    if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
+    if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
+            and not _off_wgmma(a, b_nk)):
         return False
     if a.dtype == "float64":
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
@@ -870,8 +871,12 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         #    1.32x (linear); 256x1024x1024 (2**28) 2.11x; 1000^3 1.66x.
         # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
         # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
+        # On Hopper, rows that wgmma cannot read (K % 4: no copy aligns them) leave ours on
+        # mma.sync's element loads, slower than SGEMM (H200, linear, GPU time from CUDA
+        # graphs, ours / SGEMM: 231x3650x4130 676 / 209 us, 296x305x6324 102 / 33,
+        # 4099x5583x297 937 / 439, 748x1602x632 73 / 53): the vendor's.
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
-                or work < c["MIN_WORK"]):
+                or work < c["MIN_WORK"] or (cc == 90 and not aligned)):
             return VENDOR
         return OURS
     # "high" / "medium" (TF32): ours on Hopper's wgmma ties cuBLAS's TF32 where cuBLAS has
@@ -887,12 +892,17 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
-    multiple of 8 where N leaves the output's rows (and a row-major b's) off 16-byte
-    alignment in a product of at least 2**30 multiply-adds. cuBLAS then runs slow
-    kernels (H200, linear 8192x1024x50257 bfloat16: 9.0 ms, torch.compile's padded GEMM
-    1.3 ms, 0.14x); the vendor path pads W (or b) with zero rows, computes the padded
-    product and copies its N columns out."""
-    if dtype in ("float16", "bfloat16") and N % 8 and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
+    multiple of 8 where an odd N leaves the output's rows (and a row-major b's) 2-byte
+    aligned, K keeps x's 16-byte aligned, and the product has at least 2**30
+    multiply-adds. cuBLAS then runs slow kernels (H200, linear 8192x1024x50257
+    bfloat16: 9.0 ms, torch.compile's padded GEMM 1.3 ms, 0.14x); the vendor path pads W
+    (or b) with zero rows, computes the padded product and copies its N columns out.
+    An even N or a misaligned K keeps cuBLAS's own kernel, which the pad and the copy
+    only slow down (H200 bf16 linear, GPU time, padded / F.linear: 1372x59x14086 97 / 49
+    us, 231x3650x4130 97 / 56, 35x3671x11870 201 / 99, 4099x5583x297 192 / 179;
+    256x4096x4100 0.86x eager)."""
+    if (dtype in ("float16", "bfloat16") and N % 2 and K % 8 == 0
+            and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]):
         return cdiv(N, 8) * 8
     return N
 
@@ -963,6 +973,16 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which
+
+
+def _off_wgmma(a, b_nk) -> bool:
+    """Whether a Hopper GPU runs the float32 ``a @ b_nk.T`` off its wgmma kernels (rows
+    that no copy aligns): then a fused op's product follows :func:`route` too (H200,
+    GemmScaleBatchNorm's forward, GPU time, ours on mma.sync / eager: 4099x5583->297
+    "highest" 949 / 464 us, "high" 573 / 212; 296x305->6324 "highest" 117 / 54)."""
+    work = a.shape[0] * a.shape[1] * b_nk.shape[0]
+    return (_loader.device_cc(a.device) == 90
+            and not all(_wgmma_rows(o, work) for o in (a, b_nk)))
 
 
 def _wgmma_rows(o, work: int) -> bool:
