@@ -809,9 +809,10 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
-          "HALF_MISALIGNED_MIN_WORK": 2 ** 26,
+          "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
           # the vendor path's own forms: padded_n, bias_apart
-          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024}
+          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024,
+          "BIAS_APART_MIN_N": 64}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
@@ -853,10 +854,13 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # 8192x1024x50257 5.70 / 3.88x (against torch.compile, which pads the output's rows:
     # 0.95 / 0.65x). A misaligned K is not ours: its element loads run mma.sync
     # (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first: 256x4096x4100
-    # 0.56x).
+    # 0.56x), nor a short K, where the product is the output's stores (576x16x15101
+    # bf16, GPU time from CUDA graphs: ours 21.6 us against 18.2; the wins above have
+    # K >= 512).
     c, work = _ROUTE, M * N * K
     if dtype != "float32":
-        if cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]:
+        if (cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]
+                and K >= c["HALF_MISALIGNED_MIN_K"]):
             return OURS
         return VENDOR
     if precision == "highest":
@@ -892,16 +896,16 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
-    multiple of 8 where an odd N leaves the output's rows (and a row-major b's) 2-byte
-    aligned, K keeps x's 16-byte aligned, and the product has at least 2**30
-    multiply-adds. cuBLAS then runs slow kernels (H200, linear 8192x1024x50257
-    bfloat16: 9.0 ms, torch.compile's padded GEMM 1.3 ms, 0.14x); the vendor path pads W
-    (or b) with zero rows, computes the padded product and copies its N columns out.
-    An even N or a misaligned K keeps cuBLAS's own kernel, which the pad and the copy
-    only slow down (H200 bf16 linear, GPU time, padded / F.linear: 1372x59x14086 97 / 49
-    us, 231x3650x4130 97 / 56, 35x3671x11870 201 / 99, 4099x5583x297 192 / 179;
-    256x4096x4100 0.86x eager)."""
-    if (dtype in ("float16", "bfloat16") and N % 2 and K % 8 == 0
+    multiple of 8 where N % 4 leaves the output's rows (and a row-major b's) off 8-byte
+    alignment, K is even, and the product has at least 2**30 multiply-adds. cuBLAS then
+    runs slow kernels; the vendor path pads W (or b) with zero rows, computes the padded
+    product and copies its N columns out. An odd K keeps x's rows misaligned, so the
+    padded product runs slow kernels too, and N % 4 == 0 keeps cuBLAS's fast ones. H200
+    bf16 linear, GPU time from CUDA graphs, F.linear / padded (us): padded 8192x1024x50257
+    8936 / 2265, 2048x2048x2047 183 / 40, 1024x4096x4097 356 / 86, 2048x2050x2047 133 /
+    94, 1024x4096x4098 125 / 86; not: 2048x2047x2047 137 / 156, 4099x5583x297 179 / 193,
+    1372x59x14086 48 / 98, 35x3671x11870 100 / 204, 256x4096x4100 53 / 56."""
+    if (dtype in ("float16", "bfloat16") and N % 4 and K % 2 == 0
             and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]):
         return cdiv(N, 8) * 8
     return N
@@ -910,15 +914,17 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
 def bias_apart(M: int, N: int, K: int, dtype: str) -> bool:
     """Whether the vendor's linear adds the bias after its product (a GEMM, then one
     elementwise pass) rather than in cuBLAS's GEMM with a bias (torch's addmm): float64
-    products of at least 2**28 multiply-adds and K >= 1024, where addmm runs at about half
+    products of at least 2**28 multiply-adds, K >= 1024 and N >= 64, where addmm runs at about half
     the plain GEMM's rate (H200, one run, F.linear against mm + add_, us: 1024^3 79.4 /
     49.2, 2048^3 579 / 316, 4096^3 5128 / 2606, 3000x5000x700 716 / 395, 8192x2048x64
     84.6 / 61.1, 256x12288x4096 933 / 519; a tie at 256x1024x1024, 2**28: 25.9 / 25.5,
     and 4x2048x2048: 22.8 / 23.3). A short K makes the GEMM memory-bound, and the extra
     pass over the output then costs more than addmm loses (the sweep, 100000x64x64:
-    67.3 us against 53.3)."""
+    67.3 us against 53.3), as does a few columns' N (13200x2843x8, GPU time from CUDA
+    graphs: 120.0 us against 101.3)."""
     c = _ROUTE
-    return dtype == "float64" and M * N * K >= c["BIAS_APART_MIN_WORK"] and K >= c["BIAS_APART_MIN_K"]
+    return (dtype == "float64" and M * N * K >= c["BIAS_APART_MIN_WORK"]
+            and K >= c["BIAS_APART_MIN_K"] and N >= c["BIAS_APART_MIN_N"])
 
 
 _FORCED = [None]  # forced_route's override

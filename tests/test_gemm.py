@@ -598,6 +598,8 @@ ROUTES = [
     ((128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
     ((128, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
     ((128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
+    ((128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
+    ((128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
 ]
 
 
@@ -902,13 +904,15 @@ def test_float64_bias_apart_boundaries():
     assert not gemm.bias_apart(255, 1024, 1024, "float64")
     assert not gemm.bias_apart(1 << 16, 1024, 1023, "float64")
     assert not gemm.bias_apart(100000, 64, 64, "float64")
+    assert gemm.bias_apart(1 << 16, 64, 1024, "float64")
+    assert not gemm.bias_apart(1 << 16, 63, 1024, "float64")  # (few columns: addmm's)
     assert not gemm.bias_apart(4096, 4096, 4096, "float32")
 
 
 def test_vendor_eager_forms():
     """GPU-free: the vendor's eager form of a problem (what the torch layer's direct call
     runs once a plan chose the vendor): torch's F.linear / matmul, the padded product of a
-    16-bit odd N (K-aligned x) from 2**30 multiply-adds, float64's bias apart from 2**28; each
+    16-bit N % 4 (an even K) from 2**30 multiply-adds, float64's bias apart from 2**28; each
     form computes the product, contiguous."""
     import functools
 
@@ -918,8 +922,10 @@ def test_vendor_eager_forms():
     padded = Vendor.linear_form(1024, 1025, 1024, "float16")
     assert padded.func is _padded_linear and padded.keywords == {"pad": 7}
     assert Vendor.linear_form(1023, 1025, 1024, "float16") is F.linear  # (just under 2**30)
-    assert Vendor.linear_form(1024, 1026, 1024, "float16") is F.linear  # (even N: cuBLAS's)
-    assert Vendor.linear_form(1024, 1025, 1028, "bfloat16") is F.linear  # (x's rows misaligned)
+    assert Vendor.linear_form(1024, 1026, 1024, "float16").keywords == {"pad": 6}  # N % 4
+    assert Vendor.linear_form(1024, 1028, 1024, "float16") is F.linear  # (8-byte rows: cuBLAS's)
+    assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is F.linear  # (an odd K)
+    assert Vendor.linear_form(1 << 20, 8, 1024, "float64") is F.linear  # (N < 64)
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
     assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
     assert Vendor.matmul_form(1024, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}
