@@ -896,18 +896,17 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
-    multiple of 8 in a product of at least 2**30 multiply-adds where cuBLAS runs slow
-    kernels for the output's rows (an odd N with an even K; N % 4 == 2 with K % 8 == 0)
-    and the padded product does not: the vendor path then pads W (or b) with zero rows,
-    computes the padded product and copies its N columns out. Elsewhere the pad and the
-    copy only slow cuBLAS's own kernel down. H200 bf16 linear, GPU time from CUDA graphs,
-    F.linear / padded (us): padded 8192x1024x50257 9010 / 2263, 2048x2048x2047 190 / 41,
-    1024x4096x4097 359 / 87, 2048x2050x2047 134 / 94, 1024x4096x4098 126 / 87; not
-    (an odd K) 2048x2047x2047 137 / 157, 4099x5583x297 180 / 194, 1372x59x14086 49 / 98,
-    35x3671x11870 100 / 204; (N % 4 == 2, K % 8 == 2) 231x3650x4130 56 / 97,
-    2854x66x6810 39 / 88, 4525x234x2530 45 / 74; (N % 4 == 0) 256x4096x4100 53 / 56."""
-    slow = (N % 2 and K % 2 == 0) or (N % 4 == 2 and K % 8 == 0)
-    if dtype in ("float16", "bfloat16") and slow and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
+    multiple of 8 where N % 4 leaves the output's rows (and a row-major b's) off 8-byte
+    alignment, K is even, and the product has at least 2**30 multiply-adds. cuBLAS then
+    runs slow kernels; the vendor path pads W (or b) with zero rows, computes the padded
+    product and copies its N columns out. An odd K keeps x's rows misaligned, so the
+    padded product runs slow kernels too, and N % 4 == 0 keeps cuBLAS's fast ones. H200
+    bf16 linear, GPU time from CUDA graphs, F.linear / padded (us): padded 8192x1024x50257
+    8936 / 2265, 2048x2048x2047 183 / 40, 1024x4096x4097 356 / 86, 2048x2050x2047 133 /
+    94, 1024x4096x4098 125 / 86; not: 2048x2047x2047 137 / 156, 4099x5583x297 179 / 193,
+    1372x59x14086 48 / 98, 35x3671x11870 100 / 204, 256x4096x4100 53 / 56."""
+    if (dtype in ("float16", "bfloat16") and N % 4 and K % 2 == 0
+            and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]):
         return cdiv(N, 8) * 8
     return N
 
