@@ -244,6 +244,8 @@ BATCHED = ((32, 512, 64), (32, 64, 512))
 # other dtypes (precision ignored)
 MODES = [("float32", "highest"), ("float32", "high"), ("bfloat16", None), ("float16", None),
          ("float64", None)]
+
+
 def _peaks(quick):
     """Same-run ceilings: cuBLAS's matrix rate per (dtype, precision) at a big square
     product (3xTF32 "highest": a third of the TF32 rate, the tensor-core work it does),
