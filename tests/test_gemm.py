@@ -347,10 +347,12 @@ def test_half_wgmma_epilogues(shape, dtype):
 @pytest.mark.parametrize("dtype, precision", [(torch.float32, "highest"), (torch.float32, "high"),
                                               (torch.bfloat16, "highest")], ids=str)
 def test_rows_off_vector_alignment(dtype, precision, offset):
-    """Output rows that start off a 4-element boundary (an odd row stride, an output at
-    an offset): on Hopper the wgmma epilogue stores them shifted (kernels_cu/gemm_wgmma.cu,
-    wg_store), every column once, with its bias, nothing before, after or between the
-    rows. 600 columns: two full N tiles and a part; rows cycle through all 4 shifts."""
+    """Output rows that start off the epilogue's 4-element vectors (an odd row stride, an
+    output at an offset; on Hopper wgmma's wg_store, which stores such rows element by
+    element): every column written once, with its bias, nothing before the output or in
+    the row padding. 600 columns: past two N tiles of 256 ("high", bf16) or four of 128
+    ("highest"), the last partial; a row stride of 601 starts the rows at every offset
+    modulo 4."""
     m, n, k = 130, 600, 200
     x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
     ref = x.double() @ w.double().T + b.double()
