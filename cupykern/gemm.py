@@ -534,10 +534,10 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
     pass of its own, :func:`statistics_call`; ``grad``: a forward whose backward will run)
     or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
-    tuned against cuBLAS: the forward
-    always (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
-    backward products from FUSED_VENDOR_BATCH rows on; float64 keeps ours for products of
-    at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
+    tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
+    eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
+    except where Hopper would run them off wgmma (:func:`_off_wgmma`); float64 keeps
+    ours for products of at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
     it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
     the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at
@@ -549,7 +549,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     ours against eager, H200, forward / training step: float64 (our CUDA cores, then,
     against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
-    if a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH):
+    if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
+            and not _off_wgmma(a, b_nk)):
         return False
     if a.dtype == "float64":
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
@@ -808,9 +809,10 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
-          "HALF_MISALIGNED_MIN_WORK": 2 ** 26,
+          "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
           # the vendor path's own forms: padded_n, bias_apart
-          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024}
+          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024,
+          "BIAS_APART_MIN_N": 64}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
@@ -844,18 +846,21 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # 0.86x, 8192^3 0.98x, 4096^3 0.92x, 16384x4096x4096 0.94x, 2048^3 0.94x; and few
     # tiles lose by far without split K (256x4096x4096 0.48x, 128x1024x512 0.41x).
     # Except where N leaves the output's rows off 16-byte alignment (N % 8): cuBLAS then
-    # runs slow kernels (padded_n's copy is the vendor path's best), while ours stores any
-    # row. Ours (wgmma, operands K-major in place) / the vendor route, x eager, bf16
-    # linear (2026-11-27): 64x512x513 (2**24) 0.98 / 0.96x, 128x1024x1001 1.50 / 1.00x,
-    # 333x776x555 1.52 / 0.97x, 256x1024x1025 1.75 / 1.00x, 1024x1024x1023 2.39 / 1.00x,
-    # 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x, 2048x2048x2047 5.79 / 3.61x,
-    # 8192x1024x50257 5.70 / 3.88x (against torch.compile, which pads the output's rows:
-    # 0.95 / 0.65x). A misaligned K is not ours: its element loads run mma.sync
-    # (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first: 256x4096x4100
-    # 0.56x).
+    # runs slower kernels (for some N and K slow enough that padded_n's copy is the vendor
+    # path's best), while ours stores any row. Ours (wgmma, operands K-major in place) / the
+    # vendor route, x eager, bf16 linear (2026-11-27): 64x512x513 (2**24) 0.98 / 0.96x,
+    # 128x1024x1001 1.50 / 1.00x, 333x776x555 1.52 / 0.97x, 256x1024x1025 1.75 / 1.00x,
+    # 1024x1024x1023 2.39 / 1.00x, 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x,
+    # 2048x2048x2047 5.79 / 3.61x, 8192x1024x50257 5.70 / 3.88x (against torch.compile,
+    # which pads the output's rows: 0.95 / 0.65x). A misaligned K is not ours: its element
+    # loads run mma.sync (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first:
+    # 256x4096x4100 0.56x), nor a short K, where the product is the output's stores
+    # (576x16x15101 bf16, GPU time from CUDA graphs: ours 21.6 us against 18.2; the wins
+    # above have K >= 512).
     c, work = _ROUTE, M * N * K
     if dtype != "float32":
-        if cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]:
+        if (cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]
+                and K >= c["HALF_MISALIGNED_MIN_K"]):
             return OURS
         return VENDOR
     if precision == "highest":
@@ -870,8 +875,12 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         #    1.32x (linear); 256x1024x1024 (2**28) 2.11x; 1000^3 1.66x.
         # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
         # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
+        # On Hopper, rows that wgmma cannot read (K % 4: no copy aligns them) leave ours on
+        # mma.sync's element loads, slower than SGEMM (H200, linear, GPU time from CUDA
+        # graphs, ours / SGEMM: 231x3650x4130 676 / 209 us, 296x305x6324 102 / 33,
+        # 4099x5583x297 937 / 439, 748x1602x632 73 / 53): the vendor's.
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
-                or work < c["MIN_WORK"]):
+                or work < c["MIN_WORK"] or (cc == 90 and not aligned)):
             return VENDOR
         return OURS
     # "high" / "medium" (TF32): ours on Hopper's wgmma ties cuBLAS's TF32 where cuBLAS has
@@ -887,12 +896,18 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
-    multiple of 8 where N leaves the output's rows (and a row-major b's) off 16-byte
-    alignment in a product of at least 2**30 multiply-adds. cuBLAS then runs slow
-    kernels (H200, linear 8192x1024x50257 bfloat16: 9.0 ms, torch.compile's padded GEMM
-    1.3 ms, 0.14x); the vendor path pads W (or b) with zero rows, computes the padded
-    product and copies its N columns out."""
-    if dtype in ("float16", "bfloat16") and N % 8 and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
+    multiple of 8 in a product of at least 2**30 multiply-adds where cuBLAS runs slow
+    kernels for the output's rows (an odd N with an even K; N % 4 == 2 with K % 8 == 0)
+    and the padded product does not: the vendor path then pads W (or b) with zero rows,
+    computes the padded product and copies its N columns out. Elsewhere the pad and the
+    copy only slow cuBLAS's own kernel down. H200 bf16 linear, GPU time from CUDA graphs,
+    F.linear / padded (us): padded 8192x1024x50257 9010 / 2263, 2048x2048x2047 190 / 41,
+    1024x4096x4097 359 / 87, 2048x2050x2047 134 / 94, 1024x4096x4098 126 / 87; not
+    (an odd K) 2048x2047x2047 137 / 157, 4099x5583x297 180 / 194, 1372x59x14086 49 / 98,
+    35x3671x11870 100 / 204; (N % 4 == 2, K % 8 == 2) 231x3650x4130 56 / 97,
+    2854x66x6810 39 / 88, 4525x234x2530 45 / 74; (N % 4 == 0) 256x4096x4100 53 / 56."""
+    slow = (N % 2 and K % 2 == 0) or (N % 4 == 2 and K % 8 == 0)
+    if dtype in ("float16", "bfloat16") and slow and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
         return cdiv(N, 8) * 8
     return N
 
@@ -900,15 +915,17 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
 def bias_apart(M: int, N: int, K: int, dtype: str) -> bool:
     """Whether the vendor's linear adds the bias after its product (a GEMM, then one
     elementwise pass) rather than in cuBLAS's GEMM with a bias (torch's addmm): float64
-    products of at least 2**28 multiply-adds and K >= 1024, where addmm runs at about half
+    products of at least 2**28 multiply-adds, K >= 1024 and N >= 64, where addmm runs at about half
     the plain GEMM's rate (H200, one run, F.linear against mm + add_, us: 1024^3 79.4 /
     49.2, 2048^3 579 / 316, 4096^3 5128 / 2606, 3000x5000x700 716 / 395, 8192x2048x64
     84.6 / 61.1, 256x12288x4096 933 / 519; a tie at 256x1024x1024, 2**28: 25.9 / 25.5,
     and 4x2048x2048: 22.8 / 23.3). A short K makes the GEMM memory-bound, and the extra
     pass over the output then costs more than addmm loses (the sweep, 100000x64x64:
-    67.3 us against 53.3)."""
+    67.3 us against 53.3), as does a few columns' N (13200x2843x8, GPU time from CUDA
+    graphs: 120.0 us against 101.3)."""
     c = _ROUTE
-    return dtype == "float64" and M * N * K >= c["BIAS_APART_MIN_WORK"] and K >= c["BIAS_APART_MIN_K"]
+    return (dtype == "float64" and M * N * K >= c["BIAS_APART_MIN_WORK"]
+            and K >= c["BIAS_APART_MIN_K"] and N >= c["BIAS_APART_MIN_N"])
 
 
 _FORCED = [None]  # forced_route's override
@@ -965,15 +982,24 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     return which
 
 
+def _off_wgmma(a, b_nk) -> bool:
+    """Whether a Hopper GPU runs the float32 ``a @ b_nk.T`` off its wgmma kernels (rows
+    that no copy aligns): then a fused op's product follows :func:`route` too (H200,
+    GemmScaleBatchNorm's forward, GPU time, ours on mma.sync / eager: 4099x5583->297
+    "highest" 949 / 464 us, "high" 573 / 212; 296x305->6324 "highest" 117 / 54)."""
+    work = a.shape[0] * a.shape[1] * b_nk.shape[0]
+    return (_loader.device_cc(a.device) == 90
+            and not all(_wgmma_rows(o, work) for o in (a, b_nk)))
+
+
 def _wgmma_rows(o, work: int) -> bool:
     """Whether ours reads the float32 2-D Operand ``o`` on Hopper's wgmma: its rows (after
     any copy :func:`_read_mode` makes) K-contiguous and 16-byte aligned, or a transposed
-    one (see :func:`route`)."""
+    one (see :func:`route`). A copy is a fresh array of rows of K: aligned where K % 4 == 0."""
     lay = layout(o)
-    if lay is None:
-        return True  # copied: a fresh array
-    mode = _read_mode(o, work)[0]
-    return mode != "view" or lay[0] or vector_aligned(o.ptr, lay[1], o.shape[1], 4)
+    if lay is None or _read_mode(o, work)[0] != "view":
+        return o.shape[1] % 4 == 0
+    return lay[0] or vector_aligned(o.ptr, lay[1], o.shape[1], 4)
 
 
 def _vendor(kind: str):

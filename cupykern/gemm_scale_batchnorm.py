@@ -292,7 +292,9 @@ def planned_run(arrays, options):
 
 
 def _plan_key(arrays, options):
-    return tuple(signature(v) for v in arrays) + options
+    # (with the vendor's float32 setting: a float32 GEMM off Hopper's wgmma may be the
+    # vendor's, whose precision follows torch's TF32 switch when it runs)
+    return tuple(signature(v) for v in arrays) + options + (vendor_state(arrays[0]),)
 
 
 def _fresh(checked, *args):

@@ -576,6 +576,7 @@ ROUTES = [
     ((4096, 4096, 4096, "float32", "highest", "torch", 75, True), "vendor"),
     ((1024, 8192, 8192, "float32", "highest", "torch", 90, True), "ours"),
     ((1024, 8192, 8192, "float32", "highest", "cupy", 80, False), "ours"),
+    ((1024, 8192, 8192, "float32", "highest", "torch", 90, False), "vendor"),  # off wgmma
     ((64, 4096, 4096, "float32", "highest", "torch", 90, True), "ours"),
     ((63, 4096, 4096, "float32", "highest", "torch", 90, True), "vendor"),
     ((8192, 128, 2048, "float32", "highest", "torch", 90, True), "ours"),
@@ -599,6 +600,8 @@ ROUTES = [
     ((128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
     ((128, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
     ((128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
+    ((128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
+    ((128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
 ]
 
 
@@ -820,6 +823,48 @@ def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
     assert not gemm.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
 
 
+@pytest.mark.parametrize("cc", [90, 80])
+def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
+    """GPU-free: a fused op's float32 GEMM whose rows no copy aligns for Hopper's wgmma
+    (K % 4) follows the dispatcher there (the vendor's, as for a plain product); on other
+    GPUs, and where wgmma reads the rows, it stays ours."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def op(rows, cols):
+        return _array.Operand(torch.empty(0), "torch", "float32", (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+
+    x, w = op(4099, 5583), op(297, 5583)
+    assert gemm.fused_vendor(x, w, "highest") == (cc == 90)
+    assert gemm.fused_vendor(x, w, "highest", batch=4099) == (cc == 90)
+    assert not gemm.fused_vendor(op(4099, 5584), op(297, 5584), "highest")
+    # a backward product's b, transposed as routed_mm_plan passes it (N x K of stride 1, N)
+    bt = _array.Operand(torch.empty(0), "torch", "float32", (297, 5583), (1, 297), 0x10000, 0,
+                        "b", True)
+    assert gemm.fused_vendor(x, bt, "highest", batch=4099) == (cc == 90)
+
+
+def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
+    """GPU-free: a copy (of a transposed operand, say) is a fresh array of rows of K, so
+    with K % 4 it stays off Hopper's wgmma, and "highest" goes to SGEMM as for any such
+    product; with K % 4 == 0 the copy is what wgmma reads."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+
+    def col_major(rows, k):
+        return _array.Operand(torch.empty(0), "torch", "float32", (rows, k), (1, rows),
+                              0x10000, 0, "a", True)
+
+    work = 2048 * 2048 * 4099
+    assert gemm._read_mode(col_major(2048, 4099), work)[0] == "transpose"
+    assert not gemm._wgmma_rows(col_major(2048, 4099), work)
+    assert gemm._wgmma_rows(col_major(2048, 4100), work)
+    assert gemm._route_of(col_major(2048, 4099), col_major(2048, 4099), "highest") == "vendor"
+
+
 def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, dispatched):
     """GPU-free: a fused op's float64 products are ours up to FUSED_F64_WORK[role]
     multiply-adds (a cuBLAS call's host time outweighs our CUDA cores there), the
@@ -884,13 +929,15 @@ def test_float64_bias_apart_boundaries():
     assert not gemm.bias_apart(255, 1024, 1024, "float64")
     assert not gemm.bias_apart(1 << 16, 1024, 1023, "float64")
     assert not gemm.bias_apart(100000, 64, 64, "float64")
+    assert gemm.bias_apart(1 << 16, 64, 1024, "float64")
+    assert not gemm.bias_apart(1 << 16, 63, 1024, "float64")  # (few columns: addmm's)
     assert not gemm.bias_apart(4096, 4096, 4096, "float32")
 
 
 def test_vendor_eager_forms():
     """GPU-free: the vendor's eager form of a problem (what the torch layer's direct call
     runs once a plan chose the vendor): torch's F.linear / matmul, the padded product of a
-    16-bit misaligned N from 2**30 multiply-adds, float64's bias apart from 2**28; each
+    16-bit N that cuBLAS runs slow (padded_n) from 2**30 multiply-adds, float64's bias apart from 2**28; each
     form computes the product, contiguous."""
     import functools
 
@@ -900,6 +947,12 @@ def test_vendor_eager_forms():
     padded = Vendor.linear_form(1024, 1025, 1024, "float16")
     assert padded.func is _padded_linear and padded.keywords == {"pad": 7}
     assert Vendor.linear_form(1023, 1025, 1024, "float16") is F.linear  # (just under 2**30)
+    assert Vendor.linear_form(1024, 1026, 1024, "float16").keywords == {"pad": 6}  # N % 4 == 2
+    assert Vendor.linear_form(1024, 1026, 1026, "float16") is F.linear  # (K % 8 == 2)
+    assert Vendor.linear_form(1024, 1025, 1026, "float16").keywords == {"pad": 7}  # odd N
+    assert Vendor.linear_form(1024, 1028, 1024, "float16") is F.linear  # (8-byte rows: cuBLAS's)
+    assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is F.linear  # (an odd K)
+    assert Vendor.linear_form(1 << 20, 8, 1024, "float64") is F.linear  # (N < 64)
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
     assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
     assert Vendor.matmul_form(1024, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}

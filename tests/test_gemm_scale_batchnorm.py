@@ -636,3 +636,28 @@ def test_big_products_under_autocast_run_the_reference(dtype, training):
         for buf in ("running_mean", "running_var"):
             torch.testing.assert_close(getattr(new.bn, buf), getattr(ref.bn, buf),
                                        atol=1e-5 if rows == 1024 else 3e-2, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_forward_plan_follows_the_tf32_switch():
+    """A float32 forward that Hopper runs off wgmma (K % 4) is the vendor's GEMM, whose
+    precision follows torch's TF32 switch when it runs: the forward's plan is keyed on the
+    switch too, so an explicit "highest" stays fp32-accurate after the switch is turned on
+    (a plan keyed without it replayed F.linear on TF32)."""
+    from cupykern.torch import gemm_scale_batchnorm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, k, n = 1024, 1027, 512
+    x, w = (torch.randn(r, k, device="cuda", generator=g) for r in (m, n))
+    b, s, gamma, beta = (torch.randn(n, device="cuda", generator=g) for _ in range(4))
+    y = (x.double() @ w.double().T + b.double()) * s.double()
+    want = (y - y.mean(0)) / torch.sqrt(y.var(0, unbiased=False) + 1e-5) * gamma.double() \
+        + beta.double()
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (False, True, False):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            out = gemm_scale_batchnorm(x, w, b, s, gamma, beta, precision="highest")
+            err = (out.double() - want).abs().max().item()
+            assert err <= 1e-4 * want.abs().max().item(), (tf32, err)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old

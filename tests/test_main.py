@@ -97,3 +97,17 @@ def test_quick_main_job(tmp_path):
     rows = data["rows"]
     assert rows and all(r["correct"] and r["ms"] > 0 for r in rows)
     assert data["meta"]["gpu"] == data["gpu"] and data["meta"]["command"].startswith("python -m cupykern")
+
+
+def test_gemm_survey_shapes_are_reproducible_and_in_range():
+    """GPU-free: the gemm benchmark's off-grid survey (--survey SEED) draws the same 40
+    shapes for a seed, each in its ranges and work bound, K mostly unaligned."""
+    pytest.importorskip("torch")
+    from cupykern.benchmarks import gemm
+    shapes = gemm.survey_shapes(7)
+    assert shapes == gemm.survey_shapes(7) and shapes != gemm.survey_shapes(11)
+    assert len(shapes) == 40 and shapes[:2] == [(25, 23, 1144), (2, 328, 130)]
+    for dims in shapes:
+        assert all(lo <= d <= hi for d, (lo, hi) in zip(dims, gemm.SURVEY_RANGES))
+        assert dims[0] * dims[1] * dims[2] <= gemm.SURVEY_MAX_WORK
+    assert sum(k % 4 != 0 for _, k, _ in shapes) > len(shapes) // 2

@@ -468,6 +468,83 @@ def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
         summarize(rows)
 
 
+# The off-grid survey's dtypes / precisions (as MODES) and its shapes' ranges (log-uniform
+# M, K, N; at most SURVEY_MAX_WORK multiply-adds, float64 at most 2**31).
+SURVEY_RANGES, SURVEY_MAX_WORK = ((1, 20000), (8, 8192), (8, 16384)), 2 ** 33
+
+
+def survey_shapes(seed: int, count: int = 40) -> list:
+    """``count`` random (M, K, N) of the survey (:func:`survey`), reproducible by seed:
+    off the grid, K and N mostly unaligned (three in four K are not a multiple of 4)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    shapes = []
+    while len(shapes) < count:
+        M, K, N = (int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+                   for lo, hi in SURVEY_RANGES)
+        if M * N * K <= SURVEY_MAX_WORK:
+            shapes.append((M, K, N))
+    return shapes
+
+
+def survey(seed: int, below: float = 0.97) -> None:
+    """GPU time alone (CUDA graphs of 50 calls), ours against eager, at random shapes:
+    linear in every dtype / precision of MODES, GemmScaleBatchNorm's training-mode forward
+    (25 of them, at least 2 rows). Prints each point under ``below`` with its route, and
+    the minimum and median per mode. (What a captured loop sees; the sweep's figures
+    include host time.)"""
+    import torch.nn.functional as F
+
+    from cupykern import gemm
+    from cupykern._array import operand
+    from cupykern.models import gemm_scale_batchnorm as model3
+
+    shapes = survey_shapes(seed)
+
+    def report(what, ratios):
+        ratios.sort()
+        print(f"{what}: {len(ratios)} shapes, min {ratios[0]:.2f} median "
+              f"{ratios[len(ratios) // 2]:.2f}", flush=True)
+
+    for dt, prec in MODES:
+        torch.backends.cuda.matmul.allow_tf32 = prec == "high"
+        ratios = []
+        for M, K, N in shapes:
+            if dt == "float64" and M * N * K > 2 ** 31:
+                continue
+            x, w, b = (torch.randn(*s, device="cuda", dtype=getattr(torch, dt))
+                       for s in ((M, K), (N, K), (N,)))
+            ours, eager = (graph_us(lambda: cupykern.linear(x, w, b)),
+                           graph_us(lambda: F.linear(x, w, b)))
+            ratios.append(eager / ours)
+            if ratios[-1] < below:
+                route = gemm._route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
+                print(f"linear {M}x{K}x{N} {dt} {prec}: ours {ours:.1f} eager {eager:.1f} us "
+                      f"({ratios[-1]:.2f}x) route {route}", flush=True)
+        report(f"linear {dt} {prec}", ratios)
+    for dt, prec in MODES[:3] + MODES[4:]:
+        torch.backends.cuda.matmul.allow_tf32 = prec == "high"
+        ratios = []
+        for M, K, N in shapes[:25]:
+            M, d = max(M, 2), getattr(torch, dt)
+            if dt == "float64" and M * N * K > 2 ** 31:
+                continue
+            torch.manual_seed(0)
+            ref = model3.Model(K, N, (N,)).cuda().to(d)
+            torch.manual_seed(0)
+            new = model3.ModelNew(K, N, (N,)).cuda().to(d)
+            x = torch.randn(M, K, device="cuda", dtype=d)
+            with torch.no_grad():
+                ours, eager = graph_us(lambda: new(x)), graph_us(lambda: ref(x))
+            ratios.append(eager / ours)
+            if ratios[-1] < below:
+                print(f"gsbn forward {M}x{K}->{N} {dt} {prec}: ours {ours:.1f} eager "
+                      f"{eager:.1f} us ({ratios[-1]:.2f}x)", flush=True)
+        report(f"gsbn forward {dt} {prec}", ratios)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m cupykern.benchmarks.gemm", description=__doc__.splitlines()[0])
@@ -487,9 +564,14 @@ def main(argv=None):
                     "(comma-separated: linear, matmul, gsbn)")
     ap.add_argument("--budget", type=float, default=1e9, metavar="S",
                     help="--sweep: stop starting new points after S seconds")
+    ap.add_argument("--survey", type=int, metavar="SEED", help="the off-grid survey: GPU "
+                    "time at 40 random shapes of this seed (instead of --part)")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.survey is not None:
+        survey(args.survey)
+        return
     if args.sweep:
         sweep(args.quick, args.json, args.paths, args.budget, args.ops.split(","))
         return
