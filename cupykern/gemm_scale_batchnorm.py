@@ -34,7 +34,10 @@ from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_v
                    workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
-_COEF_THREADS = 256  # bn_train_coef / bn_eval_coef / bn_grad_coef: one thread per column
+_COEF_THREADS = 256  # bn_eval_coef / bn_grad_coef: one thread per column
+# bn_train_coef: THREADS a block, in chunks of columns, each merging a run of a column's
+# M-tiles: at most MAX_CHUNKS, of at least MIN_RUN tiles each (_train_chunks).
+_TRAIN_COEF = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
@@ -55,7 +58,17 @@ _FUSED_TILES = 8
 
 
 def _train_coef_expr(t):
-    return f"bn_train_coef<{t}, {_COEF_THREADS}, {PART_ROWS}>"
+    return f"bn_train_coef<{t}, {_TRAIN_COEF['THREADS']}, {PART_ROWS}>"
+
+
+def _train_chunks(mtiles: int) -> int:
+    """bn_train_coef's chunks of threads per column for ``mtiles`` M-tiles: a power of 2
+    (dividing THREADS). One (a thread per column, every tile in order) below 2 * MIN_RUN
+    tiles."""
+    chunks = 1
+    while 2 * chunks <= min(mtiles // _TRAIN_COEF["MIN_RUN"], _TRAIN_COEF["MAX_CHUNKS"]):
+        chunks *= 2
+    return chunks
 
 
 def _apply_expr(dtype, vec, fused=False):
@@ -321,12 +334,12 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     acc = acc_dtype(a.dtype)
     step = N * ITEMSIZE[acc]
     product = _ZProduct(a, b, precision, save)
-    coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
     ptr = place.ptr
 
     if not training:  # the affine map in the GEMM's epilogue; with ``save`` (or the
         # vendor's GEMM), a pass of its own
         coef = _loader.function(_FILE, f"bn_eval_coef<{t}, {_COEF_THREADS}>", dev)
+        coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
         n_, eps_ = scalar(N, "int"), scalar(eps, "double")
         apply_ = _apply_call(place, M, N)
 
@@ -359,7 +372,9 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     scratch = part_end + product.workspace
     ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K slabs are of acc too)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
-    sizes = tuple(scalar(v, "int") for v in (mtiles, bm, M, N))
+    chunks = _train_chunks(mtiles)
+    train_launch = ((cdiv(N, _TRAIN_COEF["THREADS"] // chunks),), (_TRAIN_COEF["THREADS"],))
+    sizes = tuple(scalar(v, "int") for v in (mtiles, chunks, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
     factor = scalar(momentum if momentum is not None else math.nan, "double")
     eps_ = scalar(eps, "double")
@@ -389,9 +404,9 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
                    factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
         if fused:
-            launch_all(place, (*pending, (*fused, (zp, ptr(out), *mn, part, *sizes[:2], *vectors), 0)))
+            launch_all(place, (*pending, (*fused, (zp, ptr(out), *mn, part, sizes[0], sizes[2], *vectors), 0)))
         else:
-            launch_all(place, (*pending, (coef, *coef_launch, (part, *sizes, *vectors), 0),
+            launch_all(place, (*pending, (coef, *train_launch, (part, *sizes, *vectors), 0),
                                apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
         if save:
             return out, z, coefs if own_coefs else head(buf, (4, N))

@@ -7,39 +7,60 @@
 #include "common.cuh"
 #include "stats.cuh"
 
-// Training: merge the GEMM's per-M-tile (mean, M2, min, max) partials of z in tile order
-// (Chan) into the coefficients (ca, cm, cb) of the VEC columns from col; with ``update``,
+// Training: merge the GEMM's per-M-tile (mean, M2, min, max) partials of z (Chan, in a
+// fixed order: deterministic) into the coefficients (ca, cm, cb) of the VEC columns from
+// col; with ``update``,
 // also keep iv = 1/sqrt(var_y + eps) for the backward (where inv is not null) and update
 // the running stats like BatchNorm1d: mean/var of y = s*mean(z + b), s^2*var(z);
 // running_var takes the unbiased var. The VEC columns' merge chains are independent and
 // run side by side: a thread's latency is one column's, not VEC's (bn_train_apply gives a
 // thread a 16-byte vector of 16-bit columns: eight chains one after the other took 23 us
 // at 64x512 bf16 on an H200, against 3 us for the GEMM). Each column's arithmetic and
-// order do not depend on VEC, so bn_train_coef (VEC 1) gives the same bits.
+// order do not depend on VEC; bn_train_coef spreads a column's tiles over chunks of
+// threads (see there).
 // The reference forms y = s*(z + b) in T, rounding twice: where that overflows T in some
 // row (checked at z's min and max, y being monotonic in z), its batch mean is +-inf (nan
 // if both signs overflow) and its variance nan, so every output of the column is nan.
 // factor nan means momentum=None: cumulative average 1/(num_batches_tracked + 1)
 // (incremented by bn_apply, launched after bn_train_coef has read it).
-template <typename T, int ROWS, int VEC, typename A = typename acc_of<T>::type>
-__device__ __forceinline__ void
-train_columns(int col, const A* __restrict__ part, int mtiles, int bm, int M, int N,
-              const T* __restrict__ bias, const T* __restrict__ scale,
-              const T* __restrict__ gamma, const T* __restrict__ beta,
-              T* __restrict__ rmean, T* __restrict__ rvar, const long long* __restrict__ nbt,
-              double factor, double eps, bool update, A* __restrict__ inv,
-              A (&ca)[VEC], A (&cm)[VEC], A (&cb)[VEC]) {
-  static_assert(ROWS == PART_ROWS, "train_columns: the GEMM's partial statistics are PART_ROWS rows per tile");
-  static_assert(VEC >= 1 && 8 % VEC == 0, "train_columns: VEC divides 8");
-  constexpr int BATCH = 8 / VEC;  // tiles whose loads are issued together: 32 loads in flight
-  A cnt = 0, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
+
+// The running merge of VEC columns: count (shared) and each column's mean, M2, min, max.
+template <typename A, int VEC>
+struct ColumnMoments {
+  A cnt, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
+  __device__ __forceinline__ void clear() {
+    cnt = 0;
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) { mean[e] = m2[e] = 0; lo[e] = infinity<A>(); hi[e] = -infinity<A>(); }
-  for (int t0 = 0; t0 < mtiles; t0 += BATCH) {
+    for (int e = 0; e < VEC; ++e) { mean[e] = m2[e] = 0; lo[e] = infinity<A>(); hi[e] = -infinity<A>(); }
+  }
+  // Chan: merge b's rows after this one's (b's count is also kept once for the VEC columns).
+  __device__ __forceinline__ void merge(A nb, const A (&mb)[VEC], const A (&m2b)[VEC],
+                                        const A (&lob)[VEC], const A (&hib)[VEC]) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      A n = cnt;
+      chan_merge(n, mean[e], m2[e], nb, mb[e], m2b[e]);
+      lo[e] = fmin(lo[e], lob[e]);
+      hi[e] = fmax(hi[e], hib[e]);
+    }
+    cnt += nb;
+  }
+};
+
+// Merge the GEMM's per-M-tile partials of tiles [t0, t1) of the VEC columns from col into
+// ``m``, in tile order.
+template <int ROWS, int VEC, typename A>
+__device__ __forceinline__ void
+merge_tiles(int col, const A* __restrict__ part, int t0, int t1, int bm, int M, int N,
+            ColumnMoments<A, VEC>& m) {
+  static_assert(ROWS == PART_ROWS, "merge_tiles: the GEMM's partial statistics are PART_ROWS rows per tile");
+  static_assert(VEC >= 1 && 8 % VEC == 0, "merge_tiles: VEC divides 8");
+  constexpr int BATCH = 8 / VEC;  // tiles whose loads are issued together: 32 loads in flight
+  for (int tb = t0; tb < t1; tb += BATCH) {
     A p[BATCH][4][VEC];  // (mean, M2, min, max) of BATCH tiles: their loads in flight together
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
-      const long long row = (long long)PART_ROWS * min(t0 + i, mtiles - 1) * N + col;
+      const long long row = (long long)PART_ROWS * min(tb + i, t1 - 1) * N + col;
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -47,18 +68,25 @@ train_columns(int col, const A* __restrict__ part, int mtiles, int bm, int M, in
     }
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
-      if (t0 + i >= mtiles) break;
-      const A nb = (A)min(bm, M - (t0 + i) * bm);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {  // (chan_merge, the count kept once for the VEC columns)
-        A n = cnt;
-        chan_merge(n, mean[e], m2[e], nb, p[i][0][e], p[i][1][e]);
-        lo[e] = fmin(lo[e], p[i][2][e]);
-        hi[e] = fmax(hi[e], p[i][3][e]);
-      }
-      cnt += nb;
+      if (tb + i >= t1) break;
+      m.merge((A)min(bm, M - (tb + i) * bm), p[i][0], p[i][1], p[i][2], p[i][3]);
     }
   }
+}
+
+// The coefficients (ca, cm, cb) of the VEC columns from col, from their merged moments m
+// of all M rows (see "Training" above).
+template <typename T, int VEC, typename A = typename acc_of<T>::type>
+__device__ __forceinline__ void
+train_coefs(int col, const ColumnMoments<A, VEC>& m, int M, const T* __restrict__ bias,
+            const T* __restrict__ scale, const T* __restrict__ gamma, const T* __restrict__ beta,
+            T* __restrict__ rmean, T* __restrict__ rvar, const long long* __restrict__ nbt,
+            double factor, double eps, bool update, A* __restrict__ inv,
+            A (&ca)[VEC], A (&cm)[VEC], A (&cb)[VEC]) {
+  const A (&mean)[VEC] = m.mean;
+  const A (&m2)[VEC] = m.m2;
+  const A (&lo)[VEC] = m.lo;
+  const A (&hi)[VEC] = m.hi;
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     const int n = col + e;
@@ -87,11 +115,16 @@ train_columns(int col, const A* __restrict__ part, int mtiles, int bm, int M, in
   }
 }
 
-// The coefficients of every column (train_columns), for bn_apply.
-// One thread per column n: grid cdiv(N, THREADS), block THREADS.
+// The coefficients of every column, for bn_apply. A block's threads form ``chunks``
+// (a power of 2 dividing THREADS; gemm_scale_batchnorm.py picks it from mtiles) chunks of
+// THREADS / chunks consecutive columns (coalesced loads). Each chunk merges a consecutive
+// run of tiles, then each column's first thread merges the chunks' moments in chunk order.
+// One chunk is one thread per column merging every tile in order; with one tile per chunk
+// the bits are the same (a tile merged into empty moments is that tile's exactly).
+// Grid cdiv(N, THREADS / chunks), block THREADS.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
-bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
+bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int chunks, int bm,
               int M, int N, const T* __restrict__ bias, const T* __restrict__ scale,
               const T* __restrict__ gamma, const T* __restrict__ beta,
               T* __restrict__ rmean, T* __restrict__ rvar,
@@ -101,13 +134,26 @@ bn_train_coef(const typename acc_of<T>::type* __restrict__ part, int mtiles, int
               typename acc_of<T>::type* __restrict__ cb,
               typename acc_of<T>::type* __restrict__ inv) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_train_coef: THREADS must be whole warps, at most 1024");
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
   typedef typename acc_of<T>::type A;
-  A a[1], m[1], b[1];
-  train_columns<T, ROWS, 1>(n, part, mtiles, bm, M, N, bias, scale, gamma, beta, rmean, rvar, nbt,
-                            factor, eps, true, inv, a, m, b);
-  ca[n] = a[0]; cm[n] = m[0]; cb[n] = b[0];
+  typedef ColumnMoments<A, 1> Moments;
+  __shared__ Moments merged[THREADS];  // [chunk][column of the block]
+  const int cols = THREADS / chunks, c = threadIdx.x % cols, k = threadIdx.x / cols;
+  const int n = blockIdx.x * cols + c, per = (mtiles + chunks - 1) / chunks;
+  Moments m;
+  m.clear();
+  if (n < N) merge_tiles<ROWS, 1>(n, part, min(k * per, mtiles), min((k + 1) * per, mtiles), bm, M, N, m);
+  if (chunks > 1) {
+    merged[threadIdx.x] = m;
+    __syncthreads();
+  }
+  if (k != 0 || n >= N) return;
+  for (int j = 1; j < chunks; ++j) {
+    const Moments& o = merged[j * cols + c];
+    m.merge(o.cnt, o.mean, o.m2, o.lo, o.hi);
+  }
+  A a[1], mm[1], b[1];
+  train_coefs<T, 1>(n, m, M, bias, scale, gamma, beta, rmean, rvar, nbt, factor, eps, true, inv, a, mm, b);
+  ca[n] = a[0]; cm[n] = mm[0]; cb[n] = b[0];
 }
 
 // Eval: out = g*(s*(z + b) - rm)/sqrt(rv + eps) + beta = ca*z + cb, for the GEMM's
@@ -212,9 +258,12 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (col >= N) return;
   const bool first = blockIdx.y == 0;
+  ColumnMoments<A, VEC> m;
+  m.clear();
+  merge_tiles<PROWS, VEC>(col, part, 0, mtiles, bm, M, N, m);
   A fa[VEC], fm[VEC], fb[VEC];
-  train_columns<T, PROWS, VEC>(col, part, mtiles, bm, M, N, bias, scale, gamma, beta, rmean, rvar,
-                               nbt, factor, eps, first, inv, fa, fm, fb);
+  train_coefs<T, VEC>(col, m, M, bias, scale, gamma, beta, rmean, rvar, nbt, factor, eps, first,
+                      inv, fa, fm, fb);
   if (first) {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) { ca[col + e] = fa[e]; cm[col + e] = fm[e]; cb[col + e] = fb[e]; }

@@ -141,6 +141,46 @@ def test_coefficients_in_the_apply_pass_match_their_own_pass(monkeypatch, shape,
         assert torch.allclose(got.double(), getattr(ref64.bn, name), atol=bound, rtol=bound), name
 
 
+def test_train_chunks():
+    """bn_train_coef's chunks per column: a power of 2 dividing its block, each run of at
+    least MIN_RUN tiles, one below 2 * MIN_RUN tiles (a batch merged in one order)."""
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    cfg = core._TRAIN_COEF
+    for mtiles in [1, 8, 15, 16, 17, 130, 515, 10**6]:
+        c = core._train_chunks(mtiles)
+        assert c & (c - 1) == 0 and cfg["THREADS"] % c == 0 and c <= cfg["MAX_CHUNKS"]
+        assert c == 1 or mtiles // c >= cfg["MIN_RUN"]
+        assert 2 * c > min(mtiles // cfg["MIN_RUN"], cfg["MAX_CHUNKS"])
+    assert core._train_chunks(2 * cfg["MIN_RUN"] - 1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
+@pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_statistics_of_many_tiles(shape, dtype):
+    """Many M-tiles: bn_train_coef merges a column's runs of tiles side by side, then in
+    chunk order (runs of unequal length, and chunks left empty, at these shapes): the
+    reference's result within the dtype's bound, the same bits twice."""
+    m, fin, fout = shape
+    ref, new = _pair(fin, fout)
+    ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
+    torch.manual_seed(2)
+    x = torch.randn(m, fin, device="cuda", dtype=dtype) * 3 + 1
+    ref64 = model3.Model(fin, fout, (fout,))
+    ref64.load_state_dict(ref.state_dict())
+    ref64 = ref64.double().cuda()
+    with torch.no_grad():
+        got, want = new(x), ref64(x.double())
+        again, _ = new(x), ref64(x.double())  # (both modules' buffers updated twice)
+    assert torch.equal(got, again)
+    bound = FORWARD_BOUND[dtype]
+    assert torch.allclose(got.double(), want, atol=bound, rtol=bound), (got.double() - want).abs().max()
+    for name in ("running_mean", "running_var"):
+        a, b = getattr(new.bn, name).double(), getattr(ref64.bn, name)
+        assert torch.allclose(a, b, atol=bound, rtol=bound), (name, (a - b).abs().max())
+
+
 @pytest.mark.gpu
 def test_deterministic_and_precisions():
     ref, new = _pair(1024, 512)
