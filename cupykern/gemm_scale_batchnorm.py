@@ -34,10 +34,11 @@ from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_v
                    workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
-_COEF_THREADS = 256  # bn_eval_coef / bn_grad_coef: one thread per column
-# bn_train_coef: THREADS a block, in chunks of columns, each merging a run of a column's
-# M-tiles: at most MAX_CHUNKS, of at least MIN_RUN tiles each (_train_chunks).
-_TRAIN_COEF = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
+_COEF_THREADS = 256  # bn_eval_coef: one thread per column
+# bn_train_coef, bn_grad_coef, bn_grad_eval_coef: THREADS a block, in chunks of columns
+# (stats.cuh's ColumnChunk), each reducing a run of a column's tiles: at most MAX_CHUNKS,
+# of at least MIN_RUN tiles each (_chunks).
+_CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
@@ -58,17 +59,17 @@ _FUSED_TILES = 8
 
 
 def _train_coef_expr(t):
-    return f"bn_train_coef<{t}, {_TRAIN_COEF['THREADS']}, {PART_ROWS}>"
+    return f"bn_train_coef<{t}, {_CHUNKED['THREADS']}, {PART_ROWS}>"
 
 
-def _train_chunks(mtiles: int) -> int:
-    """bn_train_coef's chunks of threads per column for ``mtiles`` M-tiles: a power of 2
-    (dividing THREADS). One (a thread per column, every tile in order) below 2 * MIN_RUN
-    tiles."""
-    chunks = 1
-    while 2 * chunks <= min(mtiles // _TRAIN_COEF["MIN_RUN"], _TRAIN_COEF["MAX_CHUNKS"]):
+def _chunks(tiles: int):
+    """(chunks, launch) of a _CHUNKED kernel over ``tiles`` tiles of N columns: chunks of
+    threads per column, a power of 2 (dividing THREADS; one, a thread per column adding
+    every tile in order, below 2 * MIN_RUN tiles), and ``launch(N) -> (grid, block)``."""
+    chunks, threads = 1, _CHUNKED["THREADS"]
+    while 2 * chunks <= min(tiles // _CHUNKED["MIN_RUN"], _CHUNKED["MAX_CHUNKS"]):
         chunks *= 2
-    return chunks
+    return chunks, lambda N: ((cdiv(N, threads // chunks),), (threads,))
 
 
 def _apply_expr(dtype, vec, fused=False):
@@ -81,8 +82,9 @@ def _apply_expr(dtype, vec, fused=False):
 def _grad_exprs(t):
     """bn_grad_partials, bn_grad_coef, bn_grad_dz, bn_grad_eval_coef for C type ``t``."""
     g = f"{_GRAD['THREADS']}, {_GRAD['ROWS']}"
-    return (f"bn_grad_partials<{t}, {g}>", f"bn_grad_coef<{t}, {_COEF_THREADS}>",
-            f"bn_grad_dz<{t}, {g}>", f"bn_grad_eval_coef<{t}, {_COEF_THREADS}>")
+    c = _CHUNKED["THREADS"]
+    return (f"bn_grad_partials<{t}, {g}>", f"bn_grad_coef<{t}, {c}>", f"bn_grad_dz<{t}, {g}>",
+            f"bn_grad_eval_coef<{t}, {c}>")
 
 
 def _fused_grad_warps(dtype) -> int:
@@ -372,8 +374,8 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     scratch = part_end + product.workspace
     ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K slabs are of acc too)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
-    chunks = _train_chunks(mtiles)
-    train_launch = ((cdiv(N, _TRAIN_COEF["THREADS"] // chunks),), (_TRAIN_COEF["THREADS"],))
+    chunks, chunked = _chunks(mtiles)
+    train_launch = chunked(N)
     sizes = tuple(scalar(v, "int") for v in (mtiles, chunks, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
     factor = scalar(momentum if momentum is not None else math.nan, "double")
@@ -722,18 +724,19 @@ def _grad_passes(go, zo, training, eps):
                                               for e in _grad_exprs(t))
     grid, block = _grad_geometry(M, N)
     tiles = grid[1]
-    coef_launch = ((cdiv(N, _COEF_THREADS),), (_COEF_THREADS,))
-    tiles_ = scalar(tiles, "int")
+    chunks, chunked = _chunks(tiles)
+    coef_launch = chunked(N)
+    tiles_ = scalar(tiles, "int"), scalar(chunks, "int")
 
     def three(g, z, c0, vectors, grads, k, dz, dzt):
         bias, scale, gamma, rmean = vectors
         part = k + 3 * step
         if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
-            coef = (train_coef, *coef_launch, (part, tiles_, m_, n_, scale, gamma, c0 + 3 * step,
+            coef = (train_coef, *coef_launch, (part, *tiles_, m_, n_, scale, gamma, c0 + 3 * step,
                                                eps_, *grads, k), 0)
             dz_args = (g, ld, z, m_, n_, k, c0 + step)
         else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
-            coef = (eval_coef, *coef_launch, (part, tiles_, n_, bias, scale, gamma, rmean, c0,
+            coef = (eval_coef, *coef_launch, (part, *tiles_, n_, bias, scale, gamma, rmean, c0,
                                               c0 + 3 * step, *grads), 0)
             dz_args = (g, ld, 0, m_, n_, c0, c0 + step)
         return ((partials, grid, block, (g, ld, z, m_, n_, c0 + step, part), 0), coef,

@@ -14,6 +14,7 @@
 // bn_grad_eval_coef, bn_grad_dz), which spread the rows over the GPU. Vector gradient
 // pointers may be null (not wanted); sums run in a fixed order (deterministic).
 #include "common.cuh"
+#include "stats.cuh"
 
 // g and z of column n at rows r .. r + 7, 16 loads in flight (g has row stride ldg, z is
 // contiguous). Rows from r1 on, and z where it is null, read as g = 0 and z = m: no term
@@ -150,7 +151,7 @@ bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, i
 // ---- three launches: row tiles over the grid ---------------------------------------------
 
 // Per (ROWS-row tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged
-// in tile order by bn_grad_coef: deterministic). g has row stride ldg, z is contiguous.
+// by bn_grad_coef in a fixed order: deterministic). g has row stride ldg, z is contiguous.
 // Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
@@ -169,21 +170,32 @@ bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z
   part[(2LL * blockIdx.y + 1) * N + n] = s2;
 }
 
-// This thread's column n (one per thread: grid cdiv(N, THREADS), block THREADS) and its
-// S1, S2 from bn_grad_partials' tiles, added in tile order (deterministic); false past
-// the last column.
+// A column's S1, S2 over a run of tiles.
+template <typename A>
+struct GradSums {
+  A s1, s2;
+  __device__ __forceinline__ void merge(const GradSums& b) { s1 += b.s1; s2 += b.s2; }
+};
+
+// This thread's column n and its S1, S2 from bn_grad_partials' tiles, added in chunks of
+// threads (ColumnChunk, in a fixed order: deterministic; one chunk adds them in tile
+// order). Every thread of the block calls it; false where the thread holds no column's
+// result. Grid cdiv(N, THREADS / chunks), block THREADS.
 template <int THREADS, typename A>
-__device__ __forceinline__ bool grad_column(const A* __restrict__ part, int tiles, int N, int& n,
-                                            A& s1, A& s2) {
+__device__ __forceinline__ bool grad_column(const A* __restrict__ part, int tiles, int chunks,
+                                            int N, int& n, A& s1, A& s2) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "grad_column: THREADS must be whole warps, at most 1024");
-  n = blockIdx.x * THREADS + threadIdx.x;
-  if (n >= N) return false;
-  s1 = 0;
-  s2 = 0;
-  for (int t = 0; t < tiles; ++t) {
-    s1 += part[2LL * t * N + n];
-    s2 += part[(2LL * t + 1) * N + n];
+  __shared__ GradSums<A> shared[THREADS];
+  const ColumnChunk ch(THREADS, chunks, tiles);
+  GradSums<A> s = {0, 0};
+  for (int t = ch.t0; ch.n < N && t < ch.t1; ++t) {
+    s.s1 += part[2LL * t * N + ch.n];
+    s.s2 += part[(2LL * t + 1) * N + ch.n];
   }
+  if (!combine_chunks<THREADS>(s, shared, chunks) || ch.n >= N) return false;
+  n = ch.n;
+  s1 = s.s1;
+  s2 = s.s2;
   return true;
 }
 
@@ -191,7 +203,7 @@ __device__ __forceinline__ bool grad_column(const A* __restrict__ part, int tile
 // rows 0..2 (N apart).
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M, int N,
+bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int chunks, int M, int N,
              const T* __restrict__ scale, const T* __restrict__ gamma,
              const typename acc_of<T>::type* __restrict__ inv, double eps,
              T* __restrict__ dscale, T* __restrict__ dgamma, T* __restrict__ dbeta,
@@ -199,7 +211,7 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
   typedef typename acc_of<T>::type A;
   int n;
   A s1, s2, kn[3];
-  if (!grad_column<THREADS>(part, tiles, N, n, s1, s2)) return;
+  if (!grad_column<THREADS>(part, tiles, chunks, N, n, s1, s2)) return;
   train_grad(n, s1, s2, M, scale, gamma, inv, eps, dscale, dgamma, dbeta, dbias, kn);
   k[n] = kn[0];
   k[N + n] = kn[1];
@@ -209,7 +221,7 @@ bn_grad_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int M
 // Eval mode: merge the partials (of S1 and S2 = sum g*z) and write the vector gradients.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int N,
+bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, int chunks, int N,
                   const T* __restrict__ bias, const T* __restrict__ scale,
                   const T* __restrict__ gamma, const T* __restrict__ rmean,
                   const typename acc_of<T>::type* __restrict__ ca,
@@ -219,7 +231,7 @@ bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, 
   typedef typename acc_of<T>::type A;
   int n;
   A s1, s2;
-  if (!grad_column<THREADS>(part, tiles, N, n, s1, s2)) return;
+  if (!grad_column<THREADS>(part, tiles, chunks, N, n, s1, s2)) return;
   eval_grad(n, s1, s2, bias, scale, gamma, rmean, ca, inv, dscale, dgamma, dbeta, dbias);
 }
 

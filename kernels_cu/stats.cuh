@@ -15,3 +15,36 @@ __device__ __forceinline__ void chan_merge(A& n, A& mean, A& m2, A nb, A meanb, 
   m2 += m2b + d * d * n * f;
   n = nn;
 }
+
+// Column reductions over a run of tiles in chunks of threads (bn_train_coef, bn_grad_coef,
+// bn_grad_eval_coef): a block of THREADS threads is ``chunks`` chunks (a power of 2
+// dividing THREADS) of THREADS / chunks consecutive columns, so that a chunk's loads of a
+// tile's row coalesce. Chunk k reduces tiles [t0, t1) of column n, a consecutive run;
+// combine_chunks then merges the chunks' results in a fixed order (deterministic).
+// Grid cdiv(N, THREADS / chunks).
+struct ColumnChunk {
+  int k, n, t0, t1;  // chunk, column, run of tiles
+  __device__ __forceinline__ ColumnChunk(int threads, int chunks, int tiles) {
+    const int cols = threads / chunks, per = (tiles + chunks - 1) / chunks;
+    k = threadIdx.x / cols;
+    n = blockIdx.x * cols + threadIdx.x % cols;
+    t0 = min(k * per, tiles);
+    t1 = min(t0 + per, tiles);
+  }
+};
+
+// Merge the chunks' s (s.merge(other): other's tiles follow s's) into chunk 0's, halving
+// the chunks each step (chunk k takes chunk k + half's). Every thread of the block calls
+// it, ``shared`` holding THREADS of S; true on chunk 0's threads, whose s is then the
+// column's result over every tile. One chunk: s as it is.
+template <int THREADS, typename S>
+__device__ __forceinline__ bool combine_chunks(S& s, S* shared, int chunks) {
+  const int cols = THREADS / chunks, k = threadIdx.x / cols;
+  for (int half = chunks / 2; half > 0; half /= 2) {
+    if (k >= half && k < 2 * half) shared[threadIdx.x] = s;
+    __syncthreads();
+    if (k < half) s.merge(shared[threadIdx.x + half * cols]);
+    __syncthreads();
+  }
+  return k == 0;
+}

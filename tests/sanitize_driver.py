@@ -380,11 +380,13 @@ def run_gemm_scale_batchnorm():
     # The fused backward in both modes (column sums, dz and its transpose, dx and dW GEMMs)
     # against float64 autograd: its passes in one launch (bn_grad_fused, up to 512 rows;
     # float64: four warps a block) and in three (600 rows); 200 rows: dz^T's 16-byte
-    # stores, then a chunk's tail.
+    # stores, then a chunk's tail; 2100 rows: the forward's and the backward's column
+    # reductions over their tiles in chunks of threads (stats.cuh's combine_chunks).
     f32, f64 = torch.float32, torch.float64
     cases = [((130, 200, 136), True, f32), ((37, 50, 23), True, f32), ((200, 72, 130), True, f32),
              ((130, 200, 136), False, f32), ((37, 50, 23), False, f32), ((600, 40, 136), True, f32),
-             ((600, 40, 136), False, f32), ((150, 30, 40), True, f64)]
+             ((600, 40, 136), False, f32), ((150, 30, 40), True, f64), ((2100, 40, 14), True, f32),
+             ((2100, 40, 14), False, f32)]
     for (m, k, n), training, dtype in cases:
         torch.manual_seed(1)
         mod = GemmScaleBatchNorm(k, n, (n,)).cuda().to(dtype).train(training)

@@ -141,17 +141,21 @@ def test_coefficients_in_the_apply_pass_match_their_own_pass(monkeypatch, shape,
         assert torch.allclose(got.double(), getattr(ref64.bn, name), atol=bound, rtol=bound), name
 
 
-def test_train_chunks():
-    """bn_train_coef's chunks per column: a power of 2 dividing its block, each run of at
-    least MIN_RUN tiles, one below 2 * MIN_RUN tiles (a batch merged in one order)."""
+def test_chunks_of_column_reductions():
+    """bn_train_coef's and bn_grad_coef's chunks of threads per column: a power of 2
+    dividing the block, each run of at least MIN_RUN tiles, one below 2 * MIN_RUN tiles
+    (every tile in order); the grid covers N's columns."""
     core = importlib.import_module("cupykern.gemm_scale_batchnorm")
-    cfg = core._TRAIN_COEF
-    for mtiles in [1, 8, 15, 16, 17, 130, 515, 10**6]:
-        c = core._train_chunks(mtiles)
+    cfg = core._CHUNKED
+    for tiles in [1, 8, 15, 16, 17, 130, 515, 10**6]:
+        c, launch = core._chunks(tiles)
         assert c & (c - 1) == 0 and cfg["THREADS"] % c == 0 and c <= cfg["MAX_CHUNKS"]
-        assert c == 1 or mtiles // c >= cfg["MIN_RUN"]
-        assert 2 * c > min(mtiles // cfg["MIN_RUN"], cfg["MAX_CHUNKS"])
-    assert core._train_chunks(2 * cfg["MIN_RUN"] - 1) == 1
+        assert c == 1 or tiles // c >= cfg["MIN_RUN"]
+        assert 2 * c > min(tiles // cfg["MIN_RUN"], cfg["MAX_CHUNKS"])
+        for n in (1, 14, 4097):
+            (grid,), (block,) = launch(n)
+            assert block == cfg["THREADS"] and (grid - 1) * (block // c) < n <= grid * (block // c)
+    assert core._chunks(2 * cfg["MIN_RUN"] - 1)[0] == 1
 
 
 @pytest.mark.gpu
@@ -159,9 +163,9 @@ def test_train_chunks():
 @pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_statistics_of_many_tiles(shape, dtype):
-    """Many M-tiles: bn_train_coef merges a column's runs of tiles side by side, then in
-    chunk order (runs of unequal length, and chunks left empty, at these shapes): the
-    reference's result within the dtype's bound, the same bits twice."""
+    """Many M-tiles: bn_train_coef merges a column's runs of tiles side by side, then the
+    runs (of unequal length, and some empty, at these shapes); the reference's result
+    within the dtype's bound, the same bits twice."""
     m, fin, fout = shape
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
@@ -422,12 +426,13 @@ def test_eval_backward_matches_autograd():
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
 @pytest.mark.parametrize("shape", [(2, 5, 3), (37, 50, 23), (130, 300, 257), (512, 64, 33),
-                                   (513, 64, 33), (1024, 512, 384)],
+                                   (513, 64, 33), (1024, 512, 384), (9001, 40, 14)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_fused_backward_matches_float64(shape, precision, bound, training):
     """Every gradient of the model (training mode's fused backward: column sums, dz, our
     GEMMs; eval mode's: column sums of g and g z, our GEMMs) against float64 autograd, relative
-    to max |grad| (the training issue's rule)."""
+    to max |grad| (the training issue's rule). 9001 rows: the column sums' 141 tiles added
+    in chunks of threads."""
     batch, fin, fout = shape
     ref, new = _pair(fin, fout)
     _running_stats(ref, new)
@@ -684,7 +689,6 @@ def test_forward_plan_follows_the_tf32_switch():
     precision follows torch's TF32 switch when it runs: the forward's plan is keyed on the
     switch too, so an explicit "highest" stays fp32-accurate after the switch is turned on
     (a plan keyed without it replayed F.linear on TF32)."""
-    from cupykern.torch import gemm_scale_batchnorm
     g = torch.Generator(device="cuda").manual_seed(0)
     m, k, n = 1024, 1027, 512
     x, w = (torch.randn(r, k, device="cuda", generator=g) for r in (m, n))
@@ -696,7 +700,7 @@ def test_forward_plan_follows_the_tf32_switch():
     try:
         for tf32 in (False, True, False):
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            out = gemm_scale_batchnorm(x, w, b, s, gamma, beta, precision="highest")
+            out = cupykern.gemm_scale_batchnorm(x, w, b, s, gamma, beta, precision="highest")
             err = (out.double() - want).abs().max().item()
             assert err <= 1e-4 * want.abs().max().item(), (tf32, err)
     finally:
