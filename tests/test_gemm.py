@@ -846,6 +846,40 @@ def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
     assert gemm.fused_vendor(x, bt, "highest", batch=4099) == (cc == 90)
 
 
+@pytest.mark.parametrize("cc", [90, 80])
+def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
+    """GPU-free: a fused op's 16-bit or float32 product of at most a quarter of our tile's
+    columns (Hopper: 64 of 256 for "high" and 16-bit, 32 of 128 for "highest"; mma.sync:
+    32 of 128) follows the dispatcher, forward and backward (the vendor's here, torch's
+    TF32 switch giving the precision); wider, it stays ours."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def op(rows, cols, dtype="float32"):
+        return _array.Operand(torch.empty(0), "torch", dtype, (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+
+    quarter = {"high": 64, "highest": 32, "bfloat16": 64} if cc == 90 else \
+        {"high": 32, "highest": 32, "bfloat16": 32}
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for what, n in quarter.items():
+            dtype, prec = ("bfloat16", "highest") if what == "bfloat16" else ("float32", what)
+            torch.backends.cuda.matmul.allow_tf32 = prec == "high"
+            x = op(65536, 256, dtype)
+            assert gemm.fused_vendor(x, op(n, 256, dtype), prec), what
+            if cc == 90:  # (elsewhere a 16-bit forward is the vendor's at any N)
+                assert not gemm.fused_vendor(x, op(2 * n, 256, dtype), prec), what
+        # dW = dz^T @ x of a 200000-row batch into 16 x 64 (Hopper; 16 x 32 elsewhere):
+        # narrow, though a big batch
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert gemm.fused_vendor(op(16, 200000), op(quarter["high"], 200000), "high", batch=200000)
+        assert not gemm.fused_vendor(op(512, 200000), op(1024, 200000), "high", batch=200000)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
     """GPU-free: a copy (of a transposed operand, say) is a fresh array of rows of K, so
     with K % 4 it stays off Hopper's wgmma, and "highest" goes to SGEMM as for any such
