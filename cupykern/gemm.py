@@ -550,12 +550,12 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     ours against eager, H200, forward / training step: float64 (our CUDA cores, then,
     against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
     mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
+    if _narrow(a, b_nk, precision, batch is None):
+        return _route_of(a, b_nk, precision) == VENDOR
     if a.dtype == "float64":
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
         if a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
             return False
-        return _route_of(a, b_nk, precision) == VENDOR
-    if _narrow(a, b_nk, precision):
         return _route_of(a, b_nk, precision) == VENDOR
     if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
             and not _off_wgmma(a, b_nk)):
@@ -565,11 +565,11 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     return _route_of(a, b_nk, precision) == VENDOR
 
 
-def _narrow(a, b_nk, precision: str) -> bool:
-    """Whether the 16-bit or float32 product ``a @ b_nk.T`` has at most a quarter of our
-    tile's columns (N <= BN / 4): a fused op's product then follows :func:`route` too,
-    the vendor's narrow kernels outrunning our mostly empty tiles though the statistics
-    take a pass of their own. H200, GemmScaleBatchNorm's forward against eager, GPU time
+def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
+    """Whether the product ``a @ b_nk.T`` fills at most a quarter of our tile's columns
+    (N <= BN / 4), or, for a ``forward`` product, of its rows (M <= BM / 4): a fused op's product then follows :func:`route` too, the vendor's narrow
+    kernels (GEMV, split K) outrunning our mostly empty tiles though the statistics take
+    a pass of their own. H200, GemmScaleBatchNorm's forward against eager, GPU time
     (CUDA graphs), ours / the vendor's product: "high" (BN 256) N = 16 0.55 / 0.73x
     (200000x64), 0.63 / 0.82x (65536x256), 0.67 / 1.19x (8192x1024); N = 32 0.75 / 1.07x,
     0.65 / 1.13x (4096x4096); N = 64 0.87 / 1.11x, 0.66 / 0.99x; N = 128 a tie (1.29 /
@@ -577,18 +577,20 @@ def _narrow(a, b_nk, precision: str) -> bool:
     0.43 / 0.82x, 0.71 / 1.41x; N = 32 0.61 / 1.16x, 0.69 / 1.22x; N = 64 0.78 / 1.18x,
     0.80 / 1.37x; N = 128 1.32 / 1.42x, 1.06 / 1.24x. "highest" (BN 128): N = 16 0.60 /
     0.83x, 0.80 / 0.94x, 1.02 / 1.34x; N = 32 0.94 / 1.06x, 2.38 / 2.27x; N = 64 1.24 /
-    1.01x, 1.20 / 1.04x (SGEMM slows down: ours). A training step's dW = dz^T @ x at
-    200000x64->16 "high" (16 x 64 out of 200000 rows): 982 us on ours, the step 1.47 ms
-    against the vendor's 0.61 and eager's 0.86."""
-    if a.dtype == "float32":
-        mode = _MODE[precision]
+    1.01x, 1.20 / 1.04x (SGEMM slows down: ours). float64 (gemm_dmma, 128 x 128): M = 2
+    0.56 / 1.35x (2x80->12458), 0.45 / 1.14x (2x12->38), 0.52 / 1.34x (2x3071->73); M = 8,
+    9 0.55 / 1.18x, 0.46 / 1.42x; N = 21 0.73 / 1.51x (67x2467). A training step's
+    dW = dz^T @ x at 200000x64->16 "high" (16 x 64 out of 200000 rows): 982 us on ours,
+    the step 1.47 ms against the vendor's 0.61 and eager's 0.86."""
+    if a.dtype == "float64":
+        cfg = _DMMA
     else:
-        mode = _HALF
-    hopper = _loader.device_cc(a.device) == 90
-    if hopper and mode == _MODE["medium"]:
-        mode = _MODE["high"]  # (as _choose runs it)
-    bn = _WGMMA[mode]["BN"] if hopper and mode in _WGMMA else _MMA["BN"]
-    return 4 * b_nk.shape[0] <= bn
+        mode = _MODE[precision] if a.dtype == "float32" else _HALF
+        hopper = _loader.device_cc(a.device) == 90
+        if hopper and mode == _MODE["medium"]:
+            mode = _MODE["high"]  # (as _choose runs it)
+        cfg = _WGMMA[mode] if hopper and mode in _WGMMA else _MMA
+    return 4 * b_nk.shape[0] <= cfg["BN"] or (forward and 4 * a.shape[0] <= cfg["BM"])
 
 
 def vendor_linear(kind: str, precision: str, problem):

@@ -848,10 +848,11 @@ def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
 
 @pytest.mark.parametrize("cc", [90, 80])
 def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
-    """GPU-free: a fused op's 16-bit or float32 product of at most a quarter of our tile's
-    columns (Hopper: 64 of 256 for "high" and 16-bit, 32 of 128 for "highest"; mma.sync:
-    32 of 128) follows the dispatcher, forward and backward (the vendor's here, torch's
-    TF32 switch giving the precision); wider, it stays ours."""
+    """GPU-free: a fused op's product of at most a quarter of our tile's columns (Hopper:
+    64 of 256 for "high" and 16-bit, 32 of 128 for "highest"; mma.sync and float64's
+    gemm_dmma: 32 of 128), forward and backward, or a forward of at most a quarter of its
+    128 rows, follows the dispatcher (the vendor's here, torch's TF32 switch giving the
+    precision); wider, it stays ours."""
     from cupykern import _array, _loader, gemm
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
@@ -876,6 +877,12 @@ def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
         torch.backends.cuda.matmul.allow_tf32 = True
         assert gemm.fused_vendor(op(16, 200000), op(quarter["high"], 200000), "high", batch=200000)
         assert not gemm.fused_vendor(op(512, 200000), op(1024, 200000), "high", batch=200000)
+        # a forward of at most a quarter of our tile's 128 rows; float64's too (gemm_dmma)
+        assert gemm.fused_vendor(op(32, 4096), op(4096, 4096), "high")
+        assert not gemm.fused_vendor(op(33, 4096), op(4096, 4096), "high")
+        assert gemm.fused_vendor(op(8, 4398, "float64"), op(288, 4398, "float64"), "highest")
+        assert gemm.fused_vendor(op(16465, 126, "float64"), op(14, 126, "float64"), "highest")
+        assert not gemm.fused_vendor(op(64, 512, "float64"), op(512, 512, "float64"), "highest")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
