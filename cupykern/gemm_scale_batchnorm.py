@@ -28,10 +28,10 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, STATS_BM, check_operands, check_precision, check_vector,
-                   fresh_like, fused_vendor, gemm, gemm_call, gemm_kernel, linear_core, matmul_core,
-                   register_plans, routed_mm_plan, statistics_call, vendor_linear, vendor_state,
-                   workspace)
+from .gemm import (PART_ROWS, STATS_BM, bias_apart, check_operands, check_precision,
+                   check_vector, fresh_like, fused_vendor, gemm, gemm_call, gemm_kernel,
+                   linear_core, matmul_core, register_plans, routed_mm_plan, statistics_call,
+                   vendor_linear, vendor_state, workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column
@@ -430,7 +430,7 @@ class _ZProduct:
     for an epilogue of the caller's own."""
 
     __slots__ = ("vendor", "kernel", "gemm", "bm", "workspace", "_place", "_shape", "_linear",
-                 "_stats")
+                 "_stats", "_zero")
 
     def __init__(self, a, b, precision, grad=False):
         M, N = a.shape[0], b.shape[0]
@@ -441,6 +441,13 @@ class _ZProduct:
             self.bm, self.workspace = STATS_BM, 0
             self._linear = vendor_linear(a.kind, precision, (M, N, a.shape[1], a.dtype))
             self._stats = statistics_call(self._place, M, N)
+            # torch's F.linear with a zero bias runs addmm, eager's kernel choice, where a
+            # bias-free one runs mm, whose cuBLAS kernel is slower at few rows (H200, GPU
+            # us, mm / addmm: 2x7241->12523 float32 "highest" sgemm_largek 167.6 / GEMV
+            # 117.1; 73x13->16 float64 22.7 / 4.9). Adding zeros leaves x @ W.T as it is;
+            # bias_apart's form would add them in a pass of its own: none there.
+            zero = a.kind == "torch" and not bias_apart(M, N, a.shape[1], a.dtype)
+            self._zero = self._place.proto.new_zeros((N,)) if zero else None
         else:
             self.kernel = gemm_kernel(a, b, precision)
             self.gemm = gemm_call(self.kernel, a, b, N)
@@ -449,7 +456,7 @@ class _ZProduct:
     def __call__(self, x, weight, part, ws=None):
         place, ptr = self._place, self._place.ptr
         if self.vendor:
-            z = self._linear(x, weight, None)
+            z = self._linear(x, weight, self._zero)
             return z, ((self._stats(ptr(z), part),) if part else ())
         held = workspace(place, self.kernel) if ws is None else None  # (to the launches)
         z = empty(place, self._shape)
