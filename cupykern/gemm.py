@@ -511,7 +511,8 @@ def mm_plan(a, b, precision: str):
 # 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
-# A fused op's float64 products stay ours up to these multiply-adds, by role: a cuBLAS
+# A fused op's float64 products stay ours up to these multiply-adds, by role (narrow
+# ones aside: fused_vendor, _narrow): a cuBLAS
 # call through torch costs these hosts 50-150 us (the profiler: aten::mm 42-77 us,
 # aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
 # the GPU's work; a training step, host-bound up to ~2**31, does not. H100, one run,
@@ -537,8 +538,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
     eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
     except where Hopper would run them off wgmma (:func:`_off_wgmma`) or the product is
-    narrow (:func:`_narrow`, 16-bit too); float64 keeps
-    ours for products of at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
+    narrow (:func:`_narrow`: any dtype); float64 keeps ours, narrow products aside, for
+    products of at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
     it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
     the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at

@@ -37,7 +37,7 @@ _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column
 # bn_train_coef, bn_grad_coef, bn_grad_eval_coef: THREADS a block, in chunks of columns
 # (stats.cuh's ColumnChunk), each reducing a run of a column's tiles: at most MAX_CHUNKS,
-# of at least MIN_RUN tiles each (_chunks).
+# runs of ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty; _chunks).
 _CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
@@ -56,6 +56,8 @@ _GRAD_FUSED = {"ROWS": 512, "COLS": 32, "WARPS": {2: 8, 4: 8, 8: 4}}
 # pass (bn_train_apply: each of its rows of blocks merges them all) rather than in a
 # launch of their own: a launch costs the host ~9 us after a synchronize (H100 machines here).
 _FUSED_TILES = 8
+# (bn_train_coef then merges such a batch in one chunk, in tile order: bn_train_apply's bits)
+assert _FUSED_TILES < 2 * _CHUNKED["MIN_RUN"]
 
 
 def _train_coef_expr(t):
@@ -307,8 +309,8 @@ def planned_run(arrays, options):
 
 
 def _plan_key(arrays, options):
-    # (with the vendor's float32 setting: a float32 GEMM off Hopper's wgmma may be the
-    # vendor's, whose precision follows torch's TF32 switch when it runs)
+    # (with the vendor's float32 setting: a float32 GEMM off Hopper's wgmma, or a narrow
+    # one, may be the vendor's, whose precision follows torch's TF32 switch when it runs)
     return tuple(signature(v) for v in arrays) + options + (vendor_state(arrays[0]),)
 
 
@@ -444,10 +446,12 @@ class _ZProduct:
             # torch's F.linear with a zero bias runs addmm, eager's kernel choice, where a
             # bias-free one runs mm, whose cuBLAS kernel is slower at few rows (H200, GPU
             # us, mm / addmm: 2x7241->12523 float32 "highest" sgemm_largek 167.6 / GEMV
-            # 117.1; 73x13->16 float64 22.7 / 4.9). Adding zeros leaves x @ W.T as it is;
-            # bias_apart's form would add them in a pass of its own: none there.
+            # 117.1; 73x13->16 float64 22.7 / 4.9). Adding zeros gives x @ W.T's values
+            # (-0 as +0); bias_apart's form would add them in a pass of its own: none
+            # there. (Zeros that outlive the plan: see Vendor.zero_bias.)
             zero = a.kind == "torch" and not bias_apart(M, N, a.shape[1], a.dtype)
-            self._zero = self._place.proto.new_zeros((N,)) if zero else None
+            self._zero = (torch_layer("gemm").Vendor.zero_bias(self._place.proto, N)
+                          if zero else None)
         else:
             self.kernel = gemm_kernel(a, b, precision)
             self.gemm = gemm_call(self.kernel, a, b, N)

@@ -33,7 +33,7 @@ struct ColumnMoments {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) { mean[e] = m2[e] = 0; lo[e] = infinity<A>(); hi[e] = -infinity<A>(); }
   }
-  // Chan: merge b's rows after this one's (b's count is also kept once for the VEC columns).
+  // Chan: merge b's moments into these (the count is kept once for the VEC columns).
   __device__ __forceinline__ void merge(A nb, const A (&mb)[VEC], const A (&m2b)[VEC],
                                         const A (&lob)[VEC], const A (&hib)[VEC]) {
 #pragma unroll

@@ -19,8 +19,9 @@ __device__ __forceinline__ void chan_merge(A& n, A& mean, A& m2, A nb, A meanb, 
 // Column reductions over a run of tiles in chunks of threads (bn_train_coef, bn_grad_coef,
 // bn_grad_eval_coef): a block of THREADS threads is ``chunks`` chunks (a power of 2
 // dividing THREADS) of THREADS / chunks consecutive columns, so that a chunk's loads of a
-// tile's row coalesce. Chunk k reduces tiles [t0, t1) of column n, a consecutive run;
-// combine_chunks then merges the chunks' results in a fixed order (deterministic).
+// tile's row coalesce. Chunk k reduces tiles [t0, t1) of column n, a consecutive run of
+// ceil(tiles / chunks) (the last ones shorter or empty); combine_chunks then merges the
+// chunks' results in a fixed tree (deterministic for a given shape).
 // Grid cdiv(N, THREADS / chunks).
 struct ColumnChunk {
   int k, n, t0, t1;  // chunk, column, run of tiles
@@ -33,8 +34,8 @@ struct ColumnChunk {
   }
 };
 
-// Merge the chunks' s (s.merge(other): other's tiles follow s's) into chunk 0's, halving
-// the chunks each step (chunk k takes chunk k + half's). Every thread of the block calls
+// Merge the chunks' s (s.merge(other)) into chunk 0's, halving the chunks each step
+// (chunk k takes chunk k + half's): a fixed tree, not tile order. Every thread of the block calls
 // it, ``shared`` holding THREADS of S; true on chunk 0's threads, whose s is then the
 // column's result over every tile. One chunk: s as it is.
 template <int THREADS, typename S>

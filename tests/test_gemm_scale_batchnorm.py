@@ -186,6 +186,30 @@ def test_statistics_of_many_tiles(shape, dtype):
 
 
 @pytest.mark.gpu
+def test_vendor_zero_bias_outlives_plans():
+    """The zero bias the vendor's fused product adds (Vendor.zero_bias) is process-long
+    per device and dtype: a plan made again reads zeros at the same address, a longer one
+    keeps the shorter alive (a captured graph may read it), and while a graph is captured
+    none is made (its fill would only be recorded): the plan then goes without."""
+    from cupykern.torch.gemm import Vendor, _KEPT
+    proto = torch.empty(0, device="cuda")
+    a, b = Vendor.zero_bias(proto, 10), Vendor.zero_bias(proto, 5)
+    assert a.data_ptr() == b.data_ptr() and not a.any() and a.shape == (10,)
+    longer = Vendor.zero_bias(proto, 1 << 22)
+    assert not longer.any() and any(k.data_ptr() == a.data_ptr() for k in _KEPT)
+    x = torch.ones(4, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = x * 2
+        during = Vendor.zero_bias(proto, 1 << 24)
+    assert during is None
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, 2 * x)
+
+
+@pytest.mark.gpu
 def test_deterministic_and_precisions():
     ref, new = _pair(1024, 512)
     ref, new = ref.cuda(), new.cuda()

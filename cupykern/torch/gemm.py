@@ -89,6 +89,24 @@ class Vendor:
         return form(x, weight, bias)
 
     @staticmethod
+    def zero_bias(proto, n: int):
+        """n zeros of ``proto``'s device and dtype that live as long as the process (a CUDA
+        graph captured around a product that adds them keeps reading their address, and a
+        plan holding them may be dropped), or None while the current stream captures a
+        graph and none that long exist yet (their fill would only be recorded)."""
+        key = (proto.device, proto.dtype)
+        z = _ZEROS.get(key)
+        if z is None or z.numel() < n:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            z = torch.zeros(max(n, 2 * z.numel() if z is not None else n), dtype=proto.dtype,
+                            device=proto.device)
+            torch.cuda.current_stream(proto.device).synchronize()  # (filled for any stream)
+            _ZEROS[key] = z
+            _KEPT.append(z)  # (a shorter one stays: plans and graphs may hold it)
+        return z[:n]
+
+    @staticmethod
     def matmul(a, b, precision):
         if Vendor.autocasting():  # (a fused op's product, in a's dtype)
             with torch.autocast(a.device.type, enabled=False):
@@ -96,6 +114,10 @@ class Vendor:
         N, K = (b.shape[-1], b.shape[-2]) if b.dim() > 1 else (1, b.shape[0])
         form = Vendor.matmul_form(a.numel() // K if K else 0, N, K, _name(a.dtype), b.dim() > 1)
         return form(a, b)
+
+
+_ZEROS: dict = {}  # (device, dtype) -> the longest zero vector (Vendor.zero_bias)
+_KEPT: list = []  # every one made, never freed
 
 
 def _name(dtype) -> str:
