@@ -167,29 +167,29 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
   cb[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
-// out = ca*(z - cm) + cb for VEC consecutive columns from col, rows [r0, r1) of (M, N)
-// arrays with row stride ldz (out may be z: in place; it is a separate array where the
-// backward keeps z), 16-byte vectors when VEC > 1, loading UNROLL rows before storing any
-// (the stores may alias later loads for all the compiler knows, so without this each
-// row would wait for the previous one's load).
+// out = ca*(z - cm) + cb for VEC consecutive columns from col, rows r0, r0 + step, ...
+// below r1 of (M, N) arrays with row stride ldz (out may be z: in place; it is a separate
+// array where the backward keeps z), 16-byte vectors when VEC > 1, loading UNROLL rows
+// before storing any (the stores may alias later loads for all the compiler knows, so
+// without this each row would wait for the previous one's load).
 template <typename T, int VEC, typename A = typename acc_of<T>::type>
 __device__ __forceinline__ void
-apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1,
+apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1, int step,
            const A (&fa)[VEC], const A (&fm)[VEC], const A (&fb)[VEC]) {
   constexpr int UNROLL = 8;
-  for (int r = r0; r < r1; r += UNROLL) {
+  for (int r = r0; r < r1; r += UNROLL * step) {
     Vec16<T> v[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (r + u >= r1) break;
-      const T* p = z + (long long)(r + u) * ldz + col;
+      if (r + u * step >= r1) break;
+      const T* p = z + (long long)(r + u * step) * ldz + col;
       if (VEC > 1) v[u].u = *reinterpret_cast<const uint4*>(p);
       else v[u].e[0] = *p;
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (r + u >= r1) break;
-      T* p = out + (long long)(r + u) * ldz + col;
+      if (r + u * step >= r1) break;
+      T* p = out + (long long)(r + u * step) * ldz + col;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) v[u].e[e] = from_acc<T>(fa[e] * (to_acc(v[u].e[e]) - fm[e]) + fb[e]);
       if (VEC > 1) *reinterpret_cast<uint4*>(p) = v[u].u;
@@ -198,13 +198,31 @@ apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1,
   }
 }
 
+// Where a block's threads lie in bn_apply / bn_train_apply: ``lanes`` rows side by side
+// (a power of 2 dividing THREADS), each across THREADS / lanes threads of VEC columns, so
+// that a narrow z (a row of fewer than THREADS vectors) still keeps every thread busy and a
+// warp's loads contiguous; a block covers ROWS * lanes rows, each thread ROWS of them, one
+// in every ``lanes``.
+template <int THREADS, int ROWS, int VEC>
+struct ApplySpot {
+  int col, r0, r1, lane;
+  __device__ __forceinline__ ApplySpot(int lanes, int M) {
+    const int across = THREADS / lanes;
+    col = (blockIdx.x * across + threadIdx.x % across) * VEC;
+    lane = threadIdx.x / across;
+    const long long first = (long long)blockIdx.y * ROWS * lanes;
+    r0 = (int)(first + lane);
+    r1 = (int)min((long long)M, first + (long long)ROWS * lanes);
+  }
+};
+
 // apply_rows with the coefficients of arrays ca, cm, cb, each thread owning VEC columns
-// for ROWS rows. It also counts the batch: ++num_batches_tracked when nbt is not null,
-// after bn_train_coef has read it (a launch of its own would cost a call of host time).
-// Grid (cdiv(cdiv(N, VEC), THREADS), cdiv(M, ROWS)), block THREADS.
+// for ROWS rows (ApplySpot). It also counts the batch: ++num_batches_tracked when nbt is
+// not null, after bn_train_coef has read it (a launch of its own would cost a call of host
+// time). Grid (cdiv(cdiv(N, VEC), THREADS / lanes), cdiv(M, ROWS * lanes)), block THREADS.
 template <typename T, int VEC, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
-bn_apply(const T* z, T* out, long long ldz, int M, int N,
+bn_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
          const typename acc_of<T>::type* __restrict__ ca,
          const typename acc_of<T>::type* __restrict__ cm,
          const typename acc_of<T>::type* __restrict__ cb, long long* __restrict__ nbt) {
@@ -213,23 +231,23 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N,
   static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
-  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-  if (col >= N) return;
+  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  if (at.col >= N) return;
   A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) { fa[e] = ca[col + e]; fm[e] = cm[col + e]; fb[e] = cb[col + e]; }
-  apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
+  for (int e = 0; e < VEC; ++e) { fa[e] = ca[at.col + e]; fm[e] = cm[at.col + e]; fb[e] = cb[at.col + e]; }
+  apply_rows<T, VEC>(z, out, ldz, at.col, at.r0, at.r1, lanes, fa, fm, fb);
 }
 
 // bn_train_coef and bn_apply in one launch, for a batch of a few M-tiles (gemm_scale_batchnorm.py
 // says how many: every row of blocks merges them all again) with a momentum (factor not
 // nan: num_batches_tracked is only incremented, never read, so no launch need order the
 // two). Every block computes its columns' coefficients; the first row of blocks writes
-// them (ca, cm, cb, inv: the backward's) and updates the running stats.
-// Grid and block as bn_apply's.
+// them (ca, cm, cb, inv: the backward's) and updates the running stats (its first lane
+// of rows: one thread per column). Grid and block as bn_apply's.
 template <typename T, int VEC, int THREADS, int ROWS, int PROWS>
 __global__ void __launch_bounds__(THREADS)
-bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
+bn_train_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
                const typename acc_of<T>::type* __restrict__ part, int mtiles, int bm,
                const T* __restrict__ bias, const T* __restrict__ scale,
                const T* __restrict__ gamma, const T* __restrict__ beta,
@@ -244,9 +262,10 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
   static_assert(ROWS >= 1, "bn_train_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
-  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  const int col = at.col;
   if (col >= N) return;
-  const bool first = blockIdx.y == 0;
+  const bool first = blockIdx.y == 0 && at.lane == 0;
   ColumnMoments<A, VEC> m;
   m.clear();
   merge_tiles<PROWS, VEC>(col, part, 0, mtiles, bm, M, N, m);
@@ -257,5 +276,5 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N,
 #pragma unroll
     for (int e = 0; e < VEC; ++e) { ca[col + e] = fa[e]; cm[col + e] = fm[e]; cb[col + e] = fb[e]; }
   }
-  apply_rows<T, VEC>(z, out, ldz, col, blockIdx.y * ROWS, min(M, (blockIdx.y + 1) * ROWS), fa, fm, fb);
+  apply_rows<T, VEC>(z, out, ldz, col, at.r0, at.r1, lanes, fa, fm, fb);
 }

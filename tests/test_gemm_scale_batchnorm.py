@@ -158,6 +158,48 @@ def test_chunks_of_column_reductions():
     assert core._chunks(2 * cfg["MIN_RUN"] - 1)[0] == 1
 
 
+def test_narrow_rows_lie_side_by_side_in_the_apply_pass():
+    """bn_apply's block lays ``lanes`` rows side by side where a row has fewer 16-byte
+    vectors (or elements) than the block has threads; the grid covers every row and
+    column."""
+    import types
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    threads, rows = core._APPLY["THREADS"], core._APPLY["ROWS"]
+    for dtype, n, want in [("float32", 16, (4, 32)), ("float32", 23, (1, 4)),
+                           ("bfloat16", 64, (8, 16)), ("float64", 2, (2, 128)),
+                           ("float32", 1, (1, 128)), ("float32", 512, (4, 1)),
+                           ("float16", 4096, (8, 1)), ("float32", 129, (1, 1))]:
+        place = types.SimpleNamespace(dtype=dtype)
+        vec, lanes = core._apply_shape(place, n)
+        assert (vec, lanes) == want
+        across, vectors = threads // lanes, -(-n // vec)
+        assert lanes == 1 or across >= vectors > across // 2
+        for m in (1, 31, 32 * lanes + 1, 200000):
+            (gx, gy) = (-(-vectors // across), -(-m // (rows * lanes)))
+            assert gx * across >= vectors and gy * rows * lanes >= m > (gy - 1) * rows * lanes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
+@pytest.mark.parametrize("shape", [(200003, 16), (4099, 3), (77, 200), (5, 1), (1, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_apply_pass_over_narrow_rows(shape, dtype):
+    """out = ca * (z - cm) + cb over every row and column, with several rows side by
+    side in a block (narrow z) or one (wide): against float64, z untouched."""
+    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    m, n = shape
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(m, n, device="cuda", generator=g).to(dtype)
+    ca, cm, cb = (torch.randn(n, device="cuda", generator=g).to(acc) for _ in range(3))
+    z0 = z.clone()
+    out = gs.apply_coefficients(z, ca, cm, cb)
+    want = ca.double() * (z.double() - cm.double()) + cb.double()
+    bound = FORWARD_BOUND[dtype] * 4
+    assert out.shape == (m, n) and out.dtype == dtype and torch.equal(z, z0)
+    assert torch.allclose(out.double(), want, atol=bound, rtol=bound), (out.double() - want).abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
 @pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700)],
