@@ -512,9 +512,8 @@ def mm_plan(a, b, precision: str):
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
 # A fused op's float64 products stay ours up to these multiply-adds, by role (narrow
-# ones aside: fused_vendor, _narrow): a cuBLAS
-# call through torch costs these hosts 50-150 us (the profiler: aten::mm 42-77 us,
-# aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
+# ones aside: fused_vendor, _narrow): a cuBLAS call through torch costs these hosts
+# 50-150 us (the profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
 # the GPU's work; a training step, host-bound up to ~2**31, does not. H100, one run,
 # GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of
 # 160 calls in alternating blocks, ours then on CUDA cores. Forward alone, the vendor's
@@ -526,21 +525,31 @@ FUSED_VENDOR_BATCH = 1024
 # (2**32), 1.12 / 0.72 / 0.37x at 2048^3. Ours now runs DMMA (gemm_dmma, 3x the CUDA
 # cores, 0.35-0.72x cuBLAS's DGEMM); the same limits, rerun on an H200 (all ours / the
 # limits / all the vendor's), measure within the runs' noise of each other: step
-# 0.96-1.00 / 0.95-1.02 / 0.95-1.01x from 2**24 to 2**31.
+# 0.96-1.00 / 0.95-1.02 / 0.95-1.01x from 2**24 to 2**31. These are host-time limits:
+# a plan made while a CUDA graph is captured takes the vendor's products (fused_vendor's
+# ``captured``). H200, one run, 24 float64 forwards off narrow below 2**26 (20 of the
+# survey's, 64x512->512, 128x1024->512, 256^3, 1024x64->64), ours / the vendor's against
+# eager: GPU time (CUDA graphs) 0.67-1.28x (10 under 1.0: 53x2829->152 0.67x, 267x157->129
+# 0.69x, 330x185->79 0.75x) / 1.10-1.64x; back to back with host 1.06-2.07x / 0.93-1.81x
+# (5 under 1.0).
 FUSED_F64_WORK = {"forward": 2 ** 26, "forward with grad": 2 ** 30, "backward": 2 ** 28}
 
 
-def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool = False) -> bool:
+def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool = False,
+                 captured: bool = False) -> bool:
     """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
-    pass of its own, :func:`statistics_call`; ``grad``: a forward whose backward will run)
+    pass of its own (see gemm_scale_batchnorm's _vendor_statistics); ``grad``: a forward whose backward will run)
     or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
     tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
     eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
     except where Hopper would run them off wgmma (:func:`_off_wgmma`) or the product is
     narrow (:func:`_narrow`: any dtype); float64 keeps ours, narrow products aside, for
-    products of at most FUSED_F64_WORK[role] multiply-adds (host time). A 16-bit forward keeps ours where
-    it runs on Hopper's wgmma (the epilogue saves the vendor's z a pass and a launch).
+    products of at most FUSED_F64_WORK[role] multiply-adds (host time), unless ``captured``
+    (a plan made while a CUDA graph is captured: no host time to save, and the vendor's
+    DGEMM outruns our 128 x 128 DMMA tiles at those sizes; see FUSED_F64_WORK). A 16-bit
+    forward keeps ours where it runs on Hopper's wgmma (the epilogue saves the vendor's z
+    a pass and a launch).
     H200, GemmScaleBatchNorm in bf16 / f16, training step against eager, ours (wgmma) /
     the vendor's GEMM + our passes, one run: 0.99 / 0.83x and 1.04 / 0.91x at
     64x512->512, 1.06 / 0.89x and 1.10 / 0.89x at 2048^3, 1.11 / 0.93x and 1.05 / 0.98x
@@ -555,7 +564,7 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
         return _route_of(a, b_nk, precision) == VENDOR
     if a.dtype == "float64":
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
-        if a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
+        if not captured and a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
             return False
         return _route_of(a, b_nk, precision) == VENDOR
     if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
@@ -568,7 +577,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
 
 def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
     """Whether the product ``a @ b_nk.T`` fills at most a quarter of our tile's columns
-    (N <= BN / 4), or, for a ``forward`` product, of its rows (M <= BM / 4): a fused op's product then follows :func:`route` too, the vendor's narrow
+    (N <= BN / 4), or, for a ``forward`` product, of its rows (M <= BM / 4; the tile
+    :func:`_choose` picks): a fused op's product then follows :func:`route` too, the vendor's narrow
     kernels (GEMV, split K) outrunning our mostly empty tiles though the statistics take
     a pass of their own. H200, GemmScaleBatchNorm's forward against eager, GPU time
     (CUDA graphs), ours / the vendor's product: "high" (BN 256) N = 16 0.55 / 0.73x
@@ -583,15 +593,9 @@ def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
     9 0.55 / 1.18x, 0.46 / 1.42x; N = 21 0.73 / 1.51x (67x2467). A training step's
     dW = dz^T @ x at 200000x64->16 "high" (16 x 64 out of 200000 rows): 982 us on ours,
     the step 1.47 ms against the vendor's 0.61 and eager's 0.86."""
-    if a.dtype == "float64":
-        cfg = _DMMA
-    else:
-        mode = _MODE[precision] if a.dtype == "float32" else _HALF
-        hopper = _loader.device_cc(a.device) == 90
-        if hopper and mode == _MODE["medium"]:
-            mode = _MODE["high"]  # (as _choose runs it)
-        cfg = _WGMMA[mode] if hopper and mode in _WGMMA else _MMA
-    return 4 * b_nk.shape[0] <= cfg["BN"] or (forward and 4 * a.shape[0] <= cfg["BM"])
+    cfg = _choose(a, b_nk, precision).cfg
+    bm, bn = (cfg["TILE"],) * 2 if cfg is _SIMPLE else (cfg["BM"], cfg["BN"])
+    return 4 * b_nk.shape[0] <= bn or (forward and 4 * a.shape[0] <= bm)
 
 
 def vendor_linear(kind: str, precision: str, problem):
@@ -622,15 +626,16 @@ def statistics_call(place, M: int, N: int):
     return lambda zp, part: (*launch, (zp,) + sizes + (part,), 0)
 
 
-def routed_mm_plan(a, b, precision: str, batch: int):
+def routed_mm_plan(a, b, precision: str, batch: int, captured: bool = False):
     """A fused op's backward product ``a @ b`` (its input of ``batch`` rows) as
     ``run(a, b) -> array``, decided once: :func:`mm_plan` on ours, or the vendor's product
     (:func:`fused_vendor`). None where ours needs a general copy: the caller then
     computes it with :func:`matmul_core`. The vendor's choice holds for the library's
-    float32 setting of now (:func:`vendor_state`: part of the caller's plan key)."""
+    float32 setting of now (:func:`vendor_state`: part of the caller's plan key) and
+    ``captured`` (:func:`float64_capture`, likewise)."""
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
-    if fused_vendor(a, bt, precision, batch):
+    if fused_vendor(a, bt, precision, batch, captured=captured):
         # (straight to the library, in its eager form: matmul_core's lookup and the
         # vendor's per-call choices would cost a small step ~15 us of host)
         (M, K), N = a.shape, b.shape[1]
@@ -1042,7 +1047,9 @@ def _vendor(kind: str):
     None where the library has none), valid unless ``autocasting()``,
     ``takes(dtype, precision)`` (whether the library's own float32 setting gives that
     precision now: the vendor path never flips a library-wide switch, which other threads
-    would see) and ``state()`` (that setting, part of each plan's key)."""
+    would see), ``state()`` (that setting, part of each plan's key), ``capturing()``
+    (whether its current stream captures a CUDA graph) and ``prepare(device)``
+    (:func:`prepare_capture`)."""
     return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
 
 
@@ -1052,6 +1059,30 @@ def vendor_state(x):
     if is_torch(x):
         return _vendor("torch").state()
     return _CupyVendor.state() if _is_cupy(x) else None
+
+
+def float64_capture(x) -> bool:
+    """Whether ``x`` is of 8-byte elements (float64, once checked) and the current stream of
+    its library (torch or CuPy) is capturing a CUDA graph: where a fused op's float64
+    products follow :func:`route` (``captured``, see :func:`fused_vendor`); part of its
+    plans' keys (other dtypes' plans do not depend on capture)."""
+    if getattr(x, "itemsize", 0) != 8:
+        return False
+    if is_torch(x):
+        return x.is_cuda and _vendor("torch").capturing()
+    return _CupyVendor.capturing() if _is_cupy(x) else False
+
+
+def prepare_capture(a) -> None:
+    """For a fused op's float64 plan made outside a capture (``a``: its 2-D GPU Operand):
+    create the cuBLAS handle of ``a``'s library for this thread and device now. The plan
+    made again while a CUDA graph is captured takes the vendor's products
+    (:func:`float64_capture`) where this one, warmed up before the capture, runs ours; a
+    first cuBLAS call inside the capture would create the handle there, which fails
+    (H200: CUBLAS_STATUS_NOT_INITIALIZED, the capture invalidated). Autograd runs a
+    backward on a thread of its own: its plans prepare there."""
+    if a.dtype == "float64":
+        _vendor(a.kind).prepare(a.device)
 
 
 class _CupyVendor:
@@ -1064,6 +1095,14 @@ class _CupyVendor:
     @staticmethod
     def state():
         return _loader.cupy()._core._routines_linalg.get_compute_type(np.float32)
+
+    @staticmethod
+    def capturing():
+        return _loader.cupy().cuda.get_current_stream().is_capturing()
+
+    @staticmethod
+    def prepare(device: int):
+        _ = _loader.cupy().cuda.Device(device).cublas_handle  # (made for this thread if none)
 
     @staticmethod
     def linear_form(*problem):

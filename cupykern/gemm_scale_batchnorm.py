@@ -29,9 +29,10 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
 from ._geometry import acc_dtype, cdiv
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, STATS_BM, bias_apart, check_operands, check_precision,
-                   check_vector, fresh_like, fused_vendor, gemm, gemm_call, gemm_kernel,
-                   linear_core, matmul_core, register_plans, routed_mm_plan, statistics_call,
-                   vendor_linear, vendor_state, workspace)
+                   check_vector, float64_capture, fresh_like, fused_vendor, gemm, gemm_call,
+                   gemm_kernel, linear_core, matmul_core, prepare_capture, register_plans,
+                   routed_mm_plan, statistics_call, vendor_linear, vendor_state,
+                   workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column
@@ -40,6 +41,14 @@ _COEF_THREADS = 256  # bn_eval_coef: one thread per column
 # runs of ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty; _chunks).
 _CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread (_apply_shape)
+# A vendor product's column statistics (_vendor_statistics) take bn_column_stats from this
+# many tiles of STATS_BM rows. H200, GemmScaleBatchNorm's training forward on the vendor's
+# product, GPU us (CUDA graphs), splitk_reduce / bn_column_stats, eager: float32 "high"
+# 1000000x32->8 (31250 tiles) 244.4 / 114.6, 158.6; 1000000x64->64 523.9 / 409.4, 618.8;
+# 200000x64->16 (6250) 70.4 / 58.9, 62.5; bf16 65536x256->16 (2048) 30.9 / 35.8, 28.0;
+# float32 16465x126->14 (515) 20.5 / 25.0, 23.8; 4096x4096->32 (128) 34.0 / 43.4, 38.4
+# (its grid of few blocks, each thread 32 rows, fills too little of the GPU there).
+_ROW_STATS_FROM = 4096
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
 # bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows,
@@ -74,11 +83,15 @@ def _chunks(tiles: int):
     return chunks, lambda N: ((cdiv(N, threads // chunks),), (threads,))
 
 
-def _apply_expr(dtype, vec, fused=False):
-    """bn_apply, or with ``fused`` bn_train_apply (its coefficients computed in the same
-    launch), for ``dtype`` and ``vec`` columns per thread."""
+def _row_pass_expr(dtype, vec, kind="apply"):
+    """A pass over z's rows for ``dtype`` and ``vec`` columns per thread, laid out alike
+    (ApplySpot): bn_apply ("apply"), bn_train_apply ("train": its coefficients computed
+    in the same launch) or bn_column_stats ("stats")."""
     a = f"{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}"
-    return f"bn_train_apply<{a}, {PART_ROWS}>" if fused else f"bn_apply<{a}>"
+    return f"bn_train_apply<{a}, {PART_ROWS}>" if kind == "train" else f"{_ROW_PASSES[kind]}<{a}>"
+
+
+_ROW_PASSES = {"apply": "bn_apply", "train": "bn_train_apply", "stats": "bn_column_stats"}
 
 
 def _grad_exprs(t):
@@ -101,8 +114,8 @@ def _fused_grad_expr(dtype, training: bool):
 for _dt in CTYPE:
     _t = CTYPE[_dt]
     _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
-                             *(_apply_expr(_dt, v, f) for v in (1, 16 // ITEMSIZE[_dt])
-                               for f in (False, True))])
+                             *(_row_pass_expr(_dt, v, k) for v in (1, 16 // ITEMSIZE[_dt])
+                               for k in _ROW_PASSES)])
     _loader.register(_BACKWARD_FILE, [*_grad_exprs(_t),
                                       *(_fused_grad_expr(_dt, m) for m in (False, True))])
 
@@ -310,8 +323,10 @@ def planned_run(arrays, options):
 
 def _plan_key(arrays, options):
     # (with the vendor's float32 setting: a float32 GEMM off Hopper's wgmma, or a narrow
-    # one, may be the vendor's, whose precision follows torch's TF32 switch when it runs)
-    return tuple(signature(v) for v in arrays) + options + (vendor_state(arrays[0]),)
+    # one, may be the vendor's, whose precision follows torch's TF32 switch when it runs;
+    # and, for float64, whether a CUDA graph is being captured: fused_vendor's rule)
+    x = arrays[0]
+    return tuple(signature(v) for v in arrays) + options + (vendor_state(x), float64_capture(x))
 
 
 def _fresh(checked, *args):
@@ -337,7 +352,10 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
     step = N * ITEMSIZE[acc]
-    product = _ZProduct(a, b, precision, save)
+    captured = float64_capture(a.obj)
+    if not captured:
+        prepare_capture(a)
+    product = _ZProduct(a, b, precision, save, captured)
     ptr = place.ptr
 
     if not training:  # the affine map in the GEMM's epilogue; with ``save`` (or the
@@ -385,7 +403,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     apply_ = _apply_call(place, M, N)
     # Few M-tiles and a momentum: coefficients and apply in one launch (bn_train_apply).
     few = mtiles <= _FUSED_TILES and momentum is not None
-    fused = _apply_launch(place, M, N, True) if few else None
+    fused = _apply_launch(place, M, N, "train") if few else None
     mn = _apply_sizes(place, M, N)
 
     # With ``save`` the coefficients the backward keeps are a view of the buffer's head
@@ -408,7 +426,8 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
                    factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
         if fused:
-            launch_all(place, (*pending, (*fused, (zp, ptr(out), *mn, part, sizes[0], sizes[2], *vectors), 0)))
+            args = (zp, ptr(out), *mn, part, sizes[0], sizes[2], *vectors)
+            launch_all(place, (*pending, (*fused, args, 0)))
         else:
             launch_all(place, (*pending, (coef, *train_launch, (part, *sizes, *vectors), 0),
                                apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
@@ -434,15 +453,15 @@ class _ZProduct:
     __slots__ = ("vendor", "kernel", "gemm", "bm", "workspace", "_place", "_shape", "_linear",
                  "_stats", "_zero")
 
-    def __init__(self, a, b, precision, grad=False):
+    def __init__(self, a, b, precision, grad=False, captured=False):
         M, N = a.shape[0], b.shape[0]
         self._place, self._shape = Place(a), (M, N)
-        self.vendor = fused_vendor(a, b, precision, grad=grad)
+        self.vendor = fused_vendor(a, b, precision, grad=grad, captured=captured)
         if self.vendor:
             self.kernel = self.gemm = None
-            self.bm, self.workspace = STATS_BM, 0
+            self._stats, self.bm = _vendor_statistics(self._place, M, N)
+            self.workspace = 0
             self._linear = vendor_linear(a.kind, precision, (M, N, a.shape[1], a.dtype))
-            self._stats = statistics_call(self._place, M, N)
             # torch's F.linear with a zero bias runs addmm, eager's kernel choice, where a
             # bias-free one runs mm, whose cuBLAS kernel is slower at few rows (H200, GPU
             # us, mm / addmm: 2x7241->12523 float32 "highest" sgemm_largek 167.6 / GEMV
@@ -492,11 +511,11 @@ def _apply_shape(place, N):
     return vec, lanes
 
 
-def _apply_launch(place, M, N, fused=False):
-    """``(fn, grid, block)`` of bn_apply (``fused``: bn_train_apply) over (M, N) arrays,
-    16-byte aligned."""
+def _apply_launch(place, M, N, kind="apply"):
+    """``(fn, grid, block)`` of a pass over the rows of (M, N) arrays, 16-byte aligned
+    (``kind``: see :func:`_row_pass_expr`)."""
     vec, lanes = _apply_shape(place, N)
-    fn = _loader.function(_FILE, _apply_expr(place.dtype, vec, fused), place.device)
+    fn = _loader.function(_FILE, _row_pass_expr(place.dtype, vec, kind), place.device)
     across = _APPLY["THREADS"] // lanes
     return fn, (cdiv(cdiv(N, vec), across), cdiv(M, _APPLY["ROWS"] * lanes)), (_APPLY["THREADS"],)
 
@@ -505,6 +524,20 @@ def _apply_sizes(place, M, N):
     """The (ldz, M, N, lanes) arguments of bn_apply / bn_train_apply over fresh (M, N)
     arrays."""
     return N, scalar(M, "int"), scalar(N, "int"), scalar(_apply_shape(place, N)[1], "int")
+
+
+def _vendor_statistics(place, M, N):
+    """``(call, bm)``: ``call(z_ptr, part_ptr) -> launch``, the per-tile (mean, M2, min,
+    max) of the columns of a C-contiguous (M, N) z made elsewhere (a vendor product), as a
+    GEMM epilogue leaves them in ``part``, in tiles of ``bm`` rows. Below _ROW_STATS_FROM
+    tiles of STATS_BM rows, splitk_reduce's (:func:`cupykern.gemm.statistics_call`: a
+    warp per 32 columns, many blocks); from there bn_column_stats's, laid out as bn_apply
+    (a tile of ROWS * lanes rows per block: fewer tiles for bn_train_coef to merge)."""
+    if cdiv(M, STATS_BM) < _ROW_STATS_FROM:
+        return statistics_call(place, M, N), STATS_BM
+    launch = _apply_launch(place, M, N, "stats")
+    sizes = _apply_sizes(place, M, N)[1:]
+    return (lambda zp, part: (*launch, (zp, *sizes, part), 0)), _APPLY["ROWS"] * _apply_shape(place, N)[1]
 
 
 def _apply_call(place, M, N):
@@ -595,7 +628,7 @@ def grad_dz(g, z, k, cm):
     return dz
 
 
-# (signatures, training, eps, precision, input_grad, weight_grad, vendor state) -> run
+# (signatures, training, eps, precision, input_grad, weight_grad, vendor state, capturing) -> run
 _backward_plans: dict = {}
 register_plans(_plans, _backward_plans)  # (their GEMMs follow the route: forced_route drops them)
 
@@ -633,7 +666,8 @@ def backward_run(arrays, options):
     training, eps, precision = options[:3]
     if not (type(training) is bool and type(eps) is float and type(precision) is str):
         return None, None  # (unhashable or unchecked options: the general path checks them)
-    key = tuple(signature(v) for v in arrays) + options + (vendor_state(arrays[0]),)
+    z = arrays[1]
+    key = tuple(signature(v) for v in arrays) + options + (vendor_state(z), float64_capture(z))
     return cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
                           arrays + (training,), options[1:])
 
@@ -698,8 +732,13 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major
     has_k = xo.shape[1] > 0
     # (each on ours or, at small batches where the dispatcher says so, the vendor's)
-    dx_plan = routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M) if input_grad and has_k else None
-    dw_plan = routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M) if weight_grad and has_k else None
+    captured = float64_capture(zo.obj)
+    if not captured:
+        prepare_capture(zo)
+    dx_plan = (routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M, captured)
+               if input_grad and has_k else None)
+    dw_plan = (routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M, captured)
+               if weight_grad and has_k else None)
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         # The passes go out in one batch, then each GEMM as soon as it is ready: the

@@ -216,6 +216,69 @@ struct ApplySpot {
   }
 };
 
+// The per-tile column statistics of a C-contiguous (M, N) z made elsewhere (the vendor's
+// product), in part's rows as the GEMM epilogue leaves them (mean, M2, min, max: stats.cuh),
+// for bn_train_coef / bn_train_apply. A tile is a block's ROWS * lanes rows (ApplySpot:
+// grid and block as bn_apply's); each thread merges its rows in groups of UNROLL (two
+// passes over the group in registers, then Chan), and the block's lanes then merge in a
+// fixed tree (combine_chunks): deterministic. z is read as stored in T, as the GEMM's
+// epilogue rounds its sums. (min and max skip nan: it reaches the mean anyway.)
+template <typename T, int VEC, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_column_stats(const T* __restrict__ z, int M, int N, int lanes,
+                typename acc_of<T>::type* __restrict__ part) {
+  static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_column_stats: VEC is 1 or one 16-byte vector of T");
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_column_stats: THREADS must be whole warps, at most 1024");
+  typedef typename acc_of<T>::type A;
+  constexpr int UNROLL = 8;
+  __shared__ ColumnMoments<A, VEC> shared[THREADS];
+  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  ColumnMoments<A, VEC> m;
+  m.clear();
+  for (int r = at.r0; at.col < N && r < at.r1; r += UNROLL * lanes) {
+    A v[UNROLL][VEC], cnt = 0, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      Vec16<T> x;
+      const bool in = r + u * lanes < at.r1;
+      const T* p = z + (long long)(r + u * lanes) * N + at.col;
+      if (in && VEC > 1) x.u = *reinterpret_cast<const uint4*>(p);
+      else if (in) x.e[0] = *p;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v[u][e] = in ? to_acc(x.e[e]) : (A)0;
+      cnt += in ? (A)1 : (A)0;
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      A sum = 0;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) sum += v[u][e];
+      mean[e] = sum / cnt;
+      m2[e] = 0;
+      lo[e] = infinity<A>();
+      hi[e] = -infinity<A>();
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (r + u * lanes >= at.r1) break;
+        const A d = v[u][e] - mean[e];
+        m2[e] += d * d;
+        lo[e] = fmin(lo[e], v[u][e]);
+        hi[e] = fmax(hi[e], v[u][e]);
+      }
+    }
+    m.merge(cnt, mean, m2, lo, hi);
+  }
+  if (!combine_chunks<THREADS>(m, shared, lanes) || at.col >= N) return;
+  A* row = part + (long long)PART_ROWS * blockIdx.y * N + at.col;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    row[e] = m.mean[e];
+    row[N + e] = m.m2[e];
+    row[2 * N + e] = m.lo[e];
+    row[3 * N + e] = m.hi[e];
+  }
+}
+
 // apply_rows with the coefficients of arrays ca, cm, cb, each thread owning VEC columns
 // for ROWS rows (ApplySpot). It also counts the batch: ++num_batches_tracked when nbt is
 // not null, after bn_train_coef has read it (a launch of its own would cost a call of host

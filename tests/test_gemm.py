@@ -887,6 +887,28 @@ def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.parametrize("cc", [90, 80])
+def test_captured_float64_products_follow_the_route(monkeypatch, cc, dispatched):
+    """GPU-free: a fused op's float64 product of at most FUSED_F64_WORK[role] multiply-adds
+    stays ours (host time) unless a CUDA graph is being captured: then it follows the
+    dispatcher (the vendor's DGEMM), forward and backward; other dtypes ignore capture."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+
+    def op(rows, cols, dtype="float64"):
+        return _array.Operand(torch.empty(0), "torch", dtype, (rows, cols), (cols, 1),
+                              0x10000, 0, "a", True)
+    for (m, k, n), kw in [((267, 157, 129), {}), ((53, 2829, 152), {"grad": True}),
+                          ((4498, 29, 46), {"batch": 4498}), ((64, 512, 512), {})]:
+        assert not gemm.fused_vendor(op(m, k), op(n, k), "highest", **kw)
+        assert gemm.fused_vendor(op(m, k), op(n, k), "highest", captured=True, **kw)
+    x, w = op(267, 160, "float32"), op(256, 160, "float32")
+    assert gemm.fused_vendor(x, w, "highest", captured=True) == gemm.fused_vendor(x, w, "highest")
+    assert not gemm.float64_capture(torch.empty(3, dtype=torch.float64))  # (not capturing)
+    assert not gemm.float64_capture(np.empty(3))
+
+
 def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
     """GPU-free: a copy (of a transposed operand, say) is a fresh array of rows of K, so
     with K % 4 it stays off Hopper's wgmma, and "highest" goes to SGEMM as for any such

@@ -202,12 +202,22 @@ def test_apply_pass_over_narrow_rows(shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
-@pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700)],
+@pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700),
+                                   (140001, 40, 9), (200003, 64, 16)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_statistics_of_many_tiles(shape, dtype):
+@pytest.mark.parametrize("row_stats", [False, True], ids=["as-dispatched", "row-stats"])
+def test_statistics_of_many_tiles(monkeypatch, shape, dtype, row_stats):
     """Many M-tiles: bn_train_coef merges a column's runs of tiles side by side, then the
     runs (of unequal length, and some empty, at these shapes); the reference's result
-    within the dtype's bound, the same bits twice."""
+    within the dtype's bound, the same bits twice. The vendor's narrow products (N = 9,
+    14, 16) take their statistics from splitk_reduce or, from _ROW_STATS_FROM tiles (the
+    last two shapes, and any with ``row_stats``), bn_column_stats."""
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    if row_stats:
+        if shape[0] > 20000:
+            pytest.skip("dispatched there already")
+        monkeypatch.setattr(core, "_ROW_STATS_FROM", 0)
+    core._plans.clear()
     m, fin, fout = shape
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
@@ -225,6 +235,28 @@ def test_statistics_of_many_tiles(shape, dtype):
     for name in ("running_mean", "running_var"):
         a, b = getattr(new.bn, name).double(), getattr(ref64.bn, name)
         assert torch.allclose(a, b, atol=bound, rtol=bound), (name, (a - b).abs().max())
+    core._plans.clear()
+
+
+def test_vendor_statistics_by_tiles():
+    """GPU-free: a vendor product's column statistics come from splitk_reduce in tiles of
+    STATS_BM rows below _ROW_STATS_FROM such tiles, from bn_column_stats (tiles of ROWS *
+    lanes rows, lanes as bn_apply lays them) from there."""
+    import types
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    from cupykern import _loader
+    place = types.SimpleNamespace(dtype="float32", device=0)
+    calls = []
+    orig = _loader.function
+    try:
+        _loader.function = lambda file, expr, dev, *a: calls.append(expr) or expr
+        below = core.STATS_BM * (core._ROW_STATS_FROM - 1)  # (the most rows below)
+        assert core._vendor_statistics(place, below, 16)[1] == core.STATS_BM
+        assert calls[-1].startswith("splitk_reduce<float, float")
+        assert core._vendor_statistics(place, below + 1, 16)[1] == core._APPLY["ROWS"] * 32
+        assert calls[-1] == core._row_pass_expr("float32", 4, "stats")
+    finally:
+        _loader.function = orig
 
 
 @pytest.mark.gpu
@@ -249,6 +281,55 @@ def test_vendor_zero_bias_outlives_plans():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, 2 * x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_captured_float64_plans_follow_the_route(monkeypatch, training):
+    """A float64 GemmScaleBatchNorm planned while a CUDA graph is captured takes the
+    vendor's products (fused_vendor's ``captured``), forward and backward, where eager
+    calls keep ours; the graph's replay gives what eager calls give, on new inputs."""
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    seen = []
+    real = core.fused_vendor
+
+    def spy(*args, **kw):
+        seen.append((kw.get("captured", False), real(*args, **kw)))
+        return seen[-1][1]
+    monkeypatch.setattr(core, "fused_vendor", spy)
+    monkeypatch.setattr(sys.modules["cupykern.gemm"], "fused_vendor", spy)
+    core._plans.clear()
+    core._backward_plans.clear()
+    m, fin, fout = 267, 157, 129
+    ref, new = _pair(fin, fout)
+    ref, new = ref.cuda().double().train(training), new.cuda().double().train(training)
+    x = torch.randn(m, fin, device="cuda", dtype=torch.float64, requires_grad=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # (warm-up, eager)
+            new(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert seen and not any(c or v for c, v in seen)
+    seen.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = new(x)
+        out.sum().backward()
+    assert seen and all(c and v for c, v in seen)
+    x.grad = None
+    ref.load_state_dict(new.state_dict())
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref(x)
+    assert torch.allclose(out, want, atol=1e-10, rtol=1e-10)
+    if training:
+        for name in ("running_mean", "running_var"):
+            assert torch.allclose(getattr(new.bn, name), getattr(ref.bn, name), atol=1e-12)
+    core._plans.clear()
+    core._backward_plans.clear()
 
 
 @pytest.mark.gpu

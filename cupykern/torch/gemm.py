@@ -58,6 +58,12 @@ class Vendor:
         return torch._C._get_cublas_allow_tf32()
 
     autocasting = staticmethod(torch._C._is_any_autocast_enabled)  # (where the forms don't hold)
+    capturing = staticmethod(torch.cuda.is_current_stream_capturing)
+
+    @staticmethod
+    def prepare(device: int):
+        with torch.cuda.device(device):
+            torch.cuda.current_blas_handle()  # (made for this thread if it has none)
 
     @staticmethod
     def takes(dtype: str, precision: str) -> bool:
@@ -97,7 +103,7 @@ class Vendor:
         key = (proto.device, proto.dtype)
         z = _ZEROS.get(key)
         if z is None or z.numel() < n:
-            if torch.cuda.is_current_stream_capturing():
+            if Vendor.capturing():
                 return None
             z = torch.zeros(max(n, 2 * z.numel() if z is not None else n), dtype=proto.dtype,
                             device=proto.device)
