@@ -297,6 +297,14 @@ class _Choice(NamedTuple):
     cluster: int = 1
 
 
+def _tc_mode(dtype: str, precision: str, wgmma: bool) -> int:
+    """The tensor-core mode of a float32 (by ``precision``) or 16-bit product; where it
+    runs on Hopper's wgmma, "medium" runs as "high" (our TF32 wgmma outruns the bf16
+    mma.sync path)."""
+    mode = _MODE[precision] if dtype == "float32" else _HALF
+    return _MODE["high"] if wgmma and mode == _MODE["medium"] else mode
+
+
 def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     """The :class:`_Choice` for ``a @ b.T`` (as :func:`gemm_kernel`)."""
     M, K = a.shape
@@ -310,10 +318,8 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
         return _Choice(_dmma_expr(ta, tb, aligned and not (ta and tb)), _DMMA, None, False, lda, ldb)
     if dt == "float64" or cc < 80:
         return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
-    mode = _MODE[precision] if dt == "float32" else _HALF
     hopper = aligned and cc == 90
-    if mode == _MODE["medium"] and hopper:
-        mode = _MODE["high"]  # our TF32 wgmma outruns the bf16 mma.sync path
+    mode = _tc_mode(dt, precision, hopper)
     mma = _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
                   lda, ldb)
     if not (mode in _WGMMA and hopper):
@@ -513,8 +519,9 @@ def mm_plan(a, b, precision: str):
 FUSED_VENDOR_BATCH = 1024
 # A fused op's float64 products stay ours up to these multiply-adds, by role (narrow
 # ones aside: fused_vendor, _narrow): a cuBLAS call through torch costs these hosts
-# 50-150 us (the profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. A forward alone hides that host time behind
-# the GPU's work; a training step, host-bound up to ~2**31, does not. H100, one run,
+# 50-150 us (the profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. A
+# forward alone hides that host time behind the GPU's work; a training step, host-bound
+# up to ~2**31, does not. H100, one run,
 # GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of
 # 160 calls in alternating blocks, ours then on CUDA cores. Forward alone, the vendor's
 # product / ours: 0.98 / 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512
@@ -539,8 +546,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
                  captured: bool = False) -> bool:
     """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
-    pass of its own (see gemm_scale_batchnorm's _vendor_statistics); ``grad``: a forward whose backward will run)
-    or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
+    pass of its own: gemm_scale_batchnorm's _vendor_statistics; ``grad``: a forward
+    whose backward will run) or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
     tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
     eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
     except where Hopper would run them off wgmma (:func:`_off_wgmma`) or the product is
@@ -577,8 +584,10 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
 
 def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
     """Whether the product ``a @ b_nk.T`` fills at most a quarter of our tile's columns
-    (N <= BN / 4), or, for a ``forward`` product, of its rows (M <= BM / 4; the tile
-    :func:`_choose` picks): a fused op's product then follows :func:`route` too, the vendor's narrow
+    (N <= BN / 4), or, for a ``forward`` product, of its rows (M <= BM / 4; the tile of
+    the dtype, precision and arch, whatever the layout: ``a`` and ``b_nk`` may be
+    operands that our GEMM would copy first): a fused op's product then follows
+    :func:`route` too, the vendor's narrow
     kernels (GEMV, split K) outrunning our mostly empty tiles though the statistics take
     a pass of their own. H200, GemmScaleBatchNorm's forward against eager, GPU time
     (CUDA graphs), ours / the vendor's product: "high" (BN 256) N = 16 0.55 / 0.73x
@@ -593,9 +602,13 @@ def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
     9 0.55 / 1.18x, 0.46 / 1.42x; N = 21 0.73 / 1.51x (67x2467). A training step's
     dW = dz^T @ x at 200000x64->16 "high" (16 x 64 out of 200000 rows): 982 us on ours,
     the step 1.47 ms against the vendor's 0.61 and eager's 0.86."""
-    cfg = _choose(a, b_nk, precision).cfg
-    bm, bn = (cfg["TILE"],) * 2 if cfg is _SIMPLE else (cfg["BM"], cfg["BN"])
-    return 4 * b_nk.shape[0] <= bn or (forward and 4 * a.shape[0] <= bm)
+    if a.dtype == "float64":
+        cfg = _DMMA
+    else:
+        hopper = _loader.device_cc(a.device) == 90
+        mode = _tc_mode(a.dtype, precision, hopper)
+        cfg = _WGMMA[mode] if hopper and mode in _WGMMA else _MMA
+    return 4 * b_nk.shape[0] <= cfg["BN"] or (forward and 4 * a.shape[0] <= cfg["BM"])
 
 
 def vendor_linear(kind: str, precision: str, problem):

@@ -83,15 +83,15 @@ def _chunks(tiles: int):
     return chunks, lambda N: ((cdiv(N, threads // chunks),), (threads,))
 
 
+_ROW_PASSES = {"apply": "bn_apply", "train": "bn_train_apply", "stats": "bn_column_stats"}
+
+
 def _row_pass_expr(dtype, vec, kind="apply"):
     """A pass over z's rows for ``dtype`` and ``vec`` columns per thread, laid out alike
     (ApplySpot): bn_apply ("apply"), bn_train_apply ("train": its coefficients computed
-    in the same launch) or bn_column_stats ("stats")."""
+    in the same launch, from partials of PART_ROWS rows) or bn_column_stats ("stats")."""
     a = f"{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}"
-    return f"bn_train_apply<{a}, {PART_ROWS}>" if kind == "train" else f"{_ROW_PASSES[kind]}<{a}>"
-
-
-_ROW_PASSES = {"apply": "bn_apply", "train": "bn_train_apply", "stats": "bn_column_stats"}
+    return f"{_ROW_PASSES[kind]}<{a}{f', {PART_ROWS}' if kind == 'train' else ''}>"
 
 
 def _grad_exprs(t):
@@ -279,7 +279,7 @@ def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
     return xo, wo, vec, nbt, momentum, eps, check_precision(precision)
 
 
-_plans: dict = {}  # (signatures, training, momentum, eps, precision) -> run(*arrays), or None
+_plans: dict = {}  # _plan_key(arrays, options) -> run(*arrays), or None
 
 
 def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, running_mean,

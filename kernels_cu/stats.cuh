@@ -7,9 +7,17 @@
 constexpr int PART_ROWS = 4;
 
 // Chan et al.: merge partial b into the running (n, mean, m2).
+// (Into an empty one: b itself, which the formula gives too but for d * d overflowing,
+// inf * 0 = nan, where |mean| passes sqrt(A's max).)
 template <typename A>
 __device__ __forceinline__ void chan_merge(A& n, A& mean, A& m2, A nb, A meanb, A m2b) {
   if (nb == (A)0) return;
+  if (n == (A)0) {
+    n = nb;
+    mean = meanb;
+    m2 = m2b;
+    return;
+  }
   const A nn = n + nb, d = meanb - mean, f = nb / nn;
   mean += d * f;
   m2 += m2b + d * d * n * f;

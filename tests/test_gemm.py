@@ -888,6 +888,26 @@ def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
 
 
 @pytest.mark.parametrize("cc", [90, 80])
+def test_narrow_rule_reads_any_layout(monkeypatch, cc, dispatched):
+    """GPU-free: a backward product's operand that is neither row- nor column-contiguous
+    (x[:, ::2], which our GEMM would copy first) is judged narrow by its dtype, precision
+    and arch like any other, and follows the route; a wide one stays ours."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
+    for dtype in ("float32", "float64"):
+        x = _array.Operand(torch.empty(0), "torch", dtype, (4099, 300), (600, 2), 0x10000, 0,
+                           "x", True)
+        w = _array.Operand(torch.empty(0), "torch", dtype, (16, 300), (300, 1), 0x10000, 0,
+                           "w", True)
+        want = gemm._route_of(x, w, "highest") == gemm.VENDOR
+        assert gemm.fused_vendor(x, w, "highest", batch=4099) == want
+        w = _array.Operand(torch.empty(0), "torch", dtype, (1024, 300), (300, 1), 0x10000, 0,
+                           "w", True)
+        assert not gemm._narrow(x, w, "highest", forward=False)
+
+
+@pytest.mark.parametrize("cc", [90, 80])
 def test_captured_float64_products_follow_the_route(monkeypatch, cc, dispatched):
     """GPU-free: a fused op's float64 product of at most FUSED_F64_WORK[role] multiply-adds
     stays ours (host time) unless a CUDA graph is being captured: then it follows the

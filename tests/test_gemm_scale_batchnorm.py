@@ -2,6 +2,7 @@
 import contextlib
 import importlib
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -169,14 +170,17 @@ def test_narrow_rows_lie_side_by_side_in_the_apply_pass():
                            ("bfloat16", 64, (8, 16)), ("float64", 2, (2, 128)),
                            ("float32", 1, (1, 128)), ("float32", 512, (4, 1)),
                            ("float16", 4096, (8, 1)), ("float32", 129, (1, 1))]:
-        place = types.SimpleNamespace(dtype=dtype)
+        place = types.SimpleNamespace(dtype=dtype, device=0)
         vec, lanes = core._apply_shape(place, n)
         assert (vec, lanes) == want
         across, vectors = threads // lanes, -(-n // vec)
         assert lanes == 1 or across >= vectors > across // 2
         for m in (1, 31, 32 * lanes + 1, 200000):
-            (gx, gy) = (-(-vectors // across), -(-m // (rows * lanes)))
-            assert gx * across >= vectors and gy * rows * lanes >= m > (gy - 1) * rows * lanes
+            with mock.patch.object(core._loader, "function", lambda file, expr, dev: expr):
+                expr, (gx, gy), (block,) = core._apply_launch(place, m, n)
+            assert expr == core._row_pass_expr(dtype, vec) and block == threads
+            assert gx * across >= vectors > (gx - 1) * across
+            assert gy * rows * lanes >= m > (gy - 1) * rows * lanes
 
 
 @pytest.mark.gpu
@@ -202,22 +206,36 @@ def test_apply_pass_over_narrow_rows(shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
-@pytest.mark.parametrize("shape", [(16465, 126, 14), (4133, 64, 40), (2600, 24, 700),
-                                   (140001, 40, 9), (200003, 64, 16)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("row_stats", [False, True], ids=["as-dispatched", "row-stats"])
-def test_statistics_of_many_tiles(monkeypatch, shape, dtype, row_stats):
+@pytest.mark.parametrize("shape, row_stats", [
+    ((16465, 126, 14), False), ((16465, 126, 14), True), ((4133, 64, 40), None),
+    ((2600, 24, 700), None), ((140001, 40, 9), True), ((200709, 64, 16), True)],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else
+    {False: "splitk-stats", True: "row-stats", None: "as-dispatched"}[v])
+def test_statistics_of_many_tiles(monkeypatch, shape, row_stats, dtype):
     """Many M-tiles: bn_train_coef merges a column's runs of tiles side by side, then the
     runs (of unequal length, and some empty, at these shapes); the reference's result
-    within the dtype's bound, the same bits twice. The vendor's narrow products (N = 9,
-    14, 16) take their statistics from splitk_reduce or, from _ROW_STATS_FROM tiles (the
-    last two shapes, and any with ``row_stats``), bn_column_stats."""
+    within the dtype's bound, the same bits twice. Narrow products (N = 9, 14, 16) are
+    the vendor's, their statistics splitk_reduce's or, from _ROW_STATS_FROM tiles (the
+    last two shapes, the last with a last tile of 5 rows for 32 lanes) or forced,
+    bn_column_stats's; the others' our GEMM's epilogue (16-bit: the vendor's there too,
+    with splitk_reduce's statistics)."""
     core = importlib.import_module("cupykern.gemm_scale_batchnorm")
-    if row_stats:
-        if shape[0] > 20000:
-            pytest.skip("dispatched there already")
+    if row_stats and shape[0] < 20000:
         monkeypatch.setattr(core, "_ROW_STATS_FROM", 0)
+    tiles = []
+    real = core._vendor_statistics
+    monkeypatch.setattr(core, "_vendor_statistics",
+                        lambda *a: tiles.append(real(*a)[1]) or real(*a))
     core._plans.clear()
+    try:
+        _check_many_tiles(shape, dtype)
+    finally:
+        core._plans.clear()
+    assert all((t == core.STATS_BM) != bool(row_stats) for t in tiles)
+    assert tiles or row_stats is None
+
+
+def _check_many_tiles(shape, dtype):
     m, fin, fout = shape
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().to(dtype), new.cuda().to(dtype)
@@ -235,7 +253,6 @@ def test_statistics_of_many_tiles(monkeypatch, shape, dtype, row_stats):
     for name in ("running_mean", "running_var"):
         a, b = getattr(new.bn, name).double(), getattr(ref64.bn, name)
         assert torch.allclose(a, b, atol=bound, rtol=bound), (name, (a - b).abs().max())
-    core._plans.clear()
 
 
 def test_vendor_statistics_by_tiles():
@@ -317,14 +334,21 @@ def test_captured_float64_plans_follow_the_route(monkeypatch, training):
         out = new(x)
         out.sum().backward()
     assert seen and all(c and v for c, v in seen)
-    x.grad = None
+    grads = [x.grad] + [p.grad for _, p in sorted(new.named_parameters())]
     ref.load_state_dict(new.state_dict())
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
+        for g in grads:
+            g.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    want = ref(x)
+    xr = x.detach().clone().requires_grad_()
+    want = ref(xr)
+    want.sum().backward()
     assert torch.allclose(out, want, atol=1e-10, rtol=1e-10)
+    wants = [xr.grad] + [p.grad for _, p in sorted(ref.named_parameters())]
+    for got, w in zip(grads, wants, strict=True):
+        assert torch.allclose(got, w, atol=1e-9, rtol=1e-9), (got - w).abs().max()
     if training:
         for name in ("running_mean", "running_var"):
             assert torch.allclose(getattr(new.bn, name), getattr(ref.bn, name), atol=1e-12)
