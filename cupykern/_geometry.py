@@ -61,6 +61,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The most blocks a launch's grid holds on y (and z). Row passes put their row tiles there
+# and loop over the rest (common.cuh's row_tiles): a few million rows make more tiles.
+MAX_GRID_Y = 65535
+
+
+def grid_rows(tiles: int) -> int:
+    """The grid's y extent of a row pass over ``tiles`` row tiles (row_tiles)."""
+    return min(tiles, MAX_GRID_Y)
+
+
 def acc_dtype(dtype: str) -> str:
     """The type sums of ``dtype`` accumulate in (PyTorch's rule): float64 for float64,
     float32 otherwise."""

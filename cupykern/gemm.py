@@ -353,10 +353,11 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     expr, cfg, maps, a_mn, lda, ldb, cl = _choose(a, b, precision, transposed_c)
     assert not transposed_c or (a_mn and _splits(a, _tiles(M, N, cfg), cfg) == 1), \
         "no transposed store"
-    if cfg is _SIMPLE:  # (2-D grid, registers only)
+    if cfg is _SIMPLE:  # (registers only)
         ts = cfg["TILE"]
         fn = _loader.function(_FILE, expr, a.device)
-        return _split(fn, (cdiv(M, ts), cdiv(N, ts)), (cfg["THREADS"],), 0, ts, a, b, lda, ldb, cfg)
+        return _split(fn, (cdiv(M, ts) * cdiv(N, ts),), (cfg["THREADS"],), 0, ts, a, b, lda, ldb,
+                      cfg)
     file = _MMA_FILE if cfg is _MMA else _DMMA_FILE if cfg is _DMMA else _WGMMA_FILE
     fn = _loader.function(file, expr, a.device, cfg["SMEM"])
     grid = (_tiles(M, N, cfg),)
@@ -517,23 +518,22 @@ def mm_plan(a, b, precision: str):
 # 43), and stay ours from it on, where they were tuned against cuBLAS (1024x8192->8192
 # "high" dW = dy^T @ x 1.31x cuBLAS TF32, dx 0.99x; 2048x2048->2048 "high" a tie).
 FUSED_VENDOR_BATCH = 1024
-# A fused op's float64 products stay ours up to these multiply-adds, by role (narrow
-# ones aside: fused_vendor, _narrow): a cuBLAS call through torch costs these hosts
-# 50-150 us (the profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. A
-# forward alone hides that host time behind the GPU's work; a training step, host-bound
-# up to ~2**31, does not. H100, one run,
-# GemmScaleBatchNorm in float64 against eager, event-timed with host time, medians of
-# 160 calls in alternating blocks, ours then on CUDA cores. Forward alone, the vendor's
-# product / ours: 0.98 / 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at 128x1024->512
-# (2**26), 0.94 / 0.48x at 256x1024->1024 (2**28: our GEMM 126 us against 64). Training
-# step, all three products the vendor's / the forward's ours / all ours: 0.78 / 0.88 /
-# 0.95x at 2**24, 0.78 / 0.80 / 0.96x at 2**26, 0.79 / 0.96 / 0.98x at 2**28, 0.76 /
-# 0.94 / 0.87x at 512x2048->1024 (2**30), 0.96 / 0.87 / 0.45x at 256x4096->4096
-# (2**32), 1.12 / 0.72 / 0.37x at 2048^3. Ours now runs DMMA (gemm_dmma, 3x the CUDA
-# cores, 0.35-0.72x cuBLAS's DGEMM); the same limits, rerun on an H200 (all ours / the
-# limits / all the vendor's), measure within the runs' noise of each other: step
-# 0.96-1.00 / 0.95-1.02 / 0.95-1.01x from 2**24 to 2**31. These are host-time limits:
-# a plan made while a CUDA graph is captured takes the vendor's products (fused_vendor's
+# A fused op's float64 products stay ours up to these multiply-adds, by role (narrow ones
+# aside: fused_vendor, _narrow): a cuBLAS call through torch costs these hosts 50-150 us
+# (the profiler: aten::mm 42-77 us, aten::addmm 150 us), ours one launch. A forward alone
+# hides that host time behind the GPU's work; a training step, host-bound up to ~2**31,
+# does not. H100, one run, GemmScaleBatchNorm in float64 against eager, event-timed with
+# host time, medians of 160 calls in alternating blocks, ours then on CUDA cores. Forward
+# alone, the vendor's product / ours: 0.98 / 1.68x at 64x512->512 (2**24), 0.83 / 1.32x at
+# 128x1024->512 (2**26), 0.94 / 0.48x at 256x1024->1024 (2**28: our GEMM 126 us against
+# 64). Training step, all three products the vendor's / the forward's ours / all ours:
+# 0.78 / 0.88 / 0.95x at 2**24, 0.78 / 0.80 / 0.96x at 2**26, 0.79 / 0.96 / 0.98x at
+# 2**28, 0.76 / 0.94 / 0.87x at 512x2048->1024 (2**30), 0.96 / 0.87 / 0.45x at
+# 256x4096->4096 (2**32), 1.12 / 0.72 / 0.37x at 2048^3. Ours now runs DMMA (gemm_dmma, 3x
+# the CUDA cores, 0.35-0.72x cuBLAS's DGEMM); the same limits, rerun on an H200 (all ours
+# / the limits / all the vendor's), measure within the runs' noise of each other: step
+# 0.96-1.00 / 0.95-1.02 / 0.95-1.01x from 2**24 to 2**31. These are host-time limits: a
+# plan made while a CUDA graph is captured takes the vendor's products (fused_vendor's
 # ``captured``). H200, one run, 24 float64 forwards off narrow below 2**26 (20 of the
 # survey's, 64x512->512, 128x1024->512, 256^3, 1024x64->64), ours / the vendor's against
 # eager: GPU time (CUDA graphs) 0.67-1.28x (10 under 1.0: 53x2829->152 0.67x, 267x157->129

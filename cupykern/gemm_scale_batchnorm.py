@@ -26,7 +26,7 @@ from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch,
                      launch_all, operand, require_writable, row_view_stride, rows_2d, same_place,
                      scalar, signature, torch_layer)
-from ._geometry import acc_dtype, cdiv
+from ._geometry import acc_dtype, cdiv, grid_rows
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, STATS_BM, bias_apart, check_operands, check_precision,
                    check_vector, float64_capture, fresh_like, fused_vendor, gemm, gemm_call,
@@ -403,8 +403,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     apply_ = _apply_call(place, M, N)
     # Few M-tiles and a momentum: coefficients and apply in one launch (bn_train_apply).
     few = mtiles <= _FUSED_TILES and momentum is not None
-    fused = _apply_launch(place, M, N, "train") if few else None
-    mn = _apply_sizes(place, M, N)
+    fused = _apply_launch(place, M, N, "train") if few else None  # (fn, grid, block, sizes)
 
     # With ``save`` the coefficients the backward keeps are a view of the buffer's head
     # (one allocation less a call), unless a split-K workspace would be kept with them.
@@ -426,8 +425,8 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
         vectors = (ptr(bias), ptr(scale), ptr(gamma), ptr(beta), ptr(rmean), ptr(rvar), n,
                    factor, eps_, c0, c0 + step, c0 + 2 * step, c0 + 3 * step if save else 0)
         if fused:
-            args = (zp, ptr(out), *mn, part, sizes[0], sizes[2], *vectors)
-            launch_all(place, (*pending, (*fused, args, 0)))
+            args = (zp, ptr(out), *fused[3], part, sizes[0], sizes[2], *vectors)
+            launch_all(place, (*pending, (*fused[:3], args, 0)))
         else:
             launch_all(place, (*pending, (coef, *train_launch, (part, *sizes, *vectors), 0),
                                apply_(zp, ptr(out), c0, c0 + step, c0 + 2 * step, n)))
@@ -512,18 +511,14 @@ def _apply_shape(place, N):
 
 
 def _apply_launch(place, M, N, kind="apply"):
-    """``(fn, grid, block)`` of a pass over the rows of (M, N) arrays, 16-byte aligned
-    (``kind``: see :func:`_row_pass_expr`)."""
+    """``(fn, grid, block, sizes)`` of a pass over the rows of fresh (M, N) arrays
+    (``kind``: see :func:`_row_pass_expr`), ``sizes`` its (ldz, M, N, lanes) arguments."""
     vec, lanes = _apply_shape(place, N)
     fn = _loader.function(_FILE, _row_pass_expr(place.dtype, vec, kind), place.device)
-    across = _APPLY["THREADS"] // lanes
-    return fn, (cdiv(cdiv(N, vec), across), cdiv(M, _APPLY["ROWS"] * lanes)), (_APPLY["THREADS"],)
-
-
-def _apply_sizes(place, M, N):
-    """The (ldz, M, N, lanes) arguments of bn_apply / bn_train_apply over fresh (M, N)
-    arrays."""
-    return N, scalar(M, "int"), scalar(N, "int"), scalar(_apply_shape(place, N)[1], "int")
+    across, tile = _APPLY["THREADS"] // lanes, _APPLY["ROWS"] * lanes
+    grid = (cdiv(cdiv(N, vec), across), grid_rows(cdiv(M, tile)))
+    sizes = (N, scalar(M, "int"), scalar(N, "int"), scalar(lanes, "int"))
+    return fn, grid, (_APPLY["THREADS"],), sizes
 
 
 def _vendor_statistics(place, M, N):
@@ -535,17 +530,16 @@ def _vendor_statistics(place, M, N):
     (a tile of ROWS * lanes rows per block: fewer tiles for bn_train_coef to merge)."""
     if cdiv(M, STATS_BM) < _ROW_STATS_FROM:
         return statistics_call(place, M, N), STATS_BM
-    launch = _apply_launch(place, M, N, "stats")
-    sizes = _apply_sizes(place, M, N)[1:]
-    return (lambda zp, part: (*launch, (zp, *sizes, part), 0)), _APPLY["ROWS"] * _apply_shape(place, N)[1]
+    fn, grid, block, (_, *sizes) = _apply_launch(place, M, N, "stats")
+    return (lambda zp, part: (fn, grid, block, (zp, *sizes, part), 0)), _APPLY["ROWS"] * int(sizes[-1])
 
 
 def _apply_call(place, M, N):
     """``call(z_ptr, out_ptr, ca, cm, cb, nbt)``: the launch tuple of bn_apply from a
     fresh (M, N) z to a fresh out (out may be z); it also counts num_batches_tracked
     (nbt, 0 for none)."""
-    launch, sizes = _apply_launch(place, M, N), _apply_sizes(place, M, N)
-    return lambda z, o, ca, cm, cb, nbt: (*launch, (z, o) + sizes + (ca, cm, cb, nbt), 0)
+    fn, grid, block, sizes = _apply_launch(place, M, N)
+    return lambda z, o, ca, cm, cb, nbt: (fn, grid, block, (z, o) + sizes + (ca, cm, cb, nbt), 0)
 
 
 # ---- the BatchNorm passes with column statistics from elsewhere (synchronized training:
@@ -590,13 +584,15 @@ def apply_coefficients(z, ca, cm, cb):
 
 
 def _grad_geometry(M: int, N: int):
-    """(grid, block) of bn_grad_partials / bn_grad_dz: a row tile of _GRAD["ROWS"] rows per
-    grid row."""
-    return (cdiv(N, _GRAD["THREADS"]), cdiv(M, _GRAD["ROWS"])), (_GRAD["THREADS"],)
+    """(tiles, grid, block) of bn_grad_partials / bn_grad_dz: row tiles of _GRAD["ROWS"]
+    rows, one per grid row (looping past MAX_GRID_Y)."""
+    tiles = cdiv(M, _GRAD["ROWS"])
+    return tiles, (cdiv(N, _GRAD["THREADS"]), grid_rows(tiles)), (_GRAD["THREADS"],)
 
 
 def _grad_launch(zo, place, g):
-    """(g's row Operand, grid, block, (M, N) arguments) of bn_grad_partials / bn_grad_dz."""
+    """(g's row Operand, tiles, grid, block, (M, N) arguments) of bn_grad_partials /
+    bn_grad_dz."""
     M, N = zo.shape
     go = rows_2d(operand(g, "g"), "g")  # (copied if its rows are not contiguous)
     if go.shape != (M, N) or go.dtype != zo.dtype:
@@ -609,9 +605,9 @@ def grad_partials(g, z, cm):
     """Per (row tile, column) sums of g and g * (z - cm), (tiles, 2, N) of the accumulation
     type (bn_grad_partials): add them over the tiles (axis 0) for the column sums."""
     zo, place, (M, N) = _checked_z(z)
-    go, grid, block, mn = _grad_launch(zo, place, g)
+    go, tiles, grid, block, mn = _grad_launch(zo, place, g)
     fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[0], zo.device)
-    part = empty(place, (grid[1], 2, N), acc_dtype(zo.dtype))
+    part = empty(place, (tiles, 2, N), acc_dtype(zo.dtype))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(cm),
                                           place.ptr(part)), 0),))
     return part
@@ -620,7 +616,7 @@ def grad_partials(g, z, cm):
 def grad_dz(g, z, k, cm):
     """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
     zo, place, (M, N) = _checked_z(z)
-    go, grid, block, mn = _grad_launch(zo, place, g)
+    go, _, grid, block, mn = _grad_launch(zo, place, g)
     fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
     dz = empty(place, (M, N))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(k),
@@ -787,8 +783,7 @@ def _grad_passes(go, zo, training, eps):
         return one, 0
     partials, train_coef, dz_fn, eval_coef = (_loader.function(_BACKWARD_FILE, e, dev)
                                               for e in _grad_exprs(t))
-    grid, block = _grad_geometry(M, N)
-    tiles = grid[1]
+    tiles, grid, block = _grad_geometry(M, N)
     chunks, chunked = _chunks(tiles)
     coef_launch = chunked(N)
     tiles_ = scalar(tiles, "int"), scalar(chunks, "int")

@@ -61,6 +61,11 @@ template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(double v) {
 template <typename T, typename A>
 __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(p[n]) : dflt; }
 
+// Tiles of ``rows`` rows over M rows. A row pass's grid holds at most 65535 blocks on y
+// (MAX_GRID_Y, _geometry.py), fewer than the tiles of a few million rows: the blocks of
+// grid row y take tiles y, y + gridDim.y, ...
+__device__ __forceinline__ int row_tiles(int M, int rows) { return (int)(((long long)M + rows - 1) / rows); }
+
 // 16 bytes of T: the unit of every vectorised load and store.
 template <typename T> struct Vec16 {
   static constexpr int N = 16 / sizeof(T);

@@ -45,34 +45,6 @@
 #include "common.cuh"
 #include "stats.cuh"
 
-// ---- (count, mean, M2) statistics --------------------------------------------------
-// Per-thread two-pass (mean, M2) of V values, `valid[i]` marking rows inside M.
-template <typename A, int V>
-__device__ __forceinline__ void local_stats(const A (&v)[V], const bool (&valid)[V], A& n,
-                                            A& mean, A& m2) {
-  A s = 0;
-  n = 0;
-#pragma unroll
-  for (int i = 0; i < V; ++i)
-    if (valid[i]) { s += v[i]; n += 1; }
-  mean = n > (A)0 ? s / n : (A)0;
-  m2 = 0;
-#pragma unroll
-  for (int i = 0; i < V; ++i)
-    if (valid[i]) { const A d = v[i] - mean; m2 += d * d; }
-}
-
-// Per-thread min and max of the same values (+inf, -inf if none valid; nan is skipped:
-// it reaches the mean anyway).
-template <typename A, int V>
-__device__ __forceinline__ void local_range(const A (&v)[V], const bool (&valid)[V], A& lo, A& hi) {
-  lo = infinity<A>();
-  hi = -infinity<A>();
-#pragma unroll
-  for (int i = 0; i < V; ++i)
-    if (valid[i]) { lo = fmin(lo, v[i]); hi = fmax(hi, v[i]); }
-}
-
 // Threads with col in 0..COLS-1 merge the SLOTS partials of that column in slot order:
 // (mean, M2) into rows 0, 1 of the tile's PART_ROWS ...
 // LD: the slots' row stride (COLS, or more where padding spreads the slot writes over banks).

@@ -167,27 +167,30 @@ bn_eval_coef(int N, const T* __restrict__ bias, const T* __restrict__ scale,
   cb[n] = opt(beta, n, (A)0) + gi * (s * opt(bias, n, (A)0) - to_acc(rmean[n]));
 }
 
+// Rows a thread of a row pass loads before it uses any (bn_apply, bn_train_apply:
+// stores may alias later loads; bn_column_stats: a two-pass group).
+constexpr int ROW_UNROLL = 8;
+
 // out = ca*(z - cm) + cb for VEC consecutive columns from col, rows r0, r0 + step, ...
 // below r1 of (M, N) arrays with row stride ldz (out may be z: in place; it is a separate
-// array where the backward keeps z), 16-byte vectors when VEC > 1, loading UNROLL rows
-// before storing any (the stores may alias later loads for all the compiler knows, so
-// without this each row would wait for the previous one's load).
+// array where the backward keeps z), 16-byte vectors when VEC > 1, loading ROW_UNROLL
+// rows before storing any (the stores may alias later loads for all the compiler knows,
+// so without this each row would wait for the previous one's load).
 template <typename T, int VEC, typename A = typename acc_of<T>::type>
 __device__ __forceinline__ void
 apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1, int step,
            const A (&fa)[VEC], const A (&fm)[VEC], const A (&fb)[VEC]) {
-  constexpr int UNROLL = 8;
-  for (int r = r0; r < r1; r += UNROLL * step) {
-    Vec16<T> v[UNROLL];
+  for (int r = r0; r < r1; r += ROW_UNROLL * step) {
+    Vec16<T> v[ROW_UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < ROW_UNROLL; ++u) {
       if (r + u * step >= r1) break;
       const T* p = z + (long long)(r + u * step) * ldz + col;
       if (VEC > 1) v[u].u = *reinterpret_cast<const uint4*>(p);
       else v[u].e[0] = *p;
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < ROW_UNROLL; ++u) {
       if (r + u * step >= r1) break;
       T* p = out + (long long)(r + u * step) * ldz + col;
 #pragma unroll
@@ -198,28 +201,33 @@ apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1, int step,
   }
 }
 
-// Where a block's threads lie in bn_apply / bn_train_apply: ``lanes`` rows side by side
-// (a power of 2 dividing THREADS), each across THREADS / lanes threads of VEC columns, so
-// that a narrow z (a row of fewer than THREADS vectors) still keeps every thread busy and a
-// warp's loads contiguous; a block covers ROWS * lanes rows, each thread ROWS of them, one
-// in every ``lanes``.
+// Where a block's threads lie in a row pass (bn_apply, bn_train_apply, bn_column_stats):
+// ``lanes`` rows side by side (a power of 2 dividing THREADS), each across THREADS / lanes
+// threads of VEC columns, so that a narrow z (a row of fewer than THREADS vectors) still
+// keeps every thread busy and a warp's loads contiguous. A tile is ROWS * lanes rows, each
+// thread ROWS of them, one in every ``lanes``; grid row y takes tiles y, y + gridDim.y, ...
+// (row_tiles). Grid (cdiv(cdiv(N, VEC), THREADS / lanes), min(tiles, MAX_GRID_Y)), block
+// THREADS.
 template <int THREADS, int ROWS, int VEC>
 struct ApplySpot {
-  int col, r0, r1, lane;
-  __device__ __forceinline__ ApplySpot(int lanes, int M) {
+  int col, lane, lanes, M, tiles;
+  __device__ __forceinline__ ApplySpot(int lanes_, int M_) : lanes(lanes_), M(M_) {
     const int across = THREADS / lanes;
     col = (blockIdx.x * across + threadIdx.x % across) * VEC;
     lane = threadIdx.x / across;
-    const long long first = (long long)blockIdx.y * ROWS * lanes;
-    r0 = (int)(first + lane);
-    r1 = (int)min((long long)M, first + (long long)ROWS * lanes);
+    tiles = row_tiles(M, ROWS * lanes);
+  }
+  // This thread's rows of tile t: r0(t), r0(t) + lanes, ... below r1(t).
+  __device__ __forceinline__ int r0(int t) const { return (int)((long long)t * ROWS * lanes + lane); }
+  __device__ __forceinline__ int r1(int t) const {
+    return (int)min((long long)M, (long long)(t + 1) * ROWS * lanes);
   }
 };
 
 // The per-tile column statistics of a C-contiguous (M, N) z made elsewhere (the vendor's
 // product), in part's rows as the GEMM epilogue leaves them (mean, M2, min, max: stats.cuh),
-// for bn_train_coef / bn_train_apply. A tile is a block's ROWS * lanes rows (ApplySpot:
-// grid and block as bn_apply's); each thread merges its rows in groups of UNROLL (two
+// for bn_train_coef / bn_train_apply. A tile is ApplySpot's (grid and block as
+// bn_apply's); each thread merges its rows in groups of ROW_UNROLL (local_stats, two
 // passes over the group in registers, then Chan), and the block's lanes then merge in a
 // fixed tree (combine_chunks): deterministic. z is read as stored in T, as the GEMM's
 // epilogue rounds its sums. (min and max skip nan: it reaches the mean anyway.)
@@ -230,59 +238,48 @@ bn_column_stats(const T* __restrict__ z, int M, int N, int lanes,
   static_assert(VEC == 1 || VEC == Vec16<T>::N, "bn_column_stats: VEC is 1 or one 16-byte vector of T");
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_column_stats: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
-  constexpr int UNROLL = 8;
   __shared__ ColumnMoments<A, VEC> shared[THREADS];
   const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
-  ColumnMoments<A, VEC> m;
-  m.clear();
-  for (int r = at.r0; at.col < N && r < at.r1; r += UNROLL * lanes) {
-    A v[UNROLL][VEC], cnt = 0, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
+  for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {  // (uniform: combine_chunks syncs)
+    ColumnMoments<A, VEC> m;
+    m.clear();
+    for (int r = at.r0(t), r1 = at.r1(t); at.col < N && r < r1; r += ROW_UNROLL * lanes) {
+      A v[VEC][ROW_UNROLL], cnt, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
+      bool valid[ROW_UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      Vec16<T> x;
-      const bool in = r + u * lanes < at.r1;
-      const T* p = z + (long long)(r + u * lanes) * N + at.col;
-      if (in && VEC > 1) x.u = *reinterpret_cast<const uint4*>(p);
-      else if (in) x.e[0] = *p;
+      for (int u = 0; u < ROW_UNROLL; ++u) {
+        Vec16<T> x;
+        valid[u] = r + u * lanes < r1;
+        const T* p = z + (long long)(r + u * lanes) * N + at.col;
+        if (valid[u] && VEC > 1) x.u = *reinterpret_cast<const uint4*>(p);
+        else if (valid[u]) x.e[0] = *p;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) v[u][e] = in ? to_acc(x.e[e]) : (A)0;
-      cnt += in ? (A)1 : (A)0;
+        for (int e = 0; e < VEC; ++e) v[e][u] = valid[u] ? to_acc(x.e[e]) : (A)0;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        local_stats(v[e], valid, cnt, mean[e], m2[e]);
+        local_range(v[e], valid, lo[e], hi[e]);
+      }
+      m.merge(cnt, mean, m2, lo, hi);
     }
+    if (combine_chunks<THREADS>(m, shared, lanes) && at.col < N) {
+      A* row = part + (long long)PART_ROWS * t * N + at.col;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      A sum = 0;
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) sum += v[u][e];
-      mean[e] = sum / cnt;
-      m2[e] = 0;
-      lo[e] = infinity<A>();
-      hi[e] = -infinity<A>();
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        if (r + u * lanes >= at.r1) break;
-        const A d = v[u][e] - mean[e];
-        m2[e] += d * d;
-        lo[e] = fmin(lo[e], v[u][e]);
-        hi[e] = fmax(hi[e], v[u][e]);
+      for (int e = 0; e < VEC; ++e) {
+        row[e] = m.mean[e];
+        row[N + e] = m.m2[e];
+        row[2 * N + e] = m.lo[e];
+        row[3 * N + e] = m.hi[e];
       }
     }
-    m.merge(cnt, mean, m2, lo, hi);
-  }
-  if (!combine_chunks<THREADS>(m, shared, lanes) || at.col >= N) return;
-  A* row = part + (long long)PART_ROWS * blockIdx.y * N + at.col;
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    row[e] = m.mean[e];
-    row[N + e] = m.m2[e];
-    row[2 * N + e] = m.lo[e];
-    row[3 * N + e] = m.hi[e];
   }
 }
 
 // apply_rows with the coefficients of arrays ca, cm, cb, each thread owning VEC columns
 // for ROWS rows (ApplySpot). It also counts the batch: ++num_batches_tracked when nbt is
 // not null, after bn_train_coef has read it (a launch of its own would cost a call of host
-// time). Grid (cdiv(cdiv(N, VEC), THREADS / lanes), cdiv(M, ROWS * lanes)), block THREADS.
+// time). Grid and block: ApplySpot's.
 template <typename T, int VEC, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
@@ -299,7 +296,8 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
   A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) { fa[e] = ca[at.col + e]; fm[e] = cm[at.col + e]; fb[e] = cb[at.col + e]; }
-  apply_rows<T, VEC>(z, out, ldz, at.col, at.r0, at.r1, lanes, fa, fm, fb);
+  for (int t = blockIdx.y; t < at.tiles; t += gridDim.y)
+    apply_rows<T, VEC>(z, out, ldz, at.col, at.r0(t), at.r1(t), lanes, fa, fm, fb);
 }
 
 // bn_train_coef and bn_apply in one launch, for a batch of a few M-tiles (gemm_scale_batchnorm.py
@@ -339,5 +337,6 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
 #pragma unroll
     for (int e = 0; e < VEC; ++e) { ca[col + e] = fa[e]; cm[col + e] = fm[e]; cb[col + e] = fb[e]; }
   }
-  apply_rows<T, VEC>(z, out, ldz, col, at.r0, at.r1, lanes, fa, fm, fb);
+  for (int t = blockIdx.y; t < at.tiles; t += gridDim.y)
+    apply_rows<T, VEC>(z, out, ldz, col, at.r0(t), at.r1(t), lanes, fa, fm, fb);
 }

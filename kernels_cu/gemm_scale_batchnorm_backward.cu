@@ -152,7 +152,8 @@ bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, i
 
 // Per (ROWS-row tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged
 // by bn_grad_coef in a fixed order: deterministic). g has row stride ldg, z is contiguous.
-// Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
+// Grid (cdiv(N, THREADS), min(tiles, MAX_GRID_Y)) (row_tiles), block THREADS; one thread
+// per column.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
@@ -163,11 +164,13 @@ bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z
   typedef typename acc_of<T>::type A;
   const int n = blockIdx.x * THREADS + threadIdx.x;
   if (n >= N) return;
-  A s1 = 0, s2 = 0;
-  const int r0 = blockIdx.y * ROWS;
-  grad_sums(g, ldg, z, N, n, r0, min(M, r0 + ROWS), cm[n], s1, s2);
-  part[2LL * blockIdx.y * N + n] = s1;
-  part[(2LL * blockIdx.y + 1) * N + n] = s2;
+  for (int t = blockIdx.y; t < row_tiles(M, ROWS); t += gridDim.y) {
+    A s1 = 0, s2 = 0;
+    const int r0 = t * ROWS;
+    grad_sums(g, ldg, z, N, n, r0, min(M, r0 + ROWS), cm[n], s1, s2);
+    part[2LL * t * N + n] = s1;
+    part[(2LL * t + 1) * N + n] = s2;
+  }
 }
 
 // A column's S1, S2 over a run of tiles.
@@ -241,7 +244,7 @@ bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, 
 // dzt is what dW = dz^T @ x reads K-major (no transposed copy). Each CH-row chunk of the
 // block's (ROWS x THREADS) tile is staged in shared memory, transposed, and written as
 // THREADS runs of CH elements of dzt: whole 16-byte vectors where M keeps them aligned.
-// Grid (cdiv(N, THREADS), cdiv(M, ROWS)), block THREADS; one thread per column.
+// Grid and block as bn_grad_partials'.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
@@ -260,37 +263,39 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
   const bool col = n < N;
   const A k0 = col ? k[n] : (A)0, k1 = col ? k[N + n] : (A)0;
   const A k2 = col && z ? k[2LL * N + n] : (A)0, m = col && z ? cm[n] : (A)0;
-  const int r0 = blockIdx.y * ROWS, r1 = min(M, r0 + ROWS);
   const bool vec = ((long long)M * sizeof(T)) % 16 == 0;  // (chunks start 16-byte aligned)
-  for (int c = r0; c < r1; c += CH) {
-    const int len = min(CH, r1 - c);
-    for (int r = c; col && r < c + len; r += 8) {
-      A gv[8], zv[8];
-      load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);  // (z null: no term)
-      union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
+  for (int t = blockIdx.y; t < row_tiles(M, ROWS); t += gridDim.y) {  // (uniform: barriers)
+    const int r0 = t * ROWS, r1 = min(M, r0 + ROWS);
+    for (int c = r0; c < r1; c += CH) {
+      const int len = min(CH, r1 - c);
+      for (int r = c; col && r < c + len; r += 8) {
+        A gv[8], zv[8];
+        load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);  // (z null: no term)
+        union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) d.t[u] = dz_of<T>(k0, k1, k2, m, gv[u], zv[u]);
-      if (dz) {
+        for (int u = 0; u < 8; ++u) d.t[u] = dz_of<T>(k0, k1, k2, m, gv[u], zv[u]);
+        if (dz) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (r + u < r1) dz[(long long)(r + u) * N + n] = d.t[u];
+          for (int u = 0; u < 8; ++u)
+            if (r + u < r1) dz[(long long)(r + u) * N + n] = d.t[u];
+        }
+        if (dzt) {
+          uint4* staged = reinterpret_cast<uint4*>(tile + threadIdx.x * LD + (r - c));
+#pragma unroll
+          for (int i = 0; i < 8 * (int)sizeof(T) / 16; ++i) staged[i] = d.v[i];
+        }
       }
-      if (dzt) {
-        uint4* staged = reinterpret_cast<uint4*>(tile + threadIdx.x * LD + (r - c));
-#pragma unroll
-        for (int i = 0; i < 8 * (int)sizeof(T) / 16; ++i) staged[i] = d.v[i];
+      if (!dzt) continue;  // (uniform: the block's barriers below)
+      __syncthreads();
+      if (vec && len == CH) {  // consecutive threads: consecutive vectors of a run
+        for (int i = threadIdx.x; i < cols * V; i += THREADS)
+          reinterpret_cast<uint4*>(dzt + (long long)(n0 + i / V) * M + c)[i % V] =
+              reinterpret_cast<const uint4*>(tile + (i / V) * LD)[i % V];
+      } else {
+        for (int i = threadIdx.x; i < cols * len; i += THREADS)
+          dzt[(long long)(n0 + i / len) * M + c + i % len] = tile[(i / len) * LD + i % len];
       }
+      __syncthreads();
     }
-    if (!dzt) continue;  // (uniform: the block's barriers below)
-    __syncthreads();
-    if (vec && len == CH) {  // consecutive threads: consecutive vectors of a run
-      for (int i = threadIdx.x; i < cols * V; i += THREADS)
-        reinterpret_cast<uint4*>(dzt + (long long)(n0 + i / V) * M + c)[i % V] =
-            reinterpret_cast<const uint4*>(tile + (i / V) * LD)[i % V];
-    } else {
-      for (int i = threadIdx.x; i < cols * len; i += THREADS)
-        dzt[(long long)(n0 + i / len) * M + c + i % len] = tile[(i / len) * LD + i % len];
-    }
-    __syncthreads();
   }
 }

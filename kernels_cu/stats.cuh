@@ -1,5 +1,6 @@
-// Chan et al. parallel (count, mean, M2) merge, shared by the GEMM epilogue and
-// the BatchNorm coefficient kernel.
+// Column statistics shared by the GEMM epilogue and the BatchNorm kernels: a thread's
+// two-pass (count, mean, M2) and (min, max) of its values, Chan et al.'s parallel merge,
+// and reductions in chunks of threads. (Needs common.cuh.)
 #pragma once
 
 // Rows per M tile of the GEMM's partial statistics of each column: mean, M2, min, max
@@ -22,6 +23,33 @@ __device__ __forceinline__ void chan_merge(A& n, A& mean, A& m2, A nb, A meanb, 
   mean += d * f;
   m2 += m2b + d * d * n * f;
   n = nn;
+}
+
+// Per-thread two-pass (mean, M2) of V values, `valid[i]` marking rows inside M.
+template <typename A, int V>
+__device__ __forceinline__ void local_stats(const A (&v)[V], const bool (&valid)[V], A& n,
+                                            A& mean, A& m2) {
+  A s = 0;
+  n = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { s += v[i]; n += 1; }
+  mean = n > (A)0 ? s / n : (A)0;
+  m2 = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { const A d = v[i] - mean; m2 += d * d; }
+}
+
+// Per-thread min and max of the same values (+inf, -inf if none valid; nan is skipped:
+// it reaches the mean anyway).
+template <typename A, int V>
+__device__ __forceinline__ void local_range(const A (&v)[V], const bool (&valid)[V], A& lo, A& hi) {
+  lo = infinity<A>();
+  hi = -infinity<A>();
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (valid[i]) { lo = fmin(lo, v[i]); hi = fmax(hi, v[i]); }
 }
 
 // Column reductions over a run of tiles in chunks of threads (bn_train_coef, bn_grad_coef,

@@ -175,21 +175,35 @@ def test_narrow_rows_lie_side_by_side_in_the_apply_pass():
         assert (vec, lanes) == want
         across, vectors = threads // lanes, -(-n // vec)
         assert lanes == 1 or across >= vectors > across // 2
-        for m in (1, 31, 32 * lanes + 1, 200000):
+        for m in (1, 31, 32 * lanes + 1, 200000, 2**31 - 1):
             with mock.patch.object(core._loader, "function", lambda file, expr, dev: expr):
-                expr, (gx, gy), (block,) = core._apply_launch(place, m, n)
+                expr, (gx, gy), (block,), sizes = core._apply_launch(place, m, n)
             assert expr == core._row_pass_expr(dtype, vec) and block == threads
+            assert sizes[0] == n and [int(v) for v in sizes[1:]] == [m, n, lanes]
             assert gx * across >= vectors > (gx - 1) * across
-            assert gy * rows * lanes >= m > (gy - 1) * rows * lanes
+            # (row tiles past the grid's 65535 rows of blocks: its blocks loop over them)
+            assert gy == min(-(-m // (rows * lanes)), 65535)
+
+
+def test_backward_row_tiles_fit_the_grid():
+    """bn_grad_partials / bn_grad_dz: one tile of _GRAD["ROWS"] rows per grid row, at most
+    65535 of them (the blocks loop over the rest); the partials hold every tile."""
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    rows, threads = core._GRAD["ROWS"], core._GRAD["THREADS"]
+    for m, n in [(1, 1), (64, 128), (65, 129), (4194240, 3), (4194241, 3), (2**31 - 1, 2)]:
+        tiles, (gx, gy), (block,) = core._grad_geometry(m, n)
+        assert tiles == -(-m // rows) and gy == min(tiles, 65535)
+        assert block == threads and gx * threads >= n > (gx - 1) * threads
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(FORWARD_BOUND), ids=str)
-@pytest.mark.parametrize("shape", [(200003, 16), (4099, 3), (77, 200), (5, 1), (1, 8)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(200003, 16), (4099, 3), (77, 200), (5, 1), (1, 8),
+                                   (2097153, 65)], ids=lambda s: "x".join(map(str, s)))
 def test_apply_pass_over_narrow_rows(shape, dtype):
     """out = ca * (z - cm) + cb over every row and column, with several rows side by
-    side in a block (narrow z) or one (wide): against float64, z untouched."""
+    side in a block (narrow z) or one (wide; 2097153 rows: 65537 tiles of 32, more than
+    a grid's y holds): against float64, z untouched."""
     gs = sys.modules["cupykern.gemm_scale_batchnorm"]
     m, n = shape
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -202,6 +216,53 @@ def test_apply_pass_over_narrow_rows(shape, dtype):
     bound = FORWARD_BOUND[dtype] * 4
     assert out.shape == (m, n) and out.dtype == dtype and torch.equal(z, z0)
     assert torch.allclose(out.double(), want, atol=bound, rtol=bound), (out.double() - want).abs().max()
+
+
+@pytest.mark.gpu
+def test_row_passes_loop_past_the_grid(monkeypatch):
+    """A row pass's blocks loop over the tiles past its grid's y (MAX_GRID_Y, 65535: fewer
+    than a few million rows' tiles). With grids of at most 3 rows of blocks, every pass
+    still covers every tile: bn_column_stats and bn_apply (a vendor product), bn_train_apply
+    (few tiles), bn_grad_partials and bn_grad_dz (three launches), against float64."""
+    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    monkeypatch.setattr(core, "grid_rows", lambda tiles: min(tiles, 3))
+    monkeypatch.setattr(core, "_ROW_STATS_FROM", 0)
+    monkeypatch.setitem(core._GRAD_FUSED, "ROWS", 0)
+    core._plans.clear()
+    core._backward_plans.clear()
+    try:
+        _check_many_tiles((200709, 64, 16), torch.float32)
+        _check_many_tiles((1000, 40, 200), torch.float32)
+        for training in (True, False):
+            _check_backward((9001, 40, 14), training)
+    finally:
+        core._plans.clear()
+        core._backward_plans.clear()
+
+
+@pytest.mark.gpu
+def test_backward_over_more_row_tiles_than_a_grid_holds():
+    """4194305 rows: 65537 tiles of the backward's 64 rows, past the 65535 a grid holds on
+    y (once a failed launch); every gradient against float64."""
+    _check_backward((4194305, 3, 2), True)
+
+
+def _check_backward(shape, training, precision="highest", bound=1e-4):
+    """Every gradient of the model at ``shape`` (batch, in, out) against float64, within
+    ``bound`` of the largest."""
+    batch, fin, fout = shape
+    ref, new = _pair(fin, fout)
+    _running_stats(ref, new)
+    new = new.cuda().train(training)
+    x = torch.randn(batch, fin, device="cuda", requires_grad=True)
+    g = torch.randn(batch, fout, device="cuda")
+    want = _grads_float64(ref, x, g, training)
+    with matmul_precision(precision):
+        new(x).backward(g)
+    ours = [x.grad] + [p.grad for p in new.parameters()]
+    for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+        assert o.dtype == torch.float32, name
+        assert_grad_close(o, r, bound, 1e-6, name)
 
 
 @pytest.mark.gpu
@@ -604,19 +665,7 @@ def test_fused_backward_matches_float64(shape, precision, bound, training):
     GEMMs; eval mode's: column sums of g and g z, our GEMMs) against float64 autograd, relative
     to max |grad| (the training issue's rule). 9001 rows: the column sums' 141 tiles added
     in chunks of threads."""
-    batch, fin, fout = shape
-    ref, new = _pair(fin, fout)
-    _running_stats(ref, new)
-    new = new.cuda().train(training)
-    x = torch.randn(batch, fin, device="cuda", requires_grad=True)
-    g = torch.randn(batch, fout, device="cuda")
-    want = _grads_float64(ref, x, g, training)
-    with matmul_precision(precision):
-        new(x).backward(g)
-    ours = [x.grad] + [p.grad for p in new.parameters()]
-    for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
-        assert o.dtype == torch.float32, name
-        assert_grad_close(o, r, bound, 1e-6, name)
+    _check_backward(shape, training, precision, bound)
 
 
 @pytest.mark.gpu
