@@ -383,10 +383,33 @@ def run_gemm_scale_batchnorm():
     # stores, then a chunk's tail; 2100 rows: the forward's and the backward's column
     # reductions over their tiles in chunks of threads (stats.cuh's combine_chunks).
     f32, f64 = torch.float32, torch.float64
-    cases = [((130, 200, 136), True, f32), ((37, 50, 23), True, f32), ((200, 72, 130), True, f32),
-             ((130, 200, 136), False, f32), ((37, 50, 23), False, f32), ((600, 40, 136), True, f32),
-             ((600, 40, 136), False, f32), ((150, 30, 40), True, f64), ((2100, 40, 14), True, f32),
-             ((2100, 40, 14), False, f32)]
+    check_bn_backward([((130, 200, 136), True, f32), ((37, 50, 23), True, f32),
+                       ((200, 72, 130), True, f32), ((130, 200, 136), False, f32),
+                       ((37, 50, 23), False, f32), ((600, 40, 136), True, f32),
+                       ((600, 40, 136), False, f32), ((150, 30, 40), True, f64),
+                       ((2100, 40, 14), True, f32), ((2100, 40, 14), False, f32)])
+    # Row passes whose blocks loop over the tiles past their grid's y (MAX_GRID_Y: a few
+    # million rows), here past 2 rows of blocks: bn_column_stats and bn_apply (the vendor's
+    # narrow product), bn_grad_partials and bn_grad_dz (three launches), bn_train_apply.
+    core = sys.modules["cupykern.gemm_scale_batchnorm"]
+    saved = core.grid_rows, core._ROW_STATS_FROM, dict(core._GRAD_FUSED)
+    core.grid_rows, core._ROW_STATS_FROM = (lambda tiles: min(tiles, 2)), 0
+    core._GRAD_FUSED["ROWS"] = 0
+    core._plans.clear()
+    core._backward_plans.clear()
+    try:
+        check_bn_backward([((2100, 40, 14), True, f32), ((2100, 40, 14), False, f32),
+                           ((700, 30, 200), True, f32)], "looping grid ")
+    finally:
+        core.grid_rows, core._ROW_STATS_FROM = saved[:2]
+        core._GRAD_FUSED.update(saved[2])
+        core._plans.clear()
+        core._backward_plans.clear()
+
+
+def check_bn_backward(cases, tag=""):
+    """GemmScaleBatchNorm's output and gradients at ``cases`` ((m, k, n), training, dtype)
+    against its float64 CPU twin."""
     for (m, k, n), training, dtype in cases:
         torch.manual_seed(1)
         mod = GemmScaleBatchNorm(k, n, (n,)).cuda().to(dtype).train(training)
@@ -395,9 +418,12 @@ def run_gemm_scale_batchnorm():
         x, g = dev(randn(m, k, seed=5), dtype), dev(randn(m, n, seed=6), dtype)
         xr = host(x).requires_grad_()
         x.requires_grad_()
-        mod(x).backward(g)
-        ref(xr).backward(host(g))
-        name = f"GemmScaleBatchNorm backward {m}x{k}->{n} {NAME[dtype]} training={training}"
+        out = mod(x)
+        want = ref(xr)
+        out.backward(g)
+        want.backward(host(g))
+        name = f"GemmScaleBatchNorm {tag}backward {m}x{k}->{n} {NAME[dtype]} training={training}"
+        check(f"{name} output", out, want.detach(), 1e-4)
         check(f"{name} x", x.grad, xr.grad, 1e-4)
         for (pname, p), (_, pr) in zip(mod.named_parameters(), ref.named_parameters()):
             # (gemm.bias: exactly 0 in training mode; the reference holds rounding noise)
