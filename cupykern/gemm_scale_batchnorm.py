@@ -88,18 +88,19 @@ _ROW_PASSES = {"apply": "bn_apply", "train": "bn_train_apply", "stats": "bn_colu
 
 def _row_pass_expr(dtype, vec, kind="apply"):
     """A pass over z's rows for ``dtype`` and ``vec`` columns per thread, laid out alike
-    (ApplySpot): bn_apply ("apply"), bn_train_apply ("train": its coefficients computed
+    (RowSpot): bn_apply ("apply"), bn_train_apply ("train": its coefficients computed
     in the same launch, from partials of PART_ROWS rows) or bn_column_stats ("stats")."""
     a = f"{CTYPE[dtype]}, {vec}, {_APPLY['THREADS']}, {_APPLY['ROWS']}"
     return f"{_ROW_PASSES[kind]}<{a}{f', {PART_ROWS}' if kind == 'train' else ''}>"
 
 
 def _grad_exprs(t):
-    """bn_grad_partials, bn_grad_coef, bn_grad_dz, bn_grad_eval_coef for C type ``t``."""
+    """The backward's three-launch kernels for C type ``t``, by role."""
     g = f"{_GRAD['THREADS']}, {_GRAD['ROWS']}"
     c = _CHUNKED["THREADS"]
-    return (f"bn_grad_partials<{t}, {g}>", f"bn_grad_coef<{t}, {c}>", f"bn_grad_dz<{t}, {g}>",
-            f"bn_grad_eval_coef<{t}, {c}>")
+    return {"partials": f"bn_grad_partials<{t}, {g}>", "coef": f"bn_grad_coef<{t}, {c}>",
+            "dz": f"bn_grad_dz<{t}, {g}>", "dz_rows": f"bn_grad_dz_rows<{t}, {g}>",
+            "eval_coef": f"bn_grad_eval_coef<{t}, {c}>"}
 
 
 def _fused_grad_warps(dtype) -> int:
@@ -116,7 +117,7 @@ for _dt in CTYPE:
     _loader.register(_FILE, [_train_coef_expr(_t), f"bn_eval_coef<{_t}, {_COEF_THREADS}>",
                              *(_row_pass_expr(_dt, v, k) for v in (1, 16 // ITEMSIZE[_dt])
                                for k in _ROW_PASSES)])
-    _loader.register(_BACKWARD_FILE, [*_grad_exprs(_t),
+    _loader.register(_BACKWARD_FILE, [*_grad_exprs(_t).values(),
                                       *(_fused_grad_expr(_dt, m) for m in (False, True))])
 
 
@@ -499,15 +500,22 @@ def check_real(v, name: str) -> float:
 def _apply_shape(place, N):
     """``(vec, lanes)`` of bn_apply / bn_train_apply over rows of N elements: 16-byte
     vectors where every row keeps them aligned, and ``lanes`` rows side by side in a block
-    (ApplySpot), the most, a power of 2, whose THREADS / lanes threads still span a row's
+    (RowSpot), the most, a power of 2, whose THREADS / lanes threads still span a row's
     vectors. (H200, GemmScaleBatchNorm's forward at 200000x64->16 float32, bn_apply with
     a row per block, 4 threads of 128 busy: 12.5 us, eager's normalization 7.7.)"""
     isz = ITEMSIZE[place.dtype]
     vec = 16 // isz if (N * isz) % 16 == 0 else 1
-    lanes, threads = 1, _APPLY["THREADS"]
-    while 2 * lanes <= threads and threads // (2 * lanes) >= cdiv(N, vec):
+    return vec, _side_by_side(_APPLY["THREADS"], cdiv(N, vec))
+
+
+def _side_by_side(threads: int, vectors: int) -> int:
+    """``lanes``: how many rows of ``vectors`` vectors (or columns) lie side by side in a
+    row pass's block of ``threads`` (RowSpot): the most, a power of 2, whose threads /
+    lanes threads still span a row."""
+    lanes = 1
+    while 2 * lanes <= threads and threads // (2 * lanes) >= vectors:
         lanes *= 2
-    return vec, lanes
+    return lanes
 
 
 def _apply_launch(place, M, N, kind="apply"):
@@ -583,32 +591,45 @@ def apply_coefficients(z, ca, cm, cb):
     return out
 
 
-def _grad_geometry(M: int, N: int):
-    """(tiles, grid, block) of bn_grad_partials / bn_grad_dz: row tiles of _GRAD["ROWS"]
-    rows, one per grid row (looping past MAX_GRID_Y)."""
-    tiles = cdiv(M, _GRAD["ROWS"])
-    return tiles, (cdiv(N, _GRAD["THREADS"]), grid_rows(tiles)), (_GRAD["THREADS"],)
+def _grad_rows(M: int, N: int, dtype: str, device):
+    """The backward's passes over the rows of (M, N) g and z: ``(tiles, partials, dz)``,
+    the last two ``(fn, grid, block, sizes)`` of bn_grad_partials and of bn_grad_dz (or,
+    narrow, bn_grad_dz_rows), ``sizes`` their arguments after z (M, N, and lanes but for
+    bn_grad_dz). ``lanes`` rows lie side by side (RowSpot) where N is at most half a block
+    of columns; a tile is _GRAD["ROWS"] * lanes rows, one per grid row (looping past
+    MAX_GRID_Y). (H200, float32 4194305x3->2, lanes 1: partials 147 us, bn_grad_coef 125
+    over 65537 tiles, bn_grad_dz 550, eager's whole backward 770.)"""
+    threads = _GRAD["THREADS"]
+    lanes = _side_by_side(threads, N)
+    tiles = cdiv(M, _GRAD["ROWS"] * lanes)
+    grid, block = (cdiv(N, threads // lanes), grid_rows(tiles)), (threads,)
+    exprs = _grad_exprs(CTYPE[dtype])
+    mn, lanes_ = (scalar(M, "int"), scalar(N, "int")), scalar(lanes, "int")
+    partials = (_loader.function(_BACKWARD_FILE, exprs["partials"], device), grid, block,
+                (*mn, lanes_))
+    dz = _loader.function(_BACKWARD_FILE, exprs["dz_rows" if lanes > 1 else "dz"], device)
+    return tiles, partials, (dz, grid, block, (*mn, lanes_) if lanes > 1 else mn)
 
 
-def _grad_launch(zo, place, g):
-    """(g's row Operand, tiles, grid, block, (M, N) arguments) of bn_grad_partials /
-    bn_grad_dz."""
+def _grad_operand(zo, g):
+    """g's row Operand for the passes over z's rows (copied if its rows are not
+    contiguous)."""
     M, N = zo.shape
-    go = rows_2d(operand(g, "g"), "g")  # (copied if its rows are not contiguous)
+    go = rows_2d(operand(g, "g"), "g")
     if go.shape != (M, N) or go.dtype != zo.dtype:
         raise ValueError(f"g: expected a ({M}, {N}) {zo.dtype} array, got {go.shape} {go.dtype}")
     same_place(zo, go)
-    return (go, *_grad_geometry(M, N), (scalar(M, "int"), scalar(N, "int")))
+    return go
 
 
 def grad_partials(g, z, cm):
     """Per (row tile, column) sums of g and g * (z - cm), (tiles, 2, N) of the accumulation
     type (bn_grad_partials): add them over the tiles (axis 0) for the column sums."""
     zo, place, (M, N) = _checked_z(z)
-    go, tiles, grid, block, mn = _grad_launch(zo, place, g)
-    fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[0], zo.device)
+    go = _grad_operand(zo, g)
+    tiles, (fn, grid, block, sizes), _ = _grad_rows(M, N, zo.dtype, zo.device)
     part = empty(place, (tiles, 2, N), acc_dtype(zo.dtype))
-    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(cm),
+    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *sizes, place.ptr(cm),
                                           place.ptr(part)), 0),))
     return part
 
@@ -616,10 +637,10 @@ def grad_partials(g, z, cm):
 def grad_dz(g, z, k, cm):
     """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
     zo, place, (M, N) = _checked_z(z)
-    go, _, grid, block, mn = _grad_launch(zo, place, g)
-    fn = _loader.function(_BACKWARD_FILE, _grad_exprs(CTYPE[zo.dtype])[2], zo.device)
+    go = _grad_operand(zo, g)
+    _, _, (fn, grid, block, sizes) = _grad_rows(M, N, zo.dtype, zo.device)
     dz = empty(place, (M, N))
-    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *mn, place.ptr(k),
+    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *sizes, place.ptr(k),
                                           place.ptr(cm), place.ptr(dz), 0), 0),))
     return dz
 
@@ -781,9 +802,10 @@ def _grad_passes(go, zo, training, eps):
                                       eps_, *grads, dz, dzt), 0),)
 
         return one, 0
-    partials, train_coef, dz_fn, eval_coef = (_loader.function(_BACKWARD_FILE, e, dev)
-                                              for e in _grad_exprs(t))
-    tiles, grid, block = _grad_geometry(M, N)
+    exprs = _grad_exprs(t)
+    train_coef, eval_coef = (_loader.function(_BACKWARD_FILE, exprs[e], dev)
+                             for e in ("coef", "eval_coef"))
+    tiles, (partials, grid, block, sizes), (dz_fn, _, _, dz_sizes) = _grad_rows(M, N, zo.dtype, dev)
     chunks, chunked = _chunks(tiles)
     coef_launch = chunked(N)
     tiles_ = scalar(tiles, "int"), scalar(chunks, "int")
@@ -794,12 +816,12 @@ def _grad_passes(go, zo, training, eps):
         if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
             coef = (train_coef, *coef_launch, (part, *tiles_, m_, n_, scale, gamma, c0 + 3 * step,
                                                eps_, *grads, k), 0)
-            dz_args = (g, ld, z, m_, n_, k, c0 + step)
+            dz_args = (g, ld, z, *dz_sizes, k, c0 + step)
         else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
             coef = (eval_coef, *coef_launch, (part, *tiles_, n_, bias, scale, gamma, rmean, c0,
                                               c0 + 3 * step, *grads), 0)
-            dz_args = (g, ld, 0, m_, n_, c0, c0 + step)
-        return ((partials, grid, block, (g, ld, z, m_, n_, c0 + step, part), 0), coef,
+            dz_args = (g, ld, 0, *dz_sizes, c0, c0 + step)
+        return ((partials, grid, block, (g, ld, z, *sizes, c0 + step, part), 0), coef,
                 (dz_fn, grid, block, dz_args + (dz, dzt), 0))
 
     return three, 3 * N + 2 * tiles * N

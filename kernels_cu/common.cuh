@@ -66,6 +66,30 @@ __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(
 // grid row y take tiles y, y + gridDim.y, ...
 __device__ __forceinline__ int row_tiles(int M, int rows) { return (int)(((long long)M + rows - 1) / rows); }
 
+// Where a block's threads lie in a row pass (gemm_scale_batchnorm.cu's bn_apply,
+// bn_train_apply, bn_column_stats; the backward's bn_grad_partials, bn_grad_dz_rows):
+// ``lanes`` rows side by side (a power of 2 dividing THREADS), each across THREADS / lanes
+// threads of VEC columns, so that a narrow z (a row of fewer than THREADS vectors) still
+// keeps every thread busy and a warp's loads contiguous. A tile is ROWS * lanes rows, each
+// thread ROWS of them, one in every ``lanes``; grid row y takes tiles y, y + gridDim.y, ...
+// (row_tiles). Grid (cdiv(cdiv(N, VEC), THREADS / lanes), min(tiles, MAX_GRID_Y)), block
+// THREADS.
+template <int THREADS, int ROWS, int VEC>
+struct RowSpot {
+  int col, lane, lanes, M, tiles;
+  __device__ __forceinline__ RowSpot(int lanes_, int M_) : lanes(lanes_), M(M_) {
+    const int across = THREADS / lanes;
+    col = (blockIdx.x * across + threadIdx.x % across) * VEC;
+    lane = threadIdx.x / across;
+    tiles = row_tiles(M, ROWS * lanes);
+  }
+  // This thread's rows of tile t: r0(t), r0(t) + lanes, ... below r1(t).
+  __device__ __forceinline__ int r0(int t) const { return (int)((long long)t * ROWS * lanes + lane); }
+  __device__ __forceinline__ int r1(int t) const {
+    return (int)min((long long)M, (long long)(t + 1) * ROWS * lanes);
+  }
+};
+
 // 16 bytes of T: the unit of every vectorised load and store.
 template <typename T> struct Vec16 {
   static constexpr int N = 16 / sizeof(T);

@@ -201,32 +201,9 @@ apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1, int step,
   }
 }
 
-// Where a block's threads lie in a row pass (bn_apply, bn_train_apply, bn_column_stats):
-// ``lanes`` rows side by side (a power of 2 dividing THREADS), each across THREADS / lanes
-// threads of VEC columns, so that a narrow z (a row of fewer than THREADS vectors) still
-// keeps every thread busy and a warp's loads contiguous. A tile is ROWS * lanes rows, each
-// thread ROWS of them, one in every ``lanes``; grid row y takes tiles y, y + gridDim.y, ...
-// (row_tiles). Grid (cdiv(cdiv(N, VEC), THREADS / lanes), min(tiles, MAX_GRID_Y)), block
-// THREADS.
-template <int THREADS, int ROWS, int VEC>
-struct ApplySpot {
-  int col, lane, lanes, M, tiles;
-  __device__ __forceinline__ ApplySpot(int lanes_, int M_) : lanes(lanes_), M(M_) {
-    const int across = THREADS / lanes;
-    col = (blockIdx.x * across + threadIdx.x % across) * VEC;
-    lane = threadIdx.x / across;
-    tiles = row_tiles(M, ROWS * lanes);
-  }
-  // This thread's rows of tile t: r0(t), r0(t) + lanes, ... below r1(t).
-  __device__ __forceinline__ int r0(int t) const { return (int)((long long)t * ROWS * lanes + lane); }
-  __device__ __forceinline__ int r1(int t) const {
-    return (int)min((long long)M, (long long)(t + 1) * ROWS * lanes);
-  }
-};
-
 // The per-tile column statistics of a C-contiguous (M, N) z made elsewhere (the vendor's
 // product), in part's rows as the GEMM epilogue leaves them (mean, M2, min, max: stats.cuh),
-// for bn_train_coef / bn_train_apply. A tile is ApplySpot's (grid and block as
+// for bn_train_coef / bn_train_apply. A tile is RowSpot's (grid and block as
 // bn_apply's); each thread merges its rows in groups of ROW_UNROLL (local_stats, two
 // passes over the group in registers, then Chan), and the block's lanes then merge in a
 // fixed tree (combine_chunks): deterministic. z is read as stored in T, as the GEMM's
@@ -239,7 +216,7 @@ bn_column_stats(const T* __restrict__ z, int M, int N, int lanes,
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_column_stats: THREADS must be whole warps, at most 1024");
   typedef typename acc_of<T>::type A;
   __shared__ ColumnMoments<A, VEC> shared[THREADS];
-  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  const RowSpot<THREADS, ROWS, VEC> at(lanes, M);
   for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {  // (uniform: combine_chunks syncs)
     ColumnMoments<A, VEC> m;
     m.clear();
@@ -277,9 +254,9 @@ bn_column_stats(const T* __restrict__ z, int M, int N, int lanes,
 }
 
 // apply_rows with the coefficients of arrays ca, cm, cb, each thread owning VEC columns
-// for ROWS rows (ApplySpot). It also counts the batch: ++num_batches_tracked when nbt is
+// for ROWS rows (RowSpot). It also counts the batch: ++num_batches_tracked when nbt is
 // not null, after bn_train_coef has read it (a launch of its own would cost a call of host
-// time). Grid and block: ApplySpot's.
+// time). Grid and block: RowSpot's.
 template <typename T, int VEC, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
@@ -291,7 +268,7 @@ bn_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
   static_assert(ROWS >= 1, "bn_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
-  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  const RowSpot<THREADS, ROWS, VEC> at(lanes, M);
   if (at.col >= N) return;
   A fa[VEC], fm[VEC], fb[VEC];
 #pragma unroll
@@ -323,7 +300,7 @@ bn_train_apply(const T* z, T* out, long long ldz, int M, int N, int lanes,
   static_assert(ROWS >= 1, "bn_train_apply: ROWS >= 1");
   typedef typename acc_of<T>::type A;
   if (nbt != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *nbt += 1;
-  const ApplySpot<THREADS, ROWS, VEC> at(lanes, M);
+  const RowSpot<THREADS, ROWS, VEC> at(lanes, M);
   const int col = at.col;
   if (col >= N) return;
   const bool first = blockIdx.y == 0 && at.lane == 0;

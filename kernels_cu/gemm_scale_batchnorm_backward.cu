@@ -11,38 +11,47 @@
 //   d gemm bias = ca*S1, and dz = ca*g.
 // Two ways to run them: up to a few hundred rows one launch (bn_grad_fused), which a small
 // training step's host time wants; beyond, three (bn_grad_partials, bn_grad_coef or
-// bn_grad_eval_coef, bn_grad_dz), which spread the rows over the GPU. Vector gradient
-// pointers may be null (not wanted); sums run in a fixed order (deterministic).
+// bn_grad_eval_coef, bn_grad_dz or, narrow, bn_grad_dz_rows), which spread the rows over
+// the GPU. Vector gradient pointers may be null (not wanted); sums run in a fixed order
+// (deterministic).
 #include "common.cuh"
 #include "stats.cuh"
 
-// g and z of column n at rows r .. r + 7, 16 loads in flight (g has row stride ldg, z is
-// contiguous). Rows from r1 on, and z where it is null, read as g = 0 and z = m: no term
-// in any sum, and a dz that is not stored.
+// g and z of column n at rows r, r + step, ... (8 of them), 16 loads in flight (g has row
+// stride ldg, z is contiguous). Rows from r1 on, and z where it is null, read as g = 0 and
+// z = m: no term in any sum, and a dz that is not stored.
 template <typename T, typename A>
 __device__ __forceinline__ void load_rows8(const T* __restrict__ g, long long ldg,
                                            const T* __restrict__ z, int N, int n, int r, int r1,
-                                           A m, A (&gv)[8], A (&zv)[8]) {
+                                           A m, A (&gv)[8], A (&zv)[8], int step = 1) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
-    const bool ok = r + u < r1;
-    gv[u] = ok ? to_acc(g[(long long)(r + u) * ldg + n]) : (A)0;
-    zv[u] = ok && z ? to_acc(z[(long long)(r + u) * N + n]) : m;
+    const int row = r + u * step;
+    const bool ok = row < r1;
+    gv[u] = ok ? to_acc(g[(long long)row * ldg + n]) : (A)0;
+    zv[u] = ok && z ? to_acc(z[(long long)row * N + n]) : m;
   }
 }
 
-// S1 += g, S2 += g*(z - m) over rows [r0, r1) of column n, in row order.
+// S1 += g, S2 += g*(z - m) over rows r0, r0 + step, ... below r1 of column n, in row order.
 template <typename T, typename A>
 __device__ __forceinline__ void grad_sums(const T* __restrict__ g, long long ldg,
                                           const T* __restrict__ z, int N, int n, int r0, int r1,
-                                          A m, A& s1, A& s2) {
-  for (int r = r0; r < r1; r += 8) {
+                                          A m, A& s1, A& s2, int step = 1) {
+  for (int r = r0; r < r1; r += 8 * step) {
     A gv[8], zv[8];
-    load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);
+    load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv, step);
 #pragma unroll
     for (int u = 0; u < 8; ++u) { s1 += gv[u]; s2 += gv[u] * (zv[u] - m); }
   }
 }
+
+// A column's S1, S2 over a run of rows or tiles (merged in combine_chunks' fixed tree).
+template <typename A>
+struct GradSums {
+  A s1, s2;
+  __device__ __forceinline__ void merge(const GradSums& b) { s1 += b.s1; s2 += b.s2; }
+};
 
 // Training mode: column n's vector gradients from its S1, S2 (d gemm bias is exactly 0), and
 // dz's coefficients k = (w*gamma, S1/M, w^2*S2/M).
@@ -150,35 +159,31 @@ bn_grad_fused(const T* __restrict__ g, long long ldg, const T* __restrict__ z, i
 
 // ---- three launches: row tiles over the grid ---------------------------------------------
 
-// Per (ROWS-row tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged
-// by bn_grad_coef in a fixed order: deterministic). g has row stride ldg, z is contiguous.
-// Grid (cdiv(N, THREADS), min(tiles, MAX_GRID_Y)) (row_tiles), block THREADS; one thread
-// per column.
+// Per (tile, column) partial S1, S2 into rows 2*tile, 2*tile + 1 of part (merged by
+// bn_grad_coef in a fixed order: deterministic). g has row stride ldg, z is contiguous. A
+// tile is RowSpot's (``lanes`` rows side by side where N is narrow, their sums then merged
+// in combine_chunks' fixed tree; one column per thread); grid and block RowSpot's.
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_partials(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
-                 const typename acc_of<T>::type* __restrict__ cm,
+                 int lanes, const typename acc_of<T>::type* __restrict__ cm,
                  typename acc_of<T>::type* __restrict__ part) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_partials: THREADS must be whole warps, at most 1024");
   static_assert(ROWS % 8 == 0, "bn_grad_partials: ROWS is a multiple of the 8-row unroll");
   typedef typename acc_of<T>::type A;
-  const int n = blockIdx.x * THREADS + threadIdx.x;
-  if (n >= N) return;
-  for (int t = blockIdx.y; t < row_tiles(M, ROWS); t += gridDim.y) {
-    A s1 = 0, s2 = 0;
-    const int r0 = t * ROWS;
-    grad_sums(g, ldg, z, N, n, r0, min(M, r0 + ROWS), cm[n], s1, s2);
-    part[2LL * t * N + n] = s1;
-    part[(2LL * t + 1) * N + n] = s2;
+  __shared__ GradSums<A> shared[THREADS];
+  const RowSpot<THREADS, ROWS, 1> at(lanes, M);
+  const int n = at.col;
+  const A m = n < N ? cm[n] : (A)0;
+  for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {  // (uniform: combine_chunks syncs)
+    GradSums<A> s = {0, 0};
+    if (n < N) grad_sums(g, ldg, z, N, n, at.r0(t), at.r1(t), m, s.s1, s.s2, lanes);
+    if (combine_chunks<THREADS>(s, shared, lanes) && n < N) {
+      part[2LL * t * N + n] = s.s1;
+      part[(2LL * t + 1) * N + n] = s.s2;
+    }
   }
 }
-
-// A column's S1, S2 over a run of tiles.
-template <typename A>
-struct GradSums {
-  A s1, s2;
-  __device__ __forceinline__ void merge(const GradSums& b) { s1 += b.s1; s2 += b.s2; }
-};
 
 // This thread's column n and its S1, S2 from bn_grad_partials' tiles, added in chunks of
 // threads (ColumnChunk, in a fixed order: deterministic; one chunk adds them in tile
@@ -244,7 +249,8 @@ bn_grad_eval_coef(const typename acc_of<T>::type* __restrict__ part, int tiles, 
 // dzt is what dW = dz^T @ x reads K-major (no transposed copy). Each CH-row chunk of the
 // block's (ROWS x THREADS) tile is staged in shared memory, transposed, and written as
 // THREADS runs of CH elements of dzt: whole 16-byte vectors where M keeps them aligned.
-// Grid and block as bn_grad_partials'.
+// Grid and block as bn_grad_partials' at lanes = 1 (N past THREADS / 2 columns; a
+// narrower N takes bn_grad_dz_rows).
 template <typename T, int THREADS, int ROWS>
 __global__ void __launch_bounds__(THREADS)
 bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
@@ -296,6 +302,38 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
           dzt[(long long)(n0 + i / len) * M + c + i % len] = tile[(i / len) * LD + i % len];
       }
       __syncthreads();
+    }
+  }
+}
+
+// bn_grad_dz for a narrow N: ``lanes`` rows side by side (RowSpot, as bn_grad_partials),
+// dz and dzt stored directly (a warp's threads of one column hold consecutive rows: runs of
+// dzt without staging). (bn_grad_dz's one column per thread kept 2 of 128 threads busy at
+// N = 2: 550 us at 4194305x3->2 float32 on an H200, eager's whole backward 770.)
+template <typename T, int THREADS, int ROWS>
+__global__ void __launch_bounds__(THREADS)
+bn_grad_dz_rows(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int M, int N,
+                int lanes, const typename acc_of<T>::type* __restrict__ k,
+                const typename acc_of<T>::type* __restrict__ cm, T* __restrict__ dz,
+                T* __restrict__ dzt) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "bn_grad_dz_rows: THREADS must be whole warps, at most 1024");
+  typedef typename acc_of<T>::type A;
+  const RowSpot<THREADS, ROWS, 1> at(lanes, M);
+  const int n = at.col;
+  if (n >= N) return;
+  const A k0 = k[n], k1 = k[N + n], k2 = z ? k[2LL * N + n] : (A)0, m = z ? cm[n] : (A)0;
+  for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {
+    for (int r = at.r0(t), r1 = at.r1(t); r < r1; r += 8 * lanes) {
+      A gv[8], zv[8];
+      load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv, lanes);  // (z null: no term)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int row = r + u * lanes;
+        if (row >= r1) break;
+        const T d = dz_of<T>(k0, k1, k2, m, gv[u], zv[u]);
+        if (dz) dz[(long long)row * N + n] = d;
+        if (dzt) dzt[(long long)n * M + row] = d;
+      }
     }
   }
 }

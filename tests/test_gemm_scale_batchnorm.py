@@ -185,15 +185,26 @@ def test_narrow_rows_lie_side_by_side_in_the_apply_pass():
             assert gy == min(-(-m // (rows * lanes)), 65535)
 
 
-def test_backward_row_tiles_fit_the_grid():
-    """bn_grad_partials / bn_grad_dz: one tile of _GRAD["ROWS"] rows per grid row, at most
+def test_backward_row_passes_by_width():
+    """bn_grad_partials and the dz pass: a column per thread, ``lanes`` rows side by side
+    where N is at most half a block (then bn_grad_dz_rows, which takes lanes too; wider,
+    the staged bn_grad_dz); tiles of _GRAD["ROWS"] * lanes rows, one per grid row, at most
     65535 of them (the blocks loop over the rest); the partials hold every tile."""
     core = importlib.import_module("cupykern.gemm_scale_batchnorm")
     rows, threads = core._GRAD["ROWS"], core._GRAD["THREADS"]
-    for m, n in [(1, 1), (64, 128), (65, 129), (4194240, 3), (4194241, 3), (2**31 - 1, 2)]:
-        tiles, (gx, gy), (block,) = core._grad_geometry(m, n)
-        assert tiles == -(-m // rows) and gy == min(tiles, 65535)
-        assert block == threads and gx * threads >= n > (gx - 1) * threads
+    with mock.patch.object(core._loader, "function", lambda file, expr, dev: expr):
+        for m, n, lanes in [(1, 1, 128), (64, 128, 1), (65, 129, 1), (4194240, 3, 32),
+                            (4194305, 2, 64), (2**31 - 1, 65, 1), (9001, 64, 2), (9001, 14, 8)]:
+            tiles, partials, dz = core._grad_rows(m, n, "float32", 0)
+            assert tiles == -(-m // (rows * lanes))
+            for expr, (gx, gy), (block,), sizes in (partials, dz):
+                assert gy == min(tiles, 65535) and block == threads
+                across = threads // lanes
+                assert gx * across >= n > (gx - 1) * across
+                assert [int(v) for v in sizes] == [m, n, lanes][:len(sizes)]
+            assert partials[0].startswith("bn_grad_partials<float") and len(partials[3]) == 3
+            assert dz[0].startswith("bn_grad_dz_rows<float" if lanes > 1 else "bn_grad_dz<float")
+            assert len(dz[3]) == (3 if lanes > 1 else 2)
 
 
 @pytest.mark.gpu
@@ -670,11 +681,12 @@ def test_fused_backward_matches_float64(shape, precision, bound, training):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("frozen", ["x", "weight"])
-@pytest.mark.parametrize("batch", [37, 256])
+@pytest.mark.parametrize("batch", [37, 256, 2001])
 def test_fused_backward_one_product(frozen, batch):
     """Only dW (x without grad: the backward writes dz's transpose alone) or only dx (a
     frozen weight: dz alone), at a batch whose rows of dz^T take 16-byte stores (256)
-    and one whose rows do not (37): each gradient still matches float64."""
+    and one whose rows do not (37), both in one launch, and in three (2001: 24 columns,
+    4 rows side by side in bn_grad_dz_rows): each gradient still matches float64."""
     ref, new = _pair(40, 24)
     new = new.cuda().train()
     new.gemm.weight.requires_grad_(frozen != "weight")
