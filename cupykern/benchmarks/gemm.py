@@ -471,6 +471,9 @@ def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
 # The off-grid survey's dtypes / precisions (as MODES) and its shapes' ranges (log-uniform
 # M, K, N; at most SURVEY_MAX_WORK multiply-adds, float64 at most 2**31).
 SURVEY_RANGES, SURVEY_MAX_WORK = ((1, 20000), (8, 8192), (8, 16384)), 2 ** 33
+# Tall, narrow products the random shapes do not reach, for GemmScaleBatchNorm's training
+# step: a million rows and more, N from 2 (the backward's row passes side by side).
+SURVEY_TALL = ((4194305, 3, 2), (1000000, 32, 8), (200000, 64, 16), (100000, 64, 512))
 
 
 def survey_shapes(seed: int, count: int = 40) -> list:
@@ -490,11 +493,12 @@ def survey_shapes(seed: int, count: int = 40) -> list:
 
 
 def survey(seed: int, below: float = 0.97) -> None:
-    """GPU time alone (CUDA graphs of 50 calls), ours against eager, at random shapes:
-    linear in every dtype / precision of MODES, GemmScaleBatchNorm's training-mode forward
-    (25 of them, at least 2 rows). Prints each point under ``below`` with its route, and
-    the minimum and median per mode. (What a captured loop sees; the sweep's figures
-    include host time.)"""
+    """GPU time alone (CUDA graphs of 50 calls, 10 of a training step), ours against
+    eager, at random shapes: linear in every dtype / precision of MODES,
+    GemmScaleBatchNorm's training-mode forward (25 of them, at least 2 rows) and its
+    training step (those and SURVEY_TALL). Prints each point under ``below`` (linear's
+    with its route), and the minimum and median per mode. (What a captured loop sees;
+    the sweep's figures include host time.)"""
     import torch.nn.functional as F
 
     from cupykern import gemm
@@ -524,25 +528,32 @@ def survey(seed: int, below: float = 0.97) -> None:
                 print(f"linear {M}x{K}x{N} {dt} {prec}: ours {ours:.1f} eager {eager:.1f} us "
                       f"({ratios[-1]:.2f}x) route {route}", flush=True)
         report(f"linear {dt} {prec}", ratios)
-    for dt, prec in MODES[:3] + MODES[4:]:
-        torch.backends.cuda.matmul.allow_tf32 = prec == "high"
-        ratios = []
-        for M, K, N in shapes[:25]:
-            M, d = max(M, 2), getattr(torch, dt)
-            if dt == "float64" and M * N * K > 2 ** 31:
-                continue
-            torch.manual_seed(0)
-            ref = model3.Model(K, N, (N,)).cuda().to(d)
-            torch.manual_seed(0)
-            new = model3.ModelNew(K, N, (N,)).cuda().to(d)
-            x = torch.randn(M, K, device="cuda", dtype=d)
-            with torch.no_grad():
-                ours, eager = graph_us(lambda: new(x)), graph_us(lambda: ref(x))
-            ratios.append(eager / ours)
-            if ratios[-1] < below:
-                print(f"gsbn forward {M}x{K}->{N} {dt} {prec}: ours {ours:.1f} eager "
-                      f"{eager:.1f} us ({ratios[-1]:.2f}x)", flush=True)
-        report(f"gsbn forward {dt} {prec}", ratios)
+    for step in (False, True):
+        what = "gsbn step" if step else "gsbn forward"
+        for dt, prec in MODES[:3] + MODES[4:]:
+            torch.backends.cuda.matmul.allow_tf32 = prec == "high"
+            ratios = []
+            for M, K, N in shapes[:25] + (list(SURVEY_TALL) if step else []):
+                M, d = max(M, 2), getattr(torch, dt)
+                if dt == "float64" and M * N * K > 2 ** 31:
+                    continue
+                torch.manual_seed(0)
+                ref = model3.Model(K, N, (N,)).cuda().to(d)
+                torch.manual_seed(0)
+                new = model3.ModelNew(K, N, (N,)).cuda().to(d)
+                x = torch.randn(M, K, device="cuda", dtype=d, requires_grad=step)
+                g = torch.randn(M, N, device="cuda", dtype=d)
+                if step:
+                    ours, eager = (graph_us(lambda m=m: m(x).backward(g), calls=10)
+                                   for m in (new, ref))
+                else:
+                    with torch.no_grad():
+                        ours, eager = graph_us(lambda: new(x)), graph_us(lambda: ref(x))
+                ratios.append(eager / ours)
+                if ratios[-1] < below:
+                    print(f"{what} {M}x{K}->{N} {dt} {prec}: ours {ours:.1f} eager "
+                          f"{eager:.1f} us ({ratios[-1]:.2f}x)", flush=True)
+            report(f"{what} {dt} {prec}", ratios)
 
 
 def main(argv=None):
