@@ -550,7 +550,8 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     whose backward will run) or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
     tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
     eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
-    except where Hopper would run them off wgmma (:func:`_off_wgmma`) or the product is
+    except where Hopper would run them off wgmma (:func:`_off_wgmma`), a backward product
+    would read its B transposed in place (:func:`_transposed_b`) or the product is
     narrow (:func:`_narrow`: any dtype); float64 keeps ours, narrow products aside, for
     products of at most FUSED_F64_WORK[role] multiply-adds (host time), unless ``captured``
     (a plan made while a CUDA graph is captured: no host time to save, and the vendor's
@@ -575,7 +576,7 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
             return False
         return _route_of(a, b_nk, precision) == VENDOR
     if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
-            and not _off_wgmma(a, b_nk)):
+            and not _off_wgmma(a, b_nk) and not (batch is not None and _transposed_b(a, b_nk))):
         return False
     if batch is None and _half_wgmma(a, b_nk, precision):
         return False
@@ -862,7 +863,7 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
           "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
           # the vendor path's own forms: padded_n, bias_apart
-          "PADDED_N_MIN_WORK": 2 ** 30, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024,
+          "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024,
           "BIAS_APART_MIN_N": 64}
 
 
@@ -956,9 +957,13 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     1024x4096x4097 359 / 87, 2048x2050x2047 134 / 94, 1024x4096x4098 126 / 87; not
     (an odd K) 2048x2047x2047 137 / 157, 4099x5583x297 180 / 194, 1372x59x14086 49 / 98,
     35x3671x11870 100 / 204; (N % 4 == 2, K % 8 == 2) 231x3650x4130 56 / 97,
-    2854x66x6810 39 / 88, 4525x234x2530 45 / 74; (N % 4 == 0) 256x4096x4100 53 / 56."""
+    2854x66x6810 39 / 88, 4525x234x2530 45 / 74; (N % 4 == 0) 256x4096x4100 53 / 56.
+    The pad copies b (K x N) while the product saves in proportion to M: not below
+    PADDED_N_MIN_M rows (bf16 GemmScaleBatchNorm's dW at 12108x1961->57, 57x12108x1961:
+    the copy 62.4 us against the product's 47.3 -> 25.0)."""
     slow = (N % 2 and K % 2 == 0) or (N % 4 == 2 and K % 8 == 0)
-    if dtype in ("float16", "bfloat16") and slow and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]:
+    if (dtype in ("float16", "bfloat16") and slow and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]
+            and M >= _ROUTE["PADDED_N_MIN_M"]):
         return cdiv(N, 8) * 8
     return N
 
@@ -1031,6 +1036,18 @@ def _route_of(ao, bo_nk, precision: str) -> str:
     if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which
+
+
+def _transposed_b(a, b_nk) -> bool:
+    """Whether ours would read ``b_nk`` of ``a @ b_nk.T`` transposed in place (element
+    loads, no TMA: a copy does not pay, :func:`_read_mode`), as a fused op's dW = dz^T @ x
+    does for fewer than _COPY_WORK output features: such a product follows :func:`route`
+    too. H200, GemmScaleBatchNorm's training step "highest", dW alone, ours (3xTF32, split
+    K) / eager's SGEMM: 200000x64->16 1452 / 50 us, 200000x64->64 1448 / 54, 12108x1961->57
+    184 / 75."""
+    lay = layout(b_nk)
+    work = a.shape[0] * a.shape[1] * b_nk.shape[0]
+    return lay is not None and lay[0] and _read_mode(b_nk, work)[0] == "view"
 
 
 def _off_wgmma(a, b_nk) -> bool:

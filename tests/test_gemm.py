@@ -929,6 +929,33 @@ def test_captured_float64_products_follow_the_route(monkeypatch, cc, dispatched)
     assert not gemm.float64_capture(np.empty(3))
 
 
+def test_backward_products_reading_b_transposed_follow_the_route(monkeypatch, dispatched):
+    """GPU-free: a fused op's float32 dW = dz^T @ x of few output features reads x
+    transposed in place (a copy does not pay: fewer than _COPY_WORK features); it follows
+    the dispatcher (SGEMM for "highest" at these sizes) instead of ours, from
+    FUSED_VENDOR_BATCH rows on too. With _COPY_WORK features or more x is copied and ours
+    keeps it."""
+    from cupykern import _array, _loader, gemm
+
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+
+    def rows(m, k):
+        return _array.Operand(torch.empty(0), "torch", "float32", (m, k), (k, 1), 0x10000, 0,
+                              "a", True)
+
+    def cols(m, k):  # x^T of a row-major (k, m) x
+        return _array.Operand(torch.empty(0), "torch", "float32", (m, k), (1, m), 0x10000, 0,
+                              "x", True)
+
+    for batch, feats, fin in [(200000, 16, 64), (200000, 64, 64), (12108, 57, 1961)]:
+        dzt, xt = rows(feats, batch), cols(fin, batch)
+        assert gemm._transposed_b(dzt, xt)
+        assert gemm.fused_vendor(dzt, xt, "highest", batch)
+    dzt, xt = rows(gemm._COPY_WORK, 200000), cols(64, 200000)
+    assert not gemm._transposed_b(dzt, xt)
+    assert not gemm.fused_vendor(dzt, xt, "highest", 200000)
+
+
 def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
     """GPU-free: a copy (of a transposed operand, say) is a fresh array of rows of K, so
     with K % 4 it stays off Hopper's wgmma, and "highest" goes to SGEMM as for any such
@@ -1035,6 +1062,8 @@ def test_vendor_eager_forms():
     assert Vendor.linear_form(1024, 1025, 1026, "float16").keywords == {"pad": 7}  # odd N
     assert Vendor.linear_form(1024, 1028, 1024, "float16") is F.linear  # (8-byte rows: cuBLAS's)
     assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is F.linear  # (an odd K)
+    assert Vendor.linear_form(511, 1025, 1 << 22, "bfloat16") is F.linear  # (few rows: M < 512)
+    assert Vendor.matmul_form(57, 1961, 12108, "bfloat16", True) is torch.matmul
     assert Vendor.linear_form(1 << 20, 8, 1024, "float64") is F.linear  # (N < 64)
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
     assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
