@@ -641,20 +641,21 @@ def statistics_call(place, M: int, N: int):
 
 
 def routed_mm_plan(a, b, precision: str, batch: int, captured: bool = False):
-    """A fused op's backward product ``a @ b`` (its input of ``batch`` rows) as
-    ``run(a, b) -> array``, decided once: :func:`mm_plan` on ours, or the vendor's product
-    (:func:`fused_vendor`). None where ours needs a general copy: the caller then
-    computes it with :func:`matmul_core`. The vendor's choice holds for the library's
-    float32 setting of now (:func:`vendor_state`: part of the caller's plan key) and
-    ``captured`` (:func:`float64_capture`, likewise)."""
+    """A fused op's backward product ``a @ b`` (its input of ``batch`` rows) as ``(run,
+    vendor)``, ``run(a, b) -> array`` decided once: :func:`mm_plan` on ours, or the
+    vendor's product (:func:`fused_vendor`; ``vendor`` True: it takes its operands in any
+    layout). ``run`` is None where ours needs a general copy: the caller then computes it
+    with :func:`matmul_core`. The vendor's choice holds for the library's float32 setting
+    of now (:func:`vendor_state`: part of the caller's plan key) and ``captured``
+    (:func:`float64_capture`, likewise)."""
     bt = Operand(b.obj, b.kind, b.dtype, b.shape[::-1], b.strides[::-1], b.ptr, b.device,
                  b.name, b.torch)
     if fused_vendor(a, bt, precision, batch, captured=captured):
         # (straight to the library, in its eager form: matmul_core's lookup and the
         # vendor's per-call choices would cost a small step ~15 us of host)
         (M, K), N = a.shape, b.shape[1]
-        return vendor_matmul(a.kind, precision, (M, N, K, a.dtype, True))
-    return _on_arrays(mm_plan(a, b, precision))
+        return vendor_matmul(a.kind, precision, (M, N, K, a.dtype, True)), True
+    return _on_arrays(mm_plan(a, b, precision)), False
 
 
 def _on_arrays(plan):

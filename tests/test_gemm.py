@@ -1012,9 +1012,9 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
                               0x10000, 0, "a", True)
 
     def vendor(a, b, precision, batch):
-        plan = gemm.routed_mm_plan(a, b, precision, batch)
-        assert plan is not None
-        return type(plan) is gemm._VendorPlan
+        plan, on_vendor = gemm.routed_mm_plan(a, b, precision, batch)
+        assert plan is not None and on_vendor == (type(plan) is gemm._VendorPlan)
+        return on_vendor
 
     assert vendor(op(64, 512), op(512, 512), "highest", 64)
     # "high": the vendor's where torch's TF32 switch is on (as "high" sets it), else ours

@@ -683,8 +683,8 @@ def test_fused_backward_matches_float64(shape, precision, bound, training):
 @pytest.mark.parametrize("frozen", ["x", "weight"])
 @pytest.mark.parametrize("batch", [37, 256, 2001])
 def test_fused_backward_one_product(frozen, batch):
-    """Only dW (x without grad: the backward writes dz's transpose alone) or only dx (a
-    frozen weight: dz alone), at a batch whose rows of dz^T take 16-byte stores (256)
+    """Only dW (x without grad: the backward writes dz's transpose alone, or dz alone where
+    the vendor's dW reads it transposed) or only dx (a frozen weight: dz alone), at a batch whose rows of dz^T take 16-byte stores (256)
     and one whose rows do not (37), both in one launch, and in three (2001: 24 columns,
     4 rows side by side in bn_grad_dz_rows): each gradient still matches float64."""
     ref, new = _pair(40, 24)
