@@ -64,7 +64,10 @@ __device__ __forceinline__ A opt(const T* p, int n, A dflt) { return p ? to_acc(
 // Tiles of ``rows`` rows over M rows. A row pass's grid holds at most 65535 blocks on y
 // (MAX_GRID_Y, _geometry.py), fewer than the tiles of a few million rows: the blocks of
 // grid row y take tiles y, y + gridDim.y, ...
-__device__ __forceinline__ int row_tiles(int M, int rows) { return (int)(((long long)M + rows - 1) / rows); }
+// (32-bit unsigned: M + rows - 1 < 2**32; a 64-bit division costs ~100 instructions a thread)
+__device__ __forceinline__ int row_tiles(int M, int rows) {
+  return (int)(((unsigned)M + (unsigned)rows - 1u) / (unsigned)rows);
+}
 
 // Where a block's threads lie in a row pass (gemm_scale_batchnorm.cu's bn_apply,
 // bn_train_apply, bn_column_stats; the backward's bn_grad_partials, bn_grad_dz_rows):
