@@ -51,6 +51,12 @@ _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per t
 _ROW_STATS_FROM = 4096
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
+# bn_grad_dz_rows stores dz^T from registers: from 8 lanes (N <= 16 of 128 threads) a
+# warp's store covers 2 or more rows of each column it holds (H200, float32, the pass
+# with dz^T against bn_grad_dz: N = 2 38.3 / 550.2 us at 4194305 rows, N = 8 49.8 / 213.2
+# at 1000000, N = 16 27.7 / 45.8 at 200000); below, a warp spans one row and each
+# store would scatter over 32 rows of dz^T, which bn_grad_dz stages into whole runs.
+_DZ_ROWS_MIN_LANES = 8
 # bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows,
 # COLS columns (a warp's lanes) per block.
 # H200, the passes alone, one launch / three, us of GPU (CUDA graph) and back to back
@@ -591,24 +597,29 @@ def apply_coefficients(z, ca, cm, cb):
     return out
 
 
-def _grad_rows(M: int, N: int, dtype: str, device):
+def _grad_rows(M: int, N: int, dtype: str, device, transposed: bool = True):
     """The backward's passes over the rows of (M, N) g and z: ``(tiles, partials, dz)``,
-    the last two ``(fn, grid, block, sizes)`` of bn_grad_partials and of bn_grad_dz (or,
-    narrow, bn_grad_dz_rows), ``sizes`` their arguments after z (M, N, and lanes but for
-    bn_grad_dz). ``lanes`` rows lie side by side (RowSpot) where N is at most half a block
-    of columns; a tile is _GRAD["ROWS"] * lanes rows, one per grid row (looping past
-    MAX_GRID_Y). (H200, float32 4194305x3->2, lanes 1: partials 147 us, bn_grad_coef 125
-    over 65537 tiles, bn_grad_dz 550, eager's whole backward 770.)"""
+    the last two ``(fn, grid, block, sizes)`` of bn_grad_partials and of the dz pass
+    (``transposed``: it writes dz^T too), ``sizes`` their arguments after z (M, N, and
+    lanes but for bn_grad_dz). ``lanes`` rows lie side by side (RowSpot) where N is at
+    most half a block of columns; a tile is _GRAD["ROWS"] * lanes rows, one per grid row
+    (looping past MAX_GRID_Y). (H200, float32 4194305x3->2, one row per block:
+    partials 147 us, bn_grad_coef 125 over 65537 tiles, bn_grad_dz 550, eager's whole
+    backward 770.) The dz pass is bn_grad_dz_rows laid out alike, or where it would
+    store dz^T from fewer than _DZ_ROWS_MIN_LANES lanes, the staged bn_grad_dz."""
     threads = _GRAD["THREADS"]
-    lanes = _side_by_side(threads, N)
-    tiles = cdiv(M, _GRAD["ROWS"] * lanes)
-    grid, block = (cdiv(N, threads // lanes), grid_rows(tiles)), (threads,)
     exprs = _grad_exprs(CTYPE[dtype])
-    mn, lanes_ = (scalar(M, "int"), scalar(N, "int")), scalar(lanes, "int")
-    partials = (_loader.function(_BACKWARD_FILE, exprs["partials"], device), grid, block,
-                (*mn, lanes_))
-    dz = _loader.function(_BACKWARD_FILE, exprs["dz_rows" if lanes > 1 else "dz"], device)
-    return tiles, partials, (dz, grid, block, (*mn, lanes_) if lanes > 1 else mn)
+    mn = (scalar(M, "int"), scalar(N, "int"))
+
+    def launch(expr, lanes):
+        grid = (cdiv(N, threads // lanes), grid_rows(cdiv(M, _GRAD["ROWS"] * lanes)))
+        sizes = (*mn, scalar(lanes, "int")) if expr != "dz" else mn
+        return _loader.function(_BACKWARD_FILE, exprs[expr], device), grid, (threads,), sizes
+
+    lanes = _side_by_side(threads, N)
+    rows = lanes > 1 and (lanes >= _DZ_ROWS_MIN_LANES or not transposed)
+    dz = launch("dz_rows", lanes) if rows else launch("dz", 1)
+    return cdiv(M, _GRAD["ROWS"] * lanes), launch("partials", lanes), dz
 
 
 def _grad_operand(zo, g):
@@ -638,7 +649,7 @@ def grad_dz(g, z, k, cm):
     """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
     zo, place, (M, N) = _checked_z(z)
     go = _grad_operand(zo, g)
-    _, _, (fn, grid, block, sizes) = _grad_rows(M, N, zo.dtype, zo.device)
+    _, _, (fn, grid, block, sizes) = _grad_rows(M, N, zo.dtype, zo.device, transposed=False)
     dz = empty(place, (M, N))
     launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *sizes, place.ptr(k),
                                           place.ptr(cm), place.ptr(dz), 0), 0),))
@@ -661,9 +672,10 @@ def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, train
 
     Bandwidth passes (column sums of g and g*(z - mean), their ordered merge into the
     vector gradients, dz and its transpose: one launch for a batch of up to
-    _GRAD_FUSED["ROWS"] rows, else three), then dx = dz @ W and dW =
-    dz^T @ x at ``precision`` on our GEMM (or cuBLAS where cupykern.gemm.route says so), each reading dz K-major (x is read in place
-    where the GEMM can: Hopper TF32 / 3xTF32). g (B, N) may have any row stride; other
+    _GRAD_FUSED["ROWS"] rows, else three), then dx = dz @ W and dW = dz^T @ x at
+    ``precision`` on our GEMM, each reading dz K-major (x is read in place where the GEMM
+    can: Hopper TF32 / 3xTF32), or on the vendor's where the dispatcher says so (its dW
+    reads dz transposed in place: no dz^T pass). g (B, N) may have any row stride; other
     layouts are copied."""
     arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
     options = (training, eps, precision, input_grad, weight_grad)
@@ -744,7 +756,6 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     M, N = zo.shape
     place, acc = Place(zo), acc_dtype(zo.dtype)  # (run keeps no Operand: they hold arrays)
     ptr = place.ptr
-    passes, scratch = _grad_passes(go, zo, training, eps)
     row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major by ours
     has_k = xo.shape[1] > 0
@@ -760,6 +771,7 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     # faster kernels for it than for the contiguous dz^T (H200, GemmScaleBatchNorm's dW
     # at 12108x1961->57: float32 "highest" 191 us against 75, bf16 60 against 47).
     wants_dz, wants_dzt = input_grad or dw_vendor, weight_grad and not dw_vendor
+    passes, scratch = _grad_passes(go, zo, training, eps, wants_dzt)
 
     def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
         # The passes go out in one batch, then each GEMM as soon as it is ready: the
@@ -786,12 +798,13 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     return run
 
 
-def _grad_passes(go, zo, training, eps):
+def _grad_passes(go, zo, training, eps, transposed):
     """``(passes, scratch)``: the backward's passes over g and z (Operands: g with contiguous
     rows, z contiguous (M, N)) as ``passes(g, z, coefs, vectors, grads, buf, dz, dzt) ->
     launches`` (pointers; vectors: bias, scale, bn_weight, running_mean; grads: where
-    d scale, d bn_weight, d bn_bias, d bias go; dz / dzt: 0 where not wanted), which need
-    a scratch buffer ``buf`` of ``scratch`` elements of the accumulation type (0: none)."""
+    d scale, d bn_weight, d bn_bias, d bias go; dz / dzt: 0 where not wanted, dzt only
+    with ``transposed``), which need a scratch buffer ``buf`` of ``scratch`` elements of
+    the accumulation type (0: none)."""
     M, N = zo.shape
     t, dev = CTYPE[zo.dtype], zo.device
     step = N * ITEMSIZE[acc_dtype(zo.dtype)]  # (bytes of one row of coefs)
@@ -809,7 +822,8 @@ def _grad_passes(go, zo, training, eps):
     exprs = _grad_exprs(t)
     train_coef, eval_coef = (_loader.function(_BACKWARD_FILE, exprs[e], dev)
                              for e in ("coef", "eval_coef"))
-    tiles, (partials, grid, block, sizes), (dz_fn, _, _, dz_sizes) = _grad_rows(M, N, zo.dtype, dev)
+    tiles, (partials, grid, block, sizes), (dz_fn, dz_grid, _, dz_sizes) = _grad_rows(
+        M, N, zo.dtype, dev, transposed)
     chunks, chunked = _chunks(tiles)
     coef_launch = chunked(N)
     tiles_ = scalar(tiles, "int"), scalar(chunks, "int")
@@ -826,7 +840,7 @@ def _grad_passes(go, zo, training, eps):
                                               c0 + 3 * step, *grads), 0)
             dz_args = (g, ld, 0, *dz_sizes, c0, c0 + step)
         return ((partials, grid, block, (g, ld, z, *sizes, c0 + step, part), 0), coef,
-                (dz_fn, grid, block, dz_args + (dz, dzt), 0))
+                (dz_fn, dz_grid, block, dz_args + (dz, dzt), 0))
 
     return three, 3 * N + 2 * tiles * N
 

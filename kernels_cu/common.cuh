@@ -86,10 +86,13 @@ struct RowSpot {
     lane = threadIdx.x / across;
     tiles = row_tiles(M, ROWS * lanes);
   }
-  // This thread's rows of tile t: r0(t), r0(t) + lanes, ... below r1(t).
-  __device__ __forceinline__ int r0(int t) const { return (int)((long long)t * ROWS * lanes + lane); }
-  __device__ __forceinline__ int r1(int t) const {
-    return (int)min((long long)M, (long long)(t + 1) * ROWS * lanes);
+  // This thread's rows of tile t: r0(t), r0(t) + lanes, ... below r1(t). Unsigned: a
+  // row index plus a step of rows stays below 2**32 where M is near 2**31.
+  __device__ __forceinline__ unsigned r0(int t) const {
+    return (unsigned)min((long long)M, (long long)t * ROWS * lanes + lane);
+  }
+  __device__ __forceinline__ unsigned r1(int t) const {
+    return (unsigned)min((long long)M, (long long)(t + 1) * ROWS * lanes);
   }
 };
 

@@ -85,7 +85,7 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
   const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
   // One block per tile, m-major over a 1-D grid (a grid's y would hold only 65535 tiles of N)
-  const int mtiles = (M + TS - 1) / TS, mt = blockIdx.x % mtiles, m0 = mt * TS;
+  const int mtiles = (int)(((unsigned)M + TS - 1) / TS), mt = blockIdx.x % mtiles, m0 = mt * TS;
   const int n0 = blockIdx.x / mtiles * TS;
   A acc[4][4] = {};
   for (int k0 = 0; k0 < K; k0 += KT) {

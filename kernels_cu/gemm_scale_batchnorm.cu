@@ -178,9 +178,9 @@ constexpr int ROW_UNROLL = 8;
 // so without this each row would wait for the previous one's load).
 template <typename T, int VEC, typename A = typename acc_of<T>::type>
 __device__ __forceinline__ void
-apply_rows(const T* z, T* out, long long ldz, int col, int r0, int r1, int step,
+apply_rows(const T* z, T* out, long long ldz, int col, unsigned r0, unsigned r1, unsigned step,
            const A (&fa)[VEC], const A (&fm)[VEC], const A (&fb)[VEC]) {
-  for (int r = r0; r < r1; r += ROW_UNROLL * step) {
+  for (unsigned r = r0; r < r1; r += ROW_UNROLL * step) {  // (unsigned: RowSpot)
     Vec16<T> v[ROW_UNROLL];
 #pragma unroll
     for (int u = 0; u < ROW_UNROLL; ++u) {
@@ -220,7 +220,7 @@ bn_column_stats(const T* __restrict__ z, int M, int N, int lanes,
   for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {  // (uniform: combine_chunks syncs)
     ColumnMoments<A, VEC> m;
     m.clear();
-    for (int r = at.r0(t), r1 = at.r1(t); at.col < N && r < r1; r += ROW_UNROLL * lanes) {
+    for (unsigned r = at.r0(t), r1 = at.r1(t); at.col < N && r < r1; r += ROW_UNROLL * lanes) {
       A v[VEC][ROW_UNROLL], cnt, mean[VEC], m2[VEC], lo[VEC], hi[VEC];
       bool valid[ROW_UNROLL];
 #pragma unroll

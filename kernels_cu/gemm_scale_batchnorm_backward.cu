@@ -22,11 +22,12 @@
 // z = m: no term in any sum, and a dz that is not stored.
 template <typename T, typename A>
 __device__ __forceinline__ void load_rows8(const T* __restrict__ g, long long ldg,
-                                           const T* __restrict__ z, int N, int n, int r, int r1,
-                                           A m, A (&gv)[8], A (&zv)[8], int step = 1) {
+                                           const T* __restrict__ z, int N, int n, unsigned r,
+                                           unsigned r1, A m, A (&gv)[8], A (&zv)[8],
+                                           unsigned step = 1) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
-    const int row = r + u * step;
+    const unsigned row = r + u * step;  // (unsigned: below 2**32 where M is near 2**31)
     const bool ok = row < r1;
     gv[u] = ok ? to_acc(g[(long long)row * ldg + n]) : (A)0;
     zv[u] = ok && z ? to_acc(z[(long long)row * N + n]) : m;
@@ -36,9 +37,9 @@ __device__ __forceinline__ void load_rows8(const T* __restrict__ g, long long ld
 // S1 += g, S2 += g*(z - m) over rows r0, r0 + step, ... below r1 of column n, in row order.
 template <typename T, typename A>
 __device__ __forceinline__ void grad_sums(const T* __restrict__ g, long long ldg,
-                                          const T* __restrict__ z, int N, int n, int r0, int r1,
-                                          A m, A& s1, A& s2, int step = 1) {
-  for (int r = r0; r < r1; r += 8 * step) {
+                                          const T* __restrict__ z, int N, int n, unsigned r0,
+                                          unsigned r1, A m, A& s1, A& s2, unsigned step = 1) {
+  for (unsigned r = r0; r < r1; r += 8 * step) {
     A gv[8], zv[8];
     load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv, step);
 #pragma unroll
@@ -274,10 +275,12 @@ bn_grad_dz(const T* __restrict__ g, long long ldg, const T* __restrict__ z, int 
   // (A loop over tiles y, y + gridDim.y, ... here took 10% longer at 100000x512 float32.)
   const unsigned tiles = row_tiles(M, ROWS);
   const int span = tiles <= gridDim.y ? ROWS : (int)((tiles + gridDim.y - 1) / gridDim.y * ROWS);
-  const int r0 = (int)min((long long)M, (long long)blockIdx.y * span), r1 = min(M, r0 + span);
-  for (int c = r0; c < r1; c += CH) {
-    const int len = min(CH, r1 - c);
-    for (int r = c; col && r < c + len; r += 8) {
+  // (unsigned rows: a row index plus a chunk stays below 2**32 where M is near 2**31)
+  const unsigned r0 = (unsigned)min((long long)M, (long long)blockIdx.y * span);
+  const unsigned r1 = (unsigned)min((long long)M, (long long)r0 + span);
+  for (unsigned c = r0; c < r1; c += CH) {
+    const int len = (int)min((unsigned)CH, r1 - c);
+    for (unsigned r = c; col && r < c + len; r += 8) {
       A gv[8], zv[8];
       load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv);  // (z null: no term)
       union { T t[8]; uint4 v[8 * sizeof(T) / 16]; } d;
@@ -325,12 +328,12 @@ bn_grad_dz_rows(const T* __restrict__ g, long long ldg, const T* __restrict__ z,
   if (n >= N) return;
   const A k0 = k[n], k1 = k[N + n], k2 = z ? k[2LL * N + n] : (A)0, m = z ? cm[n] : (A)0;
   for (int t = blockIdx.y; t < at.tiles; t += gridDim.y) {
-    for (int r = at.r0(t), r1 = at.r1(t); r < r1; r += 8 * lanes) {
+    for (unsigned r = at.r0(t), r1 = at.r1(t); r < r1; r += 8 * lanes) {
       A gv[8], zv[8];
       load_rows8(g, ldg, z, N, n, r, r1, m, gv, zv, lanes);  // (z null: no term)
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const int row = r + u * lanes;
+        const unsigned row = r + u * lanes;
         if (row >= r1) break;
         const T d = dz_of<T>(k0, k1, k2, m, gv[u], zv[u]);
         if (dz) dz[(long long)row * N + n] = d;
