@@ -547,9 +547,10 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     """Whether a fused op's GEMM of 2-D GPU Operands ``a`` (M, K) and ``b_nk`` (N, K) goes
     to the vendor: its forward product (``batch`` None; its statistics epilogue then is a
     pass of its own: gemm_scale_batchnorm's _vendor_statistics; ``grad``: a forward
-    whose backward will run) or a backward product of an input of ``batch`` rows. float32 keeps ours where it was
-    tuned against cuBLAS: the forward always (GemmScaleBatchNorm's fused forward 1.0-2.5x
-    eager in the float32 sweep), the backward products from FUSED_VENDOR_BATCH rows on;
+    whose backward will run) or a backward product of an input of ``batch`` rows.
+    float32 keeps ours where it was tuned against cuBLAS: the forward always
+    (GemmScaleBatchNorm's fused forward 1.0-2.5x eager in the float32 sweep), the
+    backward products from FUSED_VENDOR_BATCH rows on;
     except where Hopper would run them off wgmma (:func:`_off_wgmma`), a backward product
     would read its B transposed in place (:func:`_transposed_b`) or the product is
     narrow (:func:`_narrow`: any dtype); float64 keeps ours, narrow products aside, for
@@ -563,11 +564,12 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     64x512->512, 1.06 / 0.89x and 1.10 / 0.89x at 2048^3, 1.11 / 0.93x and 1.05 / 0.98x
     at 1024x8192->8192, 1.18 / 1.08x and 1.20 / 1.09x at 16384x4096->4096; forward
     1.54-1.58x / 0.91-1.17x from 2048^3 to 8192x1024->1024, 0.91 / 0.95x and 0.97 /
-    1.00x at 1024x8192->8192 (our wgmma's mainloop: 0.88x cuBLAS there), a tie below. Every other
-    product follows :func:`route` at any size: GemmScaleBatchNorm (the model converted),
-    ours against eager, H200, forward / training step: float64 (our CUDA cores, then,
-    against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3 0.50x / 0.36x; 16-bit on
-    mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x / 0.35-0.44x."""
+    1.00x at 1024x8192->8192 (our wgmma's mainloop: 0.88x cuBLAS there), a tie below.
+    Every other product follows :func:`route` at any size: GemmScaleBatchNorm (the model
+    converted), ours against eager, H200, forward / training step: float64 (our CUDA
+    cores, then, against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3
+    0.50x / 0.36x; 16-bit on mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x /
+    0.35-0.44x."""
     if _narrow(a, b_nk, precision, batch is None):
         return _route_of(a, b_nk, precision) == VENDOR
     if a.dtype == "float64":
@@ -864,8 +866,8 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
           "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
           # the vendor path's own forms: padded_n, bias_apart
-          "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512, "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024,
-          "BIAS_APART_MIN_N": 64}
+          "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512,
+          "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024, "BIAS_APART_MIN_N": 64}
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
@@ -1080,7 +1082,7 @@ def _vendor(kind: str):
     precision now: the vendor path never flips a library-wide switch, which other threads
     would see), ``state()`` (that setting, part of each plan's key), ``capturing()``
     (whether its current stream captures a CUDA graph) and ``prepare(device)``
-    (:func:`prepare_capture`)."""
+    (:func:`planned_capture`)."""
     return torch_layer("gemm").Vendor if kind == "torch" else _CupyVendor
 
 
@@ -1104,16 +1106,18 @@ def float64_capture(x) -> bool:
     return _CupyVendor.capturing() if _is_cupy(x) else False
 
 
-def prepare_capture(a) -> None:
-    """For a fused op's float64 plan made outside a capture (``a``: its 2-D GPU Operand):
-    create the cuBLAS handle of ``a``'s library for this thread and device now. The plan
-    made again while a CUDA graph is captured takes the vendor's products
-    (:func:`float64_capture`) where this one, warmed up before the capture, runs ours; a
-    first cuBLAS call inside the capture would create the handle there, which fails
-    (H200: CUBLAS_STATUS_NOT_INITIALIZED, the capture invalidated). Autograd runs a
-    backward on a thread of its own: its plans prepare there."""
-    if a.dtype == "float64":
+def planned_capture(a) -> bool:
+    """For a fused op's plan (``a``: its 2-D GPU Operand): :func:`float64_capture` of
+    ``a``'s array, and where it is False, for float64, the cuBLAS handle of ``a``'s
+    library made for this thread and device now. The plan made again while a CUDA graph
+    is captured takes the vendor's products where this one, warmed up before the
+    capture, runs ours; a first cuBLAS call inside the capture would create the handle
+    there, which fails (H200: CUBLAS_STATUS_NOT_INITIALIZED, the capture invalidated).
+    Autograd runs a backward on a thread of its own: its plans prepare there."""
+    captured = float64_capture(a.obj)
+    if not captured and a.dtype == "float64":
         _vendor(a.kind).prepare(a.device)
+    return captured
 
 
 class _CupyVendor:

@@ -30,15 +30,21 @@ from ._geometry import acc_dtype, cdiv, grid_rows
 from ._stats import merge_moments
 from .gemm import (PART_ROWS, STATS_BM, bias_apart, check_operands, check_precision,
                    check_vector, float64_capture, fresh_like, fused_vendor, gemm, gemm_call,
-                   gemm_kernel, linear_core, matmul_core, prepare_capture, register_plans,
+                   gemm_kernel, linear_core, matmul_core, planned_capture, register_plans,
                    routed_mm_plan, statistics_call, vendor_linear, vendor_state,
                    workspace)
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column
 # bn_train_coef, bn_grad_coef, bn_grad_eval_coef: THREADS a block, in chunks of columns
-# (stats.cuh's ColumnChunk), each reducing a run of a column's tiles: at most MAX_CHUNKS,
-# runs of ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty; _chunks).
+# (stats.cuh's ColumnChunk), each reducing a run of a column's tiles: runs of
+# ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty), at most
+# MAX_CHUNKS chunks, or up to THREADS / 2 while N's columns fill fewer blocks than the GPU
+# has SMs (_chunks): a narrow N's few blocks merge long runs one tile after another. H200,
+# bf16 65536x256->16 (2048 tiles, 2 blocks at 64 chunks), bn_train_coef at 64 / 128 /
+# 256 / 512 chunks: 11.6 / 10.3 / 9.9 / 13.6 us (the forward 0.90x eager at 64, 0.95x
+# at 256); 65536x256->256 7.1 / 7.2 / 7.2 / 7.4 us; a wide N keeps 64 (a chunk of 8
+# columns reads whole 32-byte sectors of a tile's row).
 _CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread (_apply_shape)
 # A vendor product's column statistics (_vendor_statistics) take bn_column_stats from this
@@ -79,14 +85,20 @@ def _train_coef_expr(t):
     return f"bn_train_coef<{t}, {_CHUNKED['THREADS']}, {PART_ROWS}>"
 
 
-def _chunks(tiles: int):
-    """(chunks, launch) of a _CHUNKED kernel over ``tiles`` tiles of N columns: chunks of
-    threads per column, a power of 2 (dividing THREADS; one, a thread per column adding
-    every tile in order, below 2 * MIN_RUN tiles), and ``launch(N) -> (grid, block)``."""
-    chunks, threads = 1, _CHUNKED["THREADS"]
-    while 2 * chunks <= min(tiles // _CHUNKED["MIN_RUN"], _CHUNKED["MAX_CHUNKS"]):
+def _chunks(tiles: int, N: int, sms: int):
+    """``(chunks, (grid, block))`` of a _CHUNKED kernel over ``tiles`` tiles of N columns on
+    a GPU of ``sms`` SMs: chunks of threads per column, a power of 2 dividing THREADS (one,
+    a thread per column adding every tile in order, below 2 * MIN_RUN tiles)."""
+    c, threads = _CHUNKED, _CHUNKED["THREADS"]
+
+    def blocks(chunks):
+        return cdiv(N, threads // chunks)
+
+    chunks = 1
+    while 2 * chunks <= tiles // c["MIN_RUN"] and (
+            2 * chunks <= c["MAX_CHUNKS"] or (2 * chunks < threads and blocks(chunks) < sms)):
         chunks *= 2
-    return chunks, lambda N: ((cdiv(N, threads // chunks),), (threads,))
+    return chunks, ((blocks(chunks),), (threads,))
 
 
 _ROW_PASSES = {"apply": "bn_apply", "train": "bn_train_apply", "stats": "bn_column_stats"}
@@ -359,9 +371,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
     step = N * ITEMSIZE[acc]
-    captured = float64_capture(a.obj)
-    if not captured:
-        prepare_capture(a)
+    captured = planned_capture(a)
     product = _ZProduct(a, b, precision, save, captured)
     ptr = place.ptr
 
@@ -401,8 +411,7 @@ def _plan(a, b, training, momentum, eps, precision, save=False):
     scratch = part_end + product.workspace
     ws_off = part_end * ITEMSIZE[acc] if product.workspace else 0  # (split K slabs are of acc too)
     coef = _loader.function(_FILE, _train_coef_expr(t), dev)
-    chunks, chunked = _chunks(mtiles)
-    train_launch = chunked(N)
+    chunks, train_launch = _chunks(mtiles, N, _loader.sm_count(dev))
     sizes = tuple(scalar(v, "int") for v in (mtiles, chunks, bm, M, N))
     # nan: momentum None, the cumulative average (check_real rejects a nan momentum)
     factor = scalar(momentum if momentum is not None else math.nan, "double")
@@ -545,7 +554,8 @@ def _vendor_statistics(place, M, N):
     if cdiv(M, STATS_BM) < _ROW_STATS_FROM:
         return statistics_call(place, M, N), STATS_BM
     fn, grid, block, (_, *sizes) = _apply_launch(place, M, N, "stats")
-    return (lambda zp, part: (fn, grid, block, (zp, *sizes, part), 0)), _APPLY["ROWS"] * int(sizes[-1])
+    lanes = _apply_shape(place, N)[1]
+    return (lambda zp, part: (fn, grid, block, (zp, *sizes, part), 0)), _APPLY["ROWS"] * lanes
 
 
 def _apply_call(place, M, N):
@@ -611,15 +621,16 @@ def _grad_rows(M: int, N: int, dtype: str, device, transposed: bool = True):
     exprs = _grad_exprs(CTYPE[dtype])
     mn = (scalar(M, "int"), scalar(N, "int"))
 
-    def launch(expr, lanes):
-        grid = (cdiv(N, threads // lanes), grid_rows(cdiv(M, _GRAD["ROWS"] * lanes)))
+    def launch(expr, lanes):  # -> (tiles, (fn, grid, block, sizes))
+        tiles = cdiv(M, _GRAD["ROWS"] * lanes)
         sizes = (*mn, scalar(lanes, "int")) if expr != "dz" else mn
-        return _loader.function(_BACKWARD_FILE, exprs[expr], device), grid, (threads,), sizes
+        fn = _loader.function(_BACKWARD_FILE, exprs[expr], device)
+        return tiles, (fn, (cdiv(N, threads // lanes), grid_rows(tiles)), (threads,), sizes)
 
     lanes = _side_by_side(threads, N)
     rows = lanes > 1 and (lanes >= _DZ_ROWS_MIN_LANES or not transposed)
-    dz = launch("dz_rows", lanes) if rows else launch("dz", 1)
-    return cdiv(M, _GRAD["ROWS"] * lanes), launch("partials", lanes), dz
+    tiles, partials = launch("partials", lanes)
+    return tiles, partials, launch("dz_rows", lanes)[1] if rows else launch("dz", 1)[1]
 
 
 def _grad_operand(zo, g):
@@ -760,9 +771,7 @@ def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precisio
     # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major by ours
     has_k = xo.shape[1] > 0
     # (each on ours or, where the dispatcher says so, the vendor's)
-    captured = float64_capture(zo.obj)
-    if not captured:
-        prepare_capture(zo)
+    captured = planned_capture(zo)
     dx_plan, _ = (routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M, captured)
                   if input_grad and has_k else (None, False))
     dw_plan, dw_vendor = (routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M, captured)
@@ -824,8 +833,7 @@ def _grad_passes(go, zo, training, eps, transposed):
                              for e in ("coef", "eval_coef"))
     tiles, (partials, grid, block, sizes), (dz_fn, dz_grid, _, dz_sizes) = _grad_rows(
         M, N, zo.dtype, dev, transposed)
-    chunks, chunked = _chunks(tiles)
-    coef_launch = chunked(N)
+    chunks, coef_launch = _chunks(tiles, N, _loader.sm_count(dev))
     tiles_ = scalar(tiles, "int"), scalar(chunks, "int")
 
     def three(g, z, c0, vectors, grads, k, dz, dzt):
