@@ -114,7 +114,7 @@ def _closer_to_float64(case, ref, inputs, got, want) -> bool:
 def _run_case(module, case, iters):
     import torch
 
-    from cupykern.benchmark import SWEEP_SECONDS, copy_ms, gbps, tflops, time_each
+    from cupykern.benchmark import SWEEP_SECONDS, copy_ms, gbps, tflops, time_ms
 
     torch.manual_seed(0)
     ref = module.Model(*case.init_inputs).cuda()
@@ -134,15 +134,16 @@ def _run_case(module, case, iters):
         verdict = "NO"
     row = {"model": module.__name__.rsplit(".", 1)[1], "case": case.label, "verdict": verdict,
            "correct": verdict != "NO", "max_abs_err": err, "first_call_ms": first_ms}
-    # Ours, eager and compiled interleaved, one call of each a round (time_each), for
-    # about SWEEP_SECONDS: a few seconds of a slow host meet all three alike. (Timed one
-    # after another, the quickstart's stored L1Norm 16x16384 forward read 0.62x eager: 25
-    # us against 16, where the same H200 gives 6 us against 13.)
+    # Each timed on its own, calls back to back (in rounds interleaved with eager's and
+    # compiled's, the 15 us MatmulSumMaxMeanLogSumExp call read 34-71 us after their
+    # 2.7 ms GEMMs, H200), for at least ``iters`` calls or about SWEEP_SECONDS: a short
+    # call's median spans hundreds of calls, not a few seconds of a slow host (the
+    # quickstart's 5 calls read L1Norm 16x16384's forward at 0.62x eager: 25 us against 16).
     with torch.no_grad():
+        row["ms"] = time_ms(lambda: new(*inputs), iters=iters, seconds=SWEEP_SECONDS)
+        row["eager_ms"] = time_ms(lambda: ref(*inputs), iters=iters, seconds=SWEEP_SECONDS)
         compiled = torch.compile(ref)
-        row["ms"], row["eager_ms"], row["compile_ms"] = time_each(
-            [lambda m=m: m(*inputs) for m in (new, ref, compiled)], iters=iters,
-            seconds=SWEEP_SECONDS)
+        row["compile_ms"] = time_ms(lambda: compiled(*inputs), iters=iters, seconds=SWEEP_SECONDS)
     row["speedup_eager"] = row["eager_ms"] / row["ms"]
     row["speedup_compile"] = row["compile_ms"] / row["ms"]
     if case.nbytes:
@@ -163,7 +164,7 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
     within ``atol``), and its time against eager and torch.compile."""
     import torch
 
-    from cupykern.benchmark import SWEEP_SECONDS, time_each
+    from cupykern.benchmark import SWEEP_SECONDS, time_ms
 
     x = inputs[0].detach().requires_grad_()
     rest = inputs[1:]
@@ -189,9 +190,9 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
                         for a, b, m in zip(grads[new], grads[ref], scale)]).max().item()
     del grads
     row = {"grad_rel_err": rel, "grad_correct": rel <= atol}
-    row["train_ms"], row["train_eager_ms"], row["train_compile_ms"] = time_each(
-        [lambda m=m: m(x, *rest).backward(g) for m in (new, ref, compiled)], iters=iters,
-        setup=clear, seconds=SWEEP_SECONDS)
+    for key, m in (("train_ms", new), ("train_eager_ms", ref), ("train_compile_ms", compiled)):
+        row[key] = time_ms(lambda: m(x, *rest).backward(g), iters=iters, setup=clear,
+                           seconds=SWEEP_SECONDS)
     clear()
     row["train_speedup_eager"] = row["train_eager_ms"] / row["train_ms"]
     row["train_speedup_compile"] = row["train_compile_ms"] / row["train_ms"]
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(CLASSES)
                     + " (or their lower-case module names)")
     ap.add_argument("--iters", type=_positive, default=20,
-                    help="timed rounds per measurement, at least (>= 1; a short call gets up to "
+                    help="timed calls per measurement, at least (>= 1; a short call gets up to "
                          "20 times as many, for about 0.4 s)")
     args = ap.parse_args(argv)
     try:

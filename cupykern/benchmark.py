@@ -43,10 +43,12 @@ def require_gpu() -> None:
 SWEEP_SECONDS = 0.4
 
 
-def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None) -> float:
+def time_ms(fn, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None,
+            seconds: float = 0.0) -> float:
     """Median milliseconds of ``fn()`` on torch's current stream (L2 flushed and the
-    untimed ``setup()`` run before each call)."""
-    return time_each((fn,), iters=iters, warmup=warmup, flush=flush, setup=setup)[0]
+    untimed ``setup()`` run before each call; ``seconds`` as :func:`time_each`'s)."""
+    return time_each((fn,), iters=iters, warmup=warmup, flush=flush, setup=setup,
+                     seconds=seconds)[0]
 
 
 def time_each(fns, *, iters: int = 20, warmup: int = 3, flush: bool = True, setup=None,
