@@ -405,6 +405,19 @@ def run_gemm_scale_batchnorm():
         core._GRAD_FUSED.update(saved[2])
         core._plans.clear()
         core._backward_plans.clear()
+    # Coefficient merges in more chunks than MAX_CHUNKS (a narrow N's few blocks: _chunks),
+    # here with runs of one tile: the forward's 256 tiles of 32 rows in 256 chunks, 8 levels
+    # of combine_chunks' tree.
+    saved = core._CHUNKED["MIN_RUN"]
+    core._CHUNKED["MIN_RUN"] = 1
+    core._plans.clear()
+    core._backward_plans.clear()
+    try:
+        check_bn_backward([((8192, 40, 14), True, f32)], "many chunks ")
+    finally:
+        core._CHUNKED["MIN_RUN"] = saved
+        core._plans.clear()
+        core._backward_plans.clear()
 
 
 def check_bn_backward(cases, tag=""):
