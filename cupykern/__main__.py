@@ -136,9 +136,10 @@ def _run_case(module, case, iters):
            "correct": verdict != "NO", "max_abs_err": err, "first_call_ms": first_ms}
     # Each timed on its own, calls back to back (in rounds interleaved with eager's and
     # compiled's, the 15 us MatmulSumMaxMeanLogSumExp call read 34-71 us after their
-    # 2.7 ms GEMMs, H200), for at least ``iters`` calls or about SWEEP_SECONDS: a short
-    # call's median spans hundreds of calls, not a few seconds of a slow host (the
-    # quickstart's 5 calls read L1Norm 16x16384's forward at 0.62x eager: 25 us against 16).
+    # 2.7 ms GEMMs, H200), for at least ``iters`` calls, a short one up to 20 times as
+    # many (time_each's ``seconds``): a median of hundreds of calls, which a host hiccup
+    # does not move (the quickstart's 5 calls read L1Norm 16x16384's forward at 0.62x
+    # eager: 25 us against 16).
     with torch.no_grad():
         row["ms"] = time_ms(lambda: new(*inputs), iters=iters, seconds=SWEEP_SECONDS)
         row["eager_ms"] = time_ms(lambda: ref(*inputs), iters=iters, seconds=SWEEP_SECONDS)
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
                     + " (or their lower-case module names)")
     ap.add_argument("--iters", type=_positive, default=20,
                     help="timed calls per measurement, at least (>= 1; a short call gets up to "
-                         "20 times as many, for about 0.4 s)")
+                         "20 times as many)")
     args = ap.parse_args(argv)
     try:
         wanted = resolve(args.models) if args.models is not None else NAMES

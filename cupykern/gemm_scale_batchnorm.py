@@ -38,14 +38,15 @@ _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column
 # bn_train_coef, bn_grad_coef, bn_grad_eval_coef: THREADS a block, in chunks of columns
 # (stats.cuh's ColumnChunk), each reducing a run of a column's tiles: runs of
-# ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty), at most
-# MAX_CHUNKS chunks, or up to THREADS / 2 while N's columns fill fewer blocks than the GPU
-# has SMs (_chunks): a narrow N's few blocks merge long runs one tile after another. H200,
-# bf16 65536x256->16 (2048 tiles, 2 blocks at 64 chunks), bn_train_coef at 64 / 128 /
-# 256 / 512 chunks: 11.6 / 10.3 / 9.9 / 13.6 us (the forward 0.90x eager at 64, 0.95x
-# at 256); 65536x256->256 7.1 / 7.2 / 7.2 / 7.4 us; a wide N keeps 64 (a chunk of 8
-# columns reads whole 32-byte sectors of a tile's row).
-_CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "MAX_CHUNKS": 64}
+# ceil(tiles / chunks) >= MIN_RUN tiles (the last ones shorter or empty), up to
+# WIDE_CHUNKS chunks, and beyond, up to THREADS / 2, while N's columns fill fewer blocks
+# than the GPU has SMs (_chunks): a narrow N's few blocks would merge long runs one tile
+# after another. H200, bf16 65536x256->16 (2048 tiles, 2 blocks at 64 chunks),
+# bn_train_coef at 64 / 128 / 256 / 512 chunks: 11.6 / 10.3 / 9.9 / 13.6 us (the forward
+# 0.90x eager at 64, 0.95x at 256); at 65536x256->256 the backward's 1024 tiles now take
+# 128 chunks: bn_grad_coef 4.0 -> 3.9 us. An N of 8 * SMs columns or more keeps
+# WIDE_CHUNKS (a chunk of 8 columns reads whole 32-byte sectors of a tile's row).
+_CHUNKED = {"THREADS": 512, "MIN_RUN": 8, "WIDE_CHUNKS": 64}
 _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per thread (_apply_shape)
 # A vendor product's column statistics (_vendor_statistics) take bn_column_stats from this
 # many tiles of STATS_BM rows. H200, GemmScaleBatchNorm's training forward on the vendor's
@@ -88,7 +89,10 @@ def _train_coef_expr(t):
 def _chunks(tiles: int, N: int, sms: int):
     """``(chunks, (grid, block))`` of a _CHUNKED kernel over ``tiles`` tiles of N columns on
     a GPU of ``sms`` SMs: chunks of threads per column, a power of 2 dividing THREADS (one,
-    a thread per column adding every tile in order, below 2 * MIN_RUN tiles)."""
+    a thread per column adding every tile in order, below 2 * MIN_RUN tiles), the most
+    that keeps runs of MIN_RUN tiles, up to WIDE_CHUNKS or, while the grid has fewer
+    blocks than SMs, THREADS / 2. (The merge's rounding depends on the count: results are
+    deterministic for a given shape and SM count.)"""
     c, threads = _CHUNKED, _CHUNKED["THREADS"]
 
     def blocks(chunks):
@@ -96,7 +100,7 @@ def _chunks(tiles: int, N: int, sms: int):
 
     chunks = 1
     while 2 * chunks <= tiles // c["MIN_RUN"] and (
-            2 * chunks <= c["MAX_CHUNKS"] or (2 * chunks < threads and blocks(chunks) < sms)):
+            2 * chunks <= c["WIDE_CHUNKS"] or (2 * chunks < threads and blocks(chunks) < sms)):
         chunks *= 2
     return chunks, ((blocks(chunks),), (threads,))
 

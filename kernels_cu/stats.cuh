@@ -57,7 +57,7 @@ __device__ __forceinline__ void local_range(const A (&v)[V], const bool (&valid)
 // dividing THREADS) of THREADS / chunks consecutive columns, so that a chunk's loads of a
 // tile's row coalesce. Chunk k reduces tiles [t0, t1) of column n, a consecutive run of
 // ceil(tiles / chunks) (the last ones shorter or empty); combine_chunks then merges the
-// chunks' results in a fixed tree (deterministic for a given shape).
+// chunks' results in a fixed tree (deterministic for a given shape and chunk count).
 // Grid cdiv(N, THREADS / chunks).
 struct ColumnChunk {
   int k, n, t0, t1;  // chunk, column, run of tiles

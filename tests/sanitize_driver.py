@@ -405,15 +405,18 @@ def run_gemm_scale_batchnorm():
         core._GRAD_FUSED.update(saved[2])
         core._plans.clear()
         core._backward_plans.clear()
-    # Coefficient merges in more chunks than MAX_CHUNKS (a narrow N's few blocks: _chunks),
-    # here with runs of one tile: the forward's 256 tiles of 32 rows in 256 chunks, 8 levels
-    # of combine_chunks' tree.
+    # Coefficient merges in more chunks than WIDE_CHUNKS (a narrow N's few blocks: _chunks),
+    # here with runs of one tile: at 8192x40->14 the forward's 256 tiles of 32 rows
+    # (bn_train_coef) in 256 chunks, 8 levels of combine_chunks' tree; at 16384x40->100
+    # the forward's 128 tiles in 128 chunks and the backward's 256 tiles of 64 rows in 256
+    # (bn_grad_coef; bn_grad_eval_coef in eval mode).
     saved = core._CHUNKED["MIN_RUN"]
     core._CHUNKED["MIN_RUN"] = 1
     core._plans.clear()
     core._backward_plans.clear()
     try:
-        check_bn_backward([((8192, 40, 14), True, f32)], "many chunks ")
+        check_bn_backward([((8192, 40, 14), True, f32), ((16384, 40, 100), True, f32),
+                           ((16384, 40, 100), False, f32)], "many chunks ")
     finally:
         core._CHUNKED["MIN_RUN"] = saved
         core._plans.clear()

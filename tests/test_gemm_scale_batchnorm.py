@@ -145,7 +145,7 @@ def test_coefficients_in_the_apply_pass_match_their_own_pass(monkeypatch, shape,
 def test_chunks_of_column_reductions():
     """bn_train_coef's and bn_grad_coef's chunks of threads per column: a power of 2
     dividing the block, each run of at least MIN_RUN tiles, one below 2 * MIN_RUN tiles
-    (every tile in order), at most MAX_CHUNKS unless N's columns fill fewer blocks than
+    (every tile in order), at most WIDE_CHUNKS unless N's columns fill fewer blocks than
     the SMs (then at most half the block); as many as those rules allow; the grid covers
     N's columns."""
     core = importlib.import_module("cupykern.gemm_scale_batchnorm")
@@ -157,12 +157,12 @@ def test_chunks_of_column_reductions():
             assert (grid - 1) * (block // c) < n <= grid * (block // c)
             assert c == 1 or tiles // c >= cfg["MIN_RUN"]
             few = -(-n // (threads // (c // 2 or 1))) < sms  # (the grid before the last doubling)
-            assert c <= cfg["MAX_CHUNKS"] or (c < threads and few)
-            more = 2 * c <= cfg["MAX_CHUNKS"] or (2 * c < threads and grid < sms)
+            assert c <= cfg["WIDE_CHUNKS"] or (c < threads and few)
+            more = 2 * c <= cfg["WIDE_CHUNKS"] or (2 * c < threads and grid < sms)
             assert 2 * c > tiles // cfg["MIN_RUN"] or not more
     assert core._chunks(2 * cfg["MIN_RUN"] - 1, 16, sms)[0] == 1
     assert core._chunks(2048, 16, sms)[0] == 256  # (2 blocks at 64 chunks)
-    assert core._chunks(2048, 4096, sms)[0] == cfg["MAX_CHUNKS"]
+    assert core._chunks(2048, 4096, sms)[0] == cfg["WIDE_CHUNKS"]
 
 
 def test_narrow_rows_lie_side_by_side_in_the_apply_pass():
