@@ -441,9 +441,13 @@ def check_bn_backward(cases, tag=""):
         name = f"GemmScaleBatchNorm {tag}backward {m}x{k}->{n} {NAME[dtype]} training={training}"
         check(f"{name} output", out, want.detach(), 1e-4)
         check(f"{name} x", x.grad, xr.grad, 1e-4)
-        for (pname, p), (_, pr) in zip(mod.named_parameters(), ref.named_parameters()):
-            # (gemm.bias: exactly 0 in training mode; the reference holds rounding noise)
-            check(f"{name} {pname}", p.grad, pr.grad, 1e-4, max(pr.grad.abs().max().item(), 1e-8))
+        params = list(zip(mod.named_parameters(), ref.named_parameters()))
+        biggest = max(pr.grad.abs().max().item() for _, (_, pr) in params)
+        for (pname, p), (_, pr) in params:
+            # (gemm.bias: 0 in training mode, up to rounding; each side holds rounding noise
+            # of the other gradients' size: 1.1e-12 against float64's ~1e-17 at 16384 rows)
+            floor = biggest if training and pname == "gemm.bias" else 1e-8
+            check(f"{name} {pname}", p.grad, pr.grad, 1e-4, max(pr.grad.abs().max().item(), floor))
 
 
 # ---------------------------------------------------------------- matmul_sum
