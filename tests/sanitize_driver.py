@@ -9,8 +9,10 @@ exits 1 on a wrong result and prints "sanitize driver done" when all is well.
 Shapes are tiny (a few rows, N, K <= 300) except the rows of the two-pass normalize kernel.
 """
 import argparse
+import contextlib
 import copy
 import sys
+from unittest import mock
 
 import cupy
 import torch
@@ -392,35 +394,35 @@ def run_gemm_scale_batchnorm():
     # million rows), here past 2 rows of blocks: bn_column_stats and bn_apply (the vendor's
     # narrow product), bn_grad_partials and bn_grad_dz (three launches), bn_train_apply.
     core = sys.modules["cupykern.gemm_scale_batchnorm"]
-    saved = core.grid_rows, core._ROW_STATS_FROM, dict(core._GRAD_FUSED)
-    core.grid_rows, core._ROW_STATS_FROM = (lambda tiles: min(tiles, 2)), 0
-    core._GRAD_FUSED["ROWS"] = 0
-    core._plans.clear()
-    core._backward_plans.clear()
-    try:
+    with fresh_plans(core, mock.patch.object(core, "grid_rows", lambda tiles: min(tiles, 2)),
+                     mock.patch.object(core, "_ROW_STATS_FROM", 0),
+                     mock.patch.dict(core._GRAD_FUSED, ROWS=0)):
         check_bn_backward([((2100, 40, 14), True, f32), ((2100, 40, 14), False, f32),
                            ((700, 30, 200), True, f32)], "looping grid ")
-    finally:
-        core.grid_rows, core._ROW_STATS_FROM = saved[:2]
-        core._GRAD_FUSED.update(saved[2])
-        core._plans.clear()
-        core._backward_plans.clear()
     # Coefficient merges in more chunks than WIDE_CHUNKS (a narrow N's few blocks: _chunks),
     # here with runs of one tile: at 8192x40->14 the forward's 256 tiles of 32 rows
     # (bn_train_coef) in 256 chunks, 8 levels of combine_chunks' tree; at 16384x40->100
     # the forward's 128 tiles in 128 chunks and the backward's 256 tiles of 64 rows in 256
     # (bn_grad_coef; bn_grad_eval_coef in eval mode).
-    saved = core._CHUNKED["MIN_RUN"]
-    core._CHUNKED["MIN_RUN"] = 1
-    core._plans.clear()
-    core._backward_plans.clear()
-    try:
+    with fresh_plans(core, mock.patch.dict(core._CHUNKED, MIN_RUN=1)):
         check_bn_backward([((8192, 40, 14), True, f32), ((16384, 40, 100), True, f32),
                            ((16384, 40, 100), False, f32)], "many chunks ")
-    finally:
-        core._CHUNKED["MIN_RUN"] = saved
+
+
+@contextlib.contextmanager
+def fresh_plans(core, *patches):
+    """Within it, ``patches`` (``mock.patch`` objects) apply to GemmScaleBatchNorm's
+    module ``core`` and its plans are made anew; both undone on the way out."""
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
         core._plans.clear()
         core._backward_plans.clear()
+        try:
+            yield
+        finally:
+            core._plans.clear()
+            core._backward_plans.clear()
 
 
 def check_bn_backward(cases, tag=""):
