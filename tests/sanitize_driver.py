@@ -142,6 +142,17 @@ def run_normalize():
                 for cfg in bconfigs:
                     check(f"{tag} backward config {cfg} many rows",
                           nz.normalize_backward(x, gy, 2, 1, cfg), dx, t, scale)
+            # A dy that is no row view aligned like x: copied by the plan, then the kernel
+            # (rows one element off, the stride-0 gradient of y.sum(), a transposed view).
+            x = dev(randn(5, 1000, seed=12), dtype)
+            gys = {"offset": dev(randn(5, 1001, seed=13), dtype)[:, 1:],
+                   "expanded": torch.ones((), dtype=dtype, device="cuda").expand(5, 1000),
+                   "transposed": dev(randn(1000, 5, seed=14), dtype).t()}
+            for what, gy in gys.items():
+                dx, scale = grad_ref(host(x), host(gy), kind)
+                for i in range(2):  # (planned, then the plan's replay)
+                    check(f"{tag} backward dy {what} {i}",
+                          nz.normalize_backward(x, gy, nz.P[kind], 1), dx, t, scale)
             # Rows longer than any cluster holds: the chunked two-pass kernels (aligned, then
             # offset).
             x = dev(randn(3, 300_001, seed=4), dtype)

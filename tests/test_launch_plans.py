@@ -124,6 +124,9 @@ def _calls():
     for shape in ((300, 7), (40, 3000), (2, 140000)):
         yield (f"normalize backward {shape}", lambda a: nz.normalize_backward(a[0], a[1], 2, 1),
                lambda s=shape: [r(s), r(s)], 1)
+    # dy the stride-0 gradient of y.sum(): copied by the plan, then the kernel
+    yield ("normalize backward expanded dy", lambda a: nz.normalize_backward(a[0], a[1], 2, 1),
+           lambda: [r(40, 3000), torch.ones(()).expand(40, 3000)], 1)
     yield "linear", lambda a: cupykern.gemm.linear_core(*a, "high"), lambda: [r(5, 24), r(7, 24), r(7)], 1
     # x read transposed (copied by a launch of the plan: 130 outputs a row), weight in place
     yield ("linear transposed x", lambda a: cupykern.gemm.linear_core(*a, "highest"),
@@ -287,11 +290,13 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     assert gemm._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
 
 
-def test_backward_copies_once_a_call(launches, monkeypatch):
-    """A backward call whose g must be copied (rows not contiguous) copies it once: on the
-    first call, which validates and plans, as on every later one."""
+@pytest.mark.parametrize("g", ["transposed", "expanded"])
+def test_backward_copies_once_a_call(launches, monkeypatch, g):
+    """A backward call whose g must be copied (rows not contiguous: a transposed view, or
+    the stride-0 gradient of ``out.sum()``) copies it once: on the first call, which
+    validates and plans, as on every later one, which takes the plan without validating."""
     gs = sys.modules["cupykern.gemm_scale_batchnorm"]
-    copies, fake = [], _array.contiguous
+    copies, fake, checks, check = [], _array.contiguous, [], gs._check_backward
 
     def counting(a, copy=False):
         c = fake(a, copy)
@@ -300,12 +305,15 @@ def test_backward_copies_once_a_call(launches, monkeypatch):
         return c
 
     monkeypatch.setattr(_array, "contiguous", counting)
+    monkeypatch.setattr(gs, "_check_backward", lambda *a: checks.append(1) or check(*a))
     r = torch.randn
-    args = [r(8, 9).t(), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8), r(8), None]
-    for _ in range(2):
+    g = r(8, 9).t() if g == "transposed" else torch.ones(()).expand(9, 8)
+    args = [g, r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8), r(8), None]
+    for i in range(3):
         copies.clear()
         gs.backward(*args, True, 1e-5, "highest")
         assert copies == ["g"]
+    assert len(checks) == 1
 
 
 def _cpu_calls():
