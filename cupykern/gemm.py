@@ -867,6 +867,7 @@ _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_
           "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
           # the vendor path's own forms: padded_n, bias_apart
           "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512,
+          "PADDED_GRAD_MIN_WORK": 2 ** 34, "PADDED_GRAD_MIN_N": 64,
           "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024, "BIAS_APART_MIN_N": 64}
 
 
@@ -968,6 +969,29 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     if (dtype in ("float16", "bfloat16") and slow and M * N * K >= _ROUTE["PADDED_N_MIN_WORK"]
             and M >= _ROUTE["PADDED_N_MIN_M"]):
         return cdiv(N, 8) * 8
+    return N
+
+
+def padded_grad(M: int, N: int, K: int, dtype: str, precision: str) -> int:
+    """How many columns linear's backward gives the gradient g (M x N) of an (M x K) @
+    (K x N) forward: N, or N rounded up to whole 16-byte rows, where g's rows are off them
+    and cuBLAS runs slow kernels for both products it reads g in (dx = g @ W sums over N,
+    dW = g^T @ x reads g transposed): g is then copied once into rows of that stride, zeros
+    past its N columns, and W padded with zero rows, so that dx sums over the padded N and
+    dW reads g's columns in place. 16-bit and TF32 (SGEMM, "highest", runs alike either
+    way: 0.94-1.00x, H200). H200, GPU time by events, eager's two products / padded (the
+    copies included), us: bf16 2048x2048x2047 216 / 103, 4096x4096x4095 1864 / 553,
+    8192x1024x50257 11868 / 4024; float16 alike; TF32 280 / 176, 2163 / 1189, 13785 /
+    8799. Training steps (forward on ours, host included) x eager, without / with: bf16
+    4096x4096x4095 1.48 / 3.36x, 8192x1024x50257 1.54 / 3.72x; "high" 1.25 / 2.00x and
+    1.24 / 1.97x. Not below PADDED_GRAD_MIN_WORK multiply-adds, where the step is bound by
+    the host's time, which the copies' three launches add to (bf16 1024x2048x1025 0.73 /
+    0.34x, 2048x2048x2047 1.44 / 0.76x), nor for a few columns (512x4096x11: 31 / 82 us)."""
+    step, c = 16 // ITEMSIZE[dtype], _ROUTE
+    tf32 = dtype == "float32" and precision != "highest"
+    if ((dtype in ("float16", "bfloat16") or tf32) and N % step and N >= c["PADDED_GRAD_MIN_N"]
+            and M * N * K >= c["PADDED_GRAD_MIN_WORK"]):
+        return cdiv(N, step) * step
     return N
 
 

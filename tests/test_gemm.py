@@ -516,6 +516,50 @@ def test_linear_gradients_on_our_gemm(shape, precision, bound):
         assert_grad_close(ours, ref, bound, what=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, precision, bound", [(torch.bfloat16, "highest", 2e-2),
+                                                     (torch.float16, "highest", 4e-3),
+                                                     (torch.float32, "high", 2e-2)], ids=str)
+@pytest.mark.parametrize("wants", ["x, w, b", "w, b", "x"])
+def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants):
+    """An N off 16-byte rows in a product of at least 2**34 multiply-adds: linear's backward
+    copies g into aligned rows and pads W (cupykern.gemm.padded_grad). dx, dW, db against
+    float64 autograd, whichever are wanted; x, W and g left untouched."""
+    from cupykern import gemm
+    m, n, k = 2048, 1025, 8192
+    assert gemm.padded_grad(m, n, k, str(dtype)[6:], precision) == (1032 if dtype.itemsize == 2 else 1028)
+    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
+    g = torch.randn(m, n, device="cuda").to(dtype)
+    kept = [t.clone() for t in (x, w, g)]
+    for t, name in ((x, "x"), (w, "w"), (b, "b")):
+        t.requires_grad_(name in wants)
+    cupykern.linear(x, w, b, precision=precision).backward(g)
+    assert all(torch.equal(a, c) for a, c in zip((x, w, g), kept))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(x64, w64, b64).backward(g.double())
+    for name, ours, ref in (("x", x.grad, x64.grad), ("w", w.grad, w64.grad), ("b", b.grad, b64.grad)):
+        if name not in wants:
+            assert ours is None
+            continue
+        assert ours.dtype == dtype and ours.is_contiguous()
+        assert_grad_close(ours, ref, bound, what=name)
+
+
+def test_padded_grad_boundaries():
+    """GPU-free: which gradients linear's backward pads (16-bit, or float32 unless
+    "highest"; N off 16-byte rows, at least 64 of them; at least 2**34 multiply-adds)."""
+    from cupykern.gemm import padded_grad
+    assert padded_grad(2048, 1025, 8192, "bfloat16", "highest") == 1032
+    assert padded_grad(2048, 1025, 8192, "float32", "high") == 1028
+    assert padded_grad(2048, 1025, 8192, "float32", "medium") == 1028
+    assert padded_grad(2048, 1025, 8192, "float32", "highest") == 1025  # SGEMM: no gain
+    assert padded_grad(2048, 1025, 8192, "float64", "highest") == 1025
+    assert padded_grad(2048, 1025, 4096, "float16", "highest") == 1025  # 2**33: host-bound steps
+    assert padded_grad(2048, 1032, 8192, "float16", "highest") == 1032  # aligned already
+    assert padded_grad(2 ** 24, 63, 2 ** 10, "bfloat16", "highest") == 63  # few columns
+    assert padded_grad(8192, 50257, 1024, "bfloat16", "highest") == 50264
+
+
 @pytest.mark.parametrize("cc", [90, 80])
 def test_misaligned_rows_copied_for_wgmma_where_it_pays(monkeypatch, cc):
     """GPU-free: float32 rows that miss 16-byte alignment (start or stride) are copied for

@@ -178,7 +178,14 @@ def _backward(ctx, g):
     n, k = weight.shape
     g2 = g.reshape(-1, n)
     mm = _products(ctx)
-    dx = mm(g2, weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    gp, wp = g2, weight  # dx = gp @ wp: over N, or over cupykern.gemm.padded_grad's columns
+    cols = core.padded_grad(g2.shape[0], n, k, _name(g.dtype), ctx.precision)
+    if cols > n and g.is_cuda and not torch.is_grad_enabled() and any(ctx.needs_input_grad[:2]):
+        gp = g2.new_empty(g2.shape[0], cols)
+        gp[:, n:].zero_()
+        g2 = gp[:, :n].copy_(g2)  # (rows of an aligned stride)
+        wp = F.pad(weight, (0, 0, 0, cols - n)) if ctx.needs_input_grad[0] else None
+    dx = mm(gp, wp).reshape(x.shape) if ctx.needs_input_grad[0] else None
     dw = mm(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
     db = g2.sum(0) if ctx.needs_input_grad[2] else None
     return dx, dw, db, None
