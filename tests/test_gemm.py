@@ -521,27 +521,39 @@ def test_linear_gradients_on_our_gemm(shape, precision, bound):
                                                      (torch.float16, "highest", 4e-3),
                                                      (torch.float32, "high", 2e-2)], ids=str)
 @pytest.mark.parametrize("wants", ["x, w, b", "w, b", "x"])
-def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants):
-    """An N off 16-byte rows in a product of at least 2**34 multiply-adds: linear's backward
-    copies g into aligned rows and pads W (cupykern.gemm.padded_grad). dx, dW, db against
-    float64 autograd, whichever are wanted; x, W and g left untouched."""
+def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monkeypatch):
+    """An N off 16-byte rows where cupykern.gemm.padded_grad pads (its work bound lowered
+    for a small product): linear's backward copies g (here of a 3-D x, and not
+    row-contiguous) once into rows of `cols`, pads W, and its products read those; dx,
+    dW, db against float64 autograd, whichever are wanted; x, W and g untouched."""
     from cupykern import gemm
-    m, n, k = 2048, 1025, 8192
-    assert gemm.padded_grad(m, n, k, str(dtype)[6:], precision) == (1032 if dtype.itemsize == 2 else 1028)
-    x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
-    g = torch.randn(m, n, device="cuda").to(dtype)
+    from cupykern.torch import gemm as torch_gemm
+    monkeypatch.setitem(gemm._ROUTE, "PADDED_GRAD_MIN_WORK", 2 ** 20)
+    monkeypatch.setattr(gemm, "planned_vendor", lambda *args: None)  # (the op, every call)
+    bs, s, n, k = 4, 96, 1025, 512
+    cols = 1032 if dtype.itemsize == 2 else 1028
+    assert gemm.padded_grad(bs * s, n, k, str(dtype)[6:], precision) == cols
+    x, w, b = (t.cuda() for t in _data(bs * s, n, k, dtype))
+    x = x.view(bs, s, k)
+    g = torch.randn(n, s, bs, device="cuda").to(dtype).permute(2, 1, 0)  # (bs, s, n)
     kept = [t.clone() for t in (x, w, g)]
+    seen, real = [], torch_gemm.matmul_op
+    monkeypatch.setattr(torch_gemm, "matmul_op", lambda a, b_, p: seen.append(
+        (tuple(a.shape), a.stride(), tuple(b_.shape))) or real(a, b_, p))
     for t, name in ((x, "x"), (w, "w"), (b, "b")):
         t.requires_grad_(name in wants)
     cupykern.linear(x, w, b, precision=precision).backward(g)
     assert all(torch.equal(a, c) for a, c in zip((x, w, g), kept))
+    want_seen = [((bs * s, cols), (cols, 1), (cols, k))] if "x" in wants else []
+    want_seen += [((n, bs * s), (1, cols), (bs * s, k))] if "w" in wants else []
+    assert seen == want_seen
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     torch.nn.functional.linear(x64, w64, b64).backward(g.double())
     for name, ours, ref in (("x", x.grad, x64.grad), ("w", w.grad, w64.grad), ("b", b.grad, b64.grad)):
         if name not in wants:
             assert ours is None
             continue
-        assert ours.dtype == dtype and ours.is_contiguous()
+        assert ours.dtype == dtype and ours.shape == ref.shape
         assert_grad_close(ours, ref, bound, what=name)
 
 

@@ -23,6 +23,32 @@ def _pair(fin, fout, seed=0, **kw):
     return ref, new
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_step_with_a_gradient_of_stride_0_rows(mode):
+    """(out * c).sum() hands the backward g = c expanded over the rows (row stride 0):
+    copied inside the cached plan; every gradient as the reference model's, on the call
+    that plans and on the plan's replay."""
+    torch.manual_seed(0)
+    ref, ours = _pair(64, 48)
+    ours, ref = ours.cuda(), ref.cuda()
+    getattr(ours, mode)(), getattr(ref, mode)()
+    x = torch.randn(32, 64, device="cuda")
+    c = torch.randn(48, device="cuda")
+    for _ in range(2):
+        grads = []
+        for m in (ours, ref):
+            m.zero_grad()
+            xr = x.clone().requires_grad_()
+            (m(xr) * c).sum().backward()
+            grads.append([xr.grad] + [p.grad for p in m.parameters()])
+        for got, want in zip(*grads):
+            # (training mode: BatchNorm cancels a per-column constant g, the gradients
+            # are rounding; judged against the largest one)
+            scale = max(w.abs().max().item() for w in grads[1])
+            assert_grad_close(got, want, 1e-4, atol=1e-4 * scale if mode == "train" else 0.0)
+
+
 def test_same_parameters_and_state_dict():
     ref, new = _pair(16, 8)
     sr, sn = ref.state_dict(), new.state_dict()
