@@ -38,7 +38,7 @@ from . import _dask, _loader, _tma
 from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, check_out,
                      contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
                      require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
-                     torch_layer)
+                     torch_layer, UNPLANNED)
 from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
 # Kernel files, one per variant (kernels_cu/gemm.cuh: what they share): the CUDA-core
@@ -864,7 +864,8 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
-          "HALF_MISALIGNED_MIN_WORK": 2 ** 26, "HALF_MISALIGNED_MIN_K": 512,
+          "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
+          "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 32,
           # the vendor path's own forms: padded_n, bias_apart
           "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512,
           "PADDED_GRAD_MIN_WORK": 2 ** 34, "PADDED_GRAD_MIN_N": 64,
@@ -872,13 +873,15 @@ _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_
 
 
 def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
-          aligned: bool = True) -> str:
+          aligned: bool = True, grad: bool = False) -> str:
     """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
     (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
-    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_route_of`). Each
-    rule with its measurement: H200, one run, our kernel forced against the vendor
-    (cuBLAS through torch; "highest": SGEMM), events around each call, host included,
-    shapes as M x K x N."""
+    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_route_of`);
+    ``grad``: a torch call that autograd records, in plain eager mode (the vendor's is
+    then torch's own op and backward, :func:`planned_vendor`). Each rule with its
+    measurement: H200, one run, our kernel forced against the vendor (cuBLAS through
+    torch; "highest": SGEMM), events around each call, host included, shapes as M x K x
+    N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
@@ -904,19 +907,32 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # Except where N leaves the output's rows off 16-byte alignment (N % 8): cuBLAS then
     # runs slower kernels (for some N and K slow enough that padded_n's copy is the vendor
     # path's best), while ours stores any row. Ours (wgmma, operands K-major in place) / the
-    # vendor route, x eager, bf16 linear (2026-11-27): 64x512x513 (2**24) 0.98 / 0.96x,
-    # 128x1024x1001 1.50 / 1.00x, 333x776x555 1.52 / 0.97x, 256x1024x1025 1.75 / 1.00x,
-    # 1024x1024x1023 2.39 / 1.00x, 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x,
-    # 2048x2048x2047 5.79 / 3.61x, 8192x1024x50257 5.70 / 3.88x (against torch.compile,
-    # which pads the output's rows: 0.95 / 0.65x). A misaligned K is not ours: its element
-    # loads run mma.sync (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first:
-    # 256x4096x4100 0.56x), nor a short K, where the product is the output's stores
-    # (576x16x15101 bf16, GPU time from CUDA graphs: ours 21.6 us against 18.2; the wins
-    # above have K >= 512).
+    # vendor route, x eager, bf16 linear (2026-11-27): 1024x1024x1023 2.39 / 1.00x,
+    # 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x, 2048x2048x2047 5.79 / 3.61x,
+    # 8192x1024x50257 5.70 / 3.88x (against torch.compile, which pads the output's rows:
+    # 0.95 / 0.65x). A misaligned K is not ours: its element loads run mma.sync
+    # (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first: 256x4096x4100
+    # 0.56x), nor a short K, where the product is the output's stores (576x16x15101 bf16,
+    # GPU time from CUDA graphs: ours 21.6 us against 18.2; the wins above have K >= 512).
+    # Not below MISALIGNED_MIN_WORK, where a call is the host's: ours launches for ~40 us
+    # of host time against F.linear's ~20 (H200, 2026-11-28, no grad, calls back to back,
+    # ours / the vendor route x eager, linear bf16: 64x1024x1025 (2**26) 0.50 / 0.71x,
+    # 128x1024x1025 0.63 / 0.98x, 333x776x555 0.59 / 0.95x, 256x1024x1025 0.62 / 0.99x,
+    # 512x1024x1025 (2**29) 1.03 / 0.99x, 128x4096x1025 1.48 / 0.99x, 1024x1024x1025
+    # (2**30) 1.30x; matmul bf16 512x1024x1025 0.67 / 0.84x, 1024x1024x1025 1.10x; the
+    # same for TF32 below).
+    # A call that autograd records (a training step: the forward on ours pays a Python
+    # autograd node and its backward ops, whose products are the vendor's either way) is
+    # the vendor's below MISALIGNED_GRAD_MIN_WORK (H200, steps back to back, the op / x
+    # eager: bf16 linear 256x1024x1025 0.60x, 1024x1024x1025 0.64x, 2048x2048x2047
+    # 0.90-1.23x, 4096x2048x2047 (2**33) 1.07-1.41x; matmul 0.34-0.79x, then 1.34-1.57x;
+    # TF32 linear 0.59-0.86x, then 1.01-1.19x; the vendor route 0.98-1.01x from 2**32).
     c, work = _ROUTE, M * N * K
+    misaligned_ours = work >= c["MISALIGNED_MIN_WORK"] and (
+        not grad or work >= c["MISALIGNED_GRAD_MIN_WORK"])
     if dtype != "float32":
-        if (cc == 90 and aligned and N % 8 and work >= c["HALF_MISALIGNED_MIN_WORK"]
-                and K >= c["HALF_MISALIGNED_MIN_K"]):
+        if (cc == 90 and aligned and N % 8 and K >= c["HALF_MISALIGNED_MIN_K"]
+                and misaligned_ours):
             return OURS
         return VENDOR
     if precision == "highest":
@@ -935,8 +951,15 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         # mma.sync's element loads, slower than SGEMM (H200, linear, GPU time from CUDA
         # graphs, ours / SGEMM: 231x3650x4130 676 / 209 us, 296x305x6324 102 / 33,
         # 4099x5583x297 937 / 439, 748x1602x632 73 / 53): the vendor's.
+        # A call that autograd records, below HIGHEST_GRAD_MIN_WORK: the vendor's (its
+        # backward's two products on ours each pay the op's host time). H200, training
+        # steps back to back, ours / the vendor route x eager: linear 256x1024x1025 0.49x,
+        # 1024^3 0.63 / 0.91x, 1024x2048x1024 1.10 / 0.99x, 2048x2048x1024 (2**32) 1.13x,
+        # 2048^3 1.98x; matmul 1024^3 0.41 / 0.89x, 1024x2048x1024 0.65 / 0.99x, 2**32
+        # 1.22x, 2048^3 1.83x.
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
-                or work < c["MIN_WORK"] or (cc == 90 and not aligned)):
+                or work < c["MIN_WORK"] or (cc == 90 and not aligned)
+                or (grad and work < c["HIGHEST_GRAD_MIN_WORK"])):
             return VENDOR
         return OURS
     # "high" / "medium" (TF32): ours on Hopper's wgmma ties cuBLAS's TF32 where cuBLAS has
@@ -944,8 +967,10 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # elsewhere (1000^3 0.78x, 2048x1024x32000 0.88x, 1536x768x3072 0.74x, 8192x4096x16
     # 0.45x, matmul 256x12288x4096 0.42x): the vendor's. cuBLAS slows down where the rows
     # of N are not 16-byte aligned (N % 4): 4097x1000x3001 ours 2.69x, 8192x1024x50257
-    # 2.71x (matmul 2.42x): ours there, for big products (2**28 multiply-adds, as above).
-    if cc == 90 and aligned and N % 4 and work >= c["MIN_WORK"]:
+    # 2.71x (matmul 2.42x): ours there, for products of MISALIGNED_MIN_WORK as above
+    # (linear 256x1024x1025 0.46 / 0.84x, 512x1024x1025 0.89 / 1.00x, 1024x512x1025 0.65 /
+    # 0.93x, 1024x1024x1025 1.45x; matmul 0.57-0.91x through 2**29, 1024x1024x1025 1.18x).
+    if cc == 90 and aligned and N % 4 and misaligned_ours:
         return OURS
     return VENDOR
 
@@ -986,7 +1011,10 @@ def padded_grad(M: int, N: int, K: int, dtype: str, precision: str) -> int:
     4096x4096x4095 1.48 / 3.36x, 8192x1024x50257 1.54 / 3.72x; "high" 1.25 / 2.00x and
     1.24 / 1.97x. Not below PADDED_GRAD_MIN_WORK multiply-adds, where the step is bound by
     the host's time, which the copies' three launches add to (bf16 1024x2048x1025 0.73 /
-    0.34x, 2048x2048x2047 1.44 / 0.76x), nor for a few columns (512x4096x11: 31 / 82 us)."""
+    0.34x, 2048x2048x2047 1.44 / 0.76x), nor for a few columns (512x4096x11: 31 / 82 us).
+    The padded g is a second copy of g for the backward's time (bf16 8192x1024x50257:
+    0.8 GB beside g's 0.8). Timed with the products on the vendor; where they run on ours
+    (float32 "high" against torch's TF32 switch) the padding is not timed."""
     step, c = 16 // ITEMSIZE[dtype], _ROUTE
     tf32 = dtype == "float32" and precision != "highest"
     if ((dtype in ("float16", "bfloat16") or tf32) and N % step and N >= c["PADDED_GRAD_MIN_N"]
@@ -1042,11 +1070,11 @@ _ROUTED_CACHES: list = []
 
 
 def _drop_plans():
-    for cache in (_plans, _matmul_plans, *_ROUTED_CACHES):
+    for cache in (_plans, _matmul_plans, _grad_plans, _matmul_grad_plans, *_ROUTED_CACHES):
         cache.clear()
 
 
-def _route_of(ao, bo_nk, precision: str) -> str:
+def _route_of(ao, bo_nk, precision: str, grad: bool = False) -> str:
     """:func:`route` for GPU Operands ``ao`` (M, K) and ``bo_nk`` (N, K) as the GEMM reads
     them (a transposed or misaligned operand that ours would copy counts as aligned)."""
     (M, K), N = ao.shape, bo_nk.shape[0]
@@ -1059,7 +1087,7 @@ def _route_of(ao, bo_nk, precision: str) -> str:
         else:  # 16-bit wgmma reads both in place, where _choose takes it
             aligned = (all(_read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
                        and _half_wgmma(ao, bo_nk, precision))
-    which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned)
+    which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad)
     if which == VENDOR and not _vendor(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which
@@ -1313,17 +1341,20 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     return out
 
 
-def _fresh(checked, x, weight, bias, precision, out):
+def _fresh(checked, x, weight, bias, precision, out, grad=False):
     """``run(x, weight, bias) -> out`` for calls like this one without ``out``
     (``checked``: their validation), planned once (a transposed copy is a launch of the
     plan); None where the call needs the general path (CPU, empty, or an operand copied
-    otherwise)."""
+    otherwise). With ``grad`` (:func:`planned_vendor`'s) only the vendor's plan, else
+    None."""
     xo, wo, bo, _, prec, shape = checked
     if xo.kind == "cpu" or 0 in shape:
         return None
-    if _route_of(_rows_planned(xo), wo, prec) == VENDOR:
+    if _route_of(_rows_planned(xo), wo, prec, grad) == VENDOR:
         M, N = int(np.prod(shape[:-1])), shape[-1]
         return vendor_linear(xo.kind, prec, (M, N, xo.shape[-1], xo.dtype))
+    if grad:
+        return None
     if bo is not None and bo.obj is not bias:
         return None
     if xo.ndim != 2:  # more dims as rows, where that is a view
@@ -1367,14 +1398,29 @@ class _VendorPlan:
         return self.impl(*arrays, self.precision)
 
 
-def planned_vendor(x, weight, bias, precision):
+def planned_vendor(x, weight, bias, precision, grad=False):
     """The eager form of :func:`linear`'s cached plan for these arguments (checked
     precision) where that plan is the vendor's: the torch layer calls it in plain eager
     mode (torch's own ``F.linear``, with torch's autograd), without the op's boundary.
     None until a first call has planned them, or where ours computes them. (Arguments that
-    :func:`signature` does not describe, such as tensor subclasses, have no plan.)"""
-    plan = _plans.get(_linear_key(x, weight, bias, precision))
+    :func:`signature` does not describe, such as tensor subclasses, have no plan.)
+    ``grad``: a call that autograd records, which also takes the vendor's form where
+    :func:`route` with ``grad`` gives it the product, planned on its first call."""
+    key = _linear_key(x, weight, bias, precision)
+    return _eager_form(_plans, _grad_plans, key, grad, check, _fresh,
+                       (x, weight, bias, precision, None))
+
+
+def _eager_form(plans, grad_plans, key, grad, check, fresh, args):
+    """:func:`planned_vendor`'s answer from the op's ``plans`` or, for a recorded call
+    where those are not the vendor's, ``grad_plans`` (made by ``fresh`` with grad)."""
+    plan = plans.get(key)
+    if type(plan) is not _VendorPlan and grad and not any(k is UNPLANNED for k in key):
+        plan = cached_checked(grad_plans, key, check, fresh, args, (True,))[0]
     return plan.eager if type(plan) is _VendorPlan else None
+
+
+_grad_plans: dict = {}  # linear's keys -> the vendor's plan for a recorded call, or None
 
 
 def _linear_key(x, weight, bias, precision) -> tuple:
@@ -1475,12 +1521,12 @@ def _as_matrices(ao, bo):
     return a, b
 
 
-def _matmul_route(ao, bo, prec) -> str:
+def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     """:func:`route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    return _route_of(a2, operand(b2.obj.T, "b"), prec)
+    return _route_of(a2, operand(b2.obj.T, "b"), prec, grad)
 
 
 def _matmul_gpu(ao, bo, prec, shape):
@@ -1540,27 +1586,30 @@ def _broadcast_to(t, shape):
     return t.expand(shape) if is_torch(t) else _loader.cupy().broadcast_to(t, shape)
 
 
-def _matmul_fresh(checked, a, b, precision, out):
+def _matmul_fresh(checked, a, b, precision, out, grad=False):
     """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
     planned once: the vendor's call, or our planned 2-D GEMM (:func:`mm_plan`); None where
     the call needs the general path (CPU, empty, a stack on ours, an operand copied
-    otherwise)."""
+    otherwise). With ``grad``, as :func:`_fresh`'s."""
     ao, bo, prec, shape, _ = checked
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
-    if _matmul_route(ao, bo, prec) == VENDOR:
+    if _matmul_route(ao, bo, prec, grad) == VENDOR:
         K = ao.shape[-1]
         N = bo.shape[-1] if bo.ndim > 1 else 1
         return vendor_matmul(ao.kind, prec, (ao.size // K, N, K, ao.dtype, bo.ndim > 1))
-    if ao.ndim != 2 or bo.ndim != 2:
+    if grad or ao.ndim != 2 or bo.ndim != 2:
         return None
     return _on_arrays(mm_plan(ao, bo, prec))
 
 
-def planned_vendor_matmul(a, b, precision):
+def planned_vendor_matmul(a, b, precision, grad=False):
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    plan = _matmul_plans.get(_matmul_key(a, b, precision))
-    return plan.eager if type(plan) is _VendorPlan else None
+    return _eager_form(_matmul_plans, _matmul_grad_plans, _matmul_key(a, b, precision), grad,
+                       check_matmul, _matmul_fresh, (a, b, precision, None))
+
+
+_matmul_grad_plans: dict = {}  # as _grad_plans, for matmul
 
 
 def _matmul_key(a, b, precision) -> tuple:

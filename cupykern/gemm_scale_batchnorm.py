@@ -641,7 +641,7 @@ def _grad_operand(zo, g):
     """g's row Operand for the passes over z's rows (copied if its rows are not
     contiguous)."""
     M, N = zo.shape
-    go = rows_2d(operand(g, "g"), "g")
+    go = _g_rows(g)
     if go.shape != (M, N) or go.dtype != zo.dtype:
         raise ValueError(f"g: expected a ({M}, {N}) {zo.dtype} array, got {go.shape} {go.dtype}")
     same_place(zo, go)
@@ -761,7 +761,12 @@ def _backward_fresh(checked, *arrays_options):
     run = _backward_plan(*checked, *arrays_options[9:])
     if checked[0].obj is arrays[0]:
         return run
-    return lambda g, *rest: run(rows_2d(operand(g, "g"), "g").obj, *rest)  # (as checked)
+    return lambda g, *rest: run(_g_rows(g).obj, *rest)  # (as checked)
+
+
+def _g_rows(g):
+    """g as a 2-D row Operand: in place where its rows are contiguous, else a copy."""
+    return rows_2d(operand(g, "g"), "g")
 
 
 def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precision, input_grad,

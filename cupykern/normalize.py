@@ -486,9 +486,9 @@ def normalize_backward(x, dy, p: int, axis, config=None):
     recomputed from x, so a forward need keep only x; rows too long for a cluster read x
     and dy twice). A dy that is not a row view aligned like x is copied first. Returns
     None where the kernels do not apply (CPU or empty arrays, ``axis`` not the last, x
-    not a row view aligned like a fresh array); the caller then computes dx another way. ``config``: for tuning, a configuration as
-    the forward's (see :func:`l1_normalize`), the cluster ones also from
-    :data:`BACKWARD_CONFIGS`."""
+    not a row view aligned like a fresh array); the caller then computes dx another way.
+    ``config``: for tuning, a configuration as the forward's (see :func:`l1_normalize`),
+    the cluster ones also from :data:`BACKWARD_CONFIGS`."""
     run = cached(_plans, ("backward", signature(x), signature(dy), p, axis, config),
                  lambda: _backward_fresh(x, dy, p, axis, config))
     return None if run is None else run(x, dy)

@@ -557,6 +557,62 @@ def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monke
         assert_grad_close(ours, ref, bound, what=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, monkeypatch):
+    """A bf16 product of an N off 16-byte rows that ours computes alone (cupykern.gemm.route)
+    but that autograd records below MISALIGNED_GRAD_MIN_WORK runs as torch's own op, with
+    torch's own backward: the same output and gradients as torch's, bit for bit. Lower the
+    bound, and the call runs ours (the op's backward)."""
+    from cupykern import gemm
+    m, n, k = 1024, 1025, 1024
+    x, w, b = (t.cuda() for t in _data(m, n, k, torch.bfloat16))
+    call = ((lambda x, w: cupykern.linear(x, w, b)) if op == "linear"
+            else (lambda x, w: cupykern.matmul(x, w.t())))
+    ref = ((lambda x, w: torch.nn.functional.linear(x, w, b)) if op == "linear"
+           else (lambda x, w: torch.matmul(x, w.t())))
+    with torch.no_grad():
+        call(x, w)  # (plans ours)
+    planned = gemm.planned_vendor if op == "linear" else gemm.planned_vendor_matmul
+    args = (x, w, b) if op == "linear" else (x, w.t())
+    assert planned(*args, "highest") is None  # ours, not recorded
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for bound, ours in ((gemm._ROUTE["MISALIGNED_GRAD_MIN_WORK"], False), (2 ** 20, True)):
+        monkeypatch.setitem(gemm._ROUTE, "MISALIGNED_GRAD_MIN_WORK", bound)
+        gemm._drop_plans()
+        xs, ws = (t.clone().requires_grad_() for t in (x, w))
+        xr, wr = (t.clone().requires_grad_() for t in (x, w))
+        out, want = call(xs, ws), ref(xr, wr)
+        assert (planned(*((xs, ws, b) if op == "linear" else (xs, ws.t())), "highest", True)
+                is None) == ours
+        assert (type(out.grad_fn) is type(want.grad_fn)) != ours
+        out.backward(g)
+        want.backward(g)
+        if not ours:
+            assert torch.equal(out, want) and torch.equal(xs.grad, xr.grad)
+            assert torch.equal(ws.grad, wr.grad)
+        else:
+            assert_grad_close(xs.grad.float(), xr.grad.float(), 2e-2, what="x")
+            assert_grad_close(ws.grad.float(), wr.grad.float(), 2e-2, what="w")
+
+
+def test_padded_vendor_forms_leave_recorded_calls_to_torch():
+    """The vendor's padded forms (cupykern.gemm.padded_n) compute a call that autograd does
+    not record padded, and one it records as torch's plain op (their pad and copy would
+    add backward ops): the same values either way."""
+    from cupykern.torch import gemm as torch_gemm
+    x, w, b = _data(6, 5, 4, torch.float32)
+    want = torch.nn.functional.linear(x, w, b)
+    for grad in (False, True):
+        xs = x.clone().requires_grad_(grad)
+        out = torch_gemm._padded_linear(xs, w, b, pad=3)
+        torch.testing.assert_close(out, want)
+        assert (type(out.grad_fn).__name__ == "AddmmBackward0") == grad
+        out = torch_gemm._padded_matmul(xs, w.t(), pad=3)
+        torch.testing.assert_close(out, x @ w.t())
+        assert (type(out.grad_fn).__name__ == "MmBackward0") == grad
+
+
 def test_padded_grad_boundaries():
     """GPU-free: which gradients linear's backward pads (16-bit, or float32 unless
     "highest"; N off 16-byte rows, at least 64 of them; at least 2**34 multiply-adds)."""
@@ -646,18 +702,28 @@ ROUTES = [
     ((4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),
     ((4097, 3001, 1000, "float32", "high", "torch", 90, False), "vendor"),
     ((4097, 3001, 1000, "float32", "high", "torch", 80, True), "vendor"),
-    ((512, 1023, 1024, "float32", "high", "torch", 90, True), "ours"),
+    ((1024, 1025, 1024, "float32", "high", "torch", 90, True), "ours"),  # 2**30
+    ((1024, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**30
     ((512, 1024, 1024, "float32", "high", "torch", 90, True), "vendor"),
     ((256, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**28
-    # 16-bit, N % 8: ours on Hopper's wgmma from 2**26 (operands K-major in place)
-    ((64, 1025, 1024, "float16", "highest", "torch", 90, True), "ours"),  # 2**26 + 2**16
-    ((63, 1025, 1024, "float16", "highest", "torch", 90, True), "vendor"),
+    # 16-bit, N % 8: ours on Hopper's wgmma from 2**30 (operands K-major in place)
+    ((1024, 1025, 1024, "float16", "highest", "torch", 90, True), "ours"),  # 2**30 + 2**20
+    ((1023, 1025, 1024, "float16", "highest", "torch", 90, True), "vendor"),
     ((128, 1001, 1024, "bfloat16", "highest", "torch", 90, False), "vendor"),
     ((128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
-    ((128, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
+    ((1100, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
     ((128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
     ((128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
     ((128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
+    # a call autograd records (grad): the misaligned-N rules from 2**33 only
+    ((2048, 1025, 4096, "bfloat16", "highest", "torch", 90, True, True), "ours"),  # > 2**33
+    ((2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, True), "vendor"),  # < 2**33
+    ((2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, False), "ours"),
+    ((4097, 3001, 1000, "float32", "high", "torch", 90, True, True), "ours"),
+    ((1024, 1025, 1024, "float32", "high", "torch", 90, True, True), "vendor"),
+    ((2048, 2048, 1024, "float32", "highest", "torch", 90, True, True), "ours"),  # 2**32
+    ((2048, 2047, 1024, "float32", "highest", "torch", 90, True, True), "vendor"),
+    ((2048, 2047, 1024, "float32", "highest", "torch", 90, True, False), "ours"),
 ]
 
 
@@ -777,7 +843,7 @@ def test_half_wgmma_rows(dispatched, monkeypatch):
 
     monkeypatch.setattr(_loader, "device_cc", lambda device: 90)
 
-    def op(dtype, rows=512, ptr=0x10000, ld=1024, transposed=False):
+    def op(dtype, rows=1024, ptr=0x10000, ld=1024, transposed=False):
         shape, strides = ((rows, 1024), (1, rows)) if transposed else ((rows, 1024), (ld, 1))
         return _array.Operand(None, "torch", dtype, shape, strides, ptr, 0, "a", True)
 

@@ -12,7 +12,11 @@ here, in the torch layer, so that torch.compile sees (and guards on) it too (see
 Where :func:`cupykern.gemm.route` gives a product to the vendor, the op computes it with
 torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`); in plain eager mode, once
 a call has planned that, ``linear`` / ``matmul`` call them directly, with torch's own
-autograd, without the op's boundary (its microseconds are most of a small product's time).
+autograd, without the op's boundary (its microseconds are most of a small product's time);
+so do calls that autograd records where ``route`` gives them to the vendor for that
+(``grad``: a training step bound by the host). linear's backward copies a gradient whose
+rows are off 16 bytes into padded rows first, where that pays
+(:func:`cupykern.gemm.padded_grad`).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import gemm as core
-from ._op import Op, _eager, lower_precision
+from ._op import Op, _eager, lower_precision, wants_grad
 
 
 def resolve_precision(precision) -> str:
@@ -132,13 +136,19 @@ def _name(dtype) -> str:
 
 def _padded_linear(x, weight, bias, pad):
     """F.linear of N + pad rows of W (zeros), its N columns copied out (see
-    :func:`cupykern.gemm.padded_n`)."""
+    :func:`cupykern.gemm.padded_n`); plain F.linear where autograd records the call (the
+    pad's and the copy's backward ops: H200, bf16 training steps, 1024x1024x1025 to
+    2048x2048x2047, 0.47-0.72x eager)."""
+    if wants_grad((x, weight, bias)):
+        return F.linear(x, weight, bias)
     N = weight.shape[0]
     bias = None if bias is None else F.pad(bias, (0, pad))
     return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
 
 
 def _padded_matmul(a, b, pad):
+    if wants_grad((a, b)):  # (as _padded_linear)
+        return torch.matmul(a, b)
     return torch.matmul(a, F.pad(b, (0, pad)))[..., :b.shape[-1]].contiguous()
 
 
@@ -176,15 +186,20 @@ def _products(ctx):
 def _backward(ctx, g):
     x, weight = ctx.saved_tensors
     n, k = weight.shape
-    g2 = g.reshape(-1, n)
     mm = _products(ctx)
-    gp, wp = g2, weight  # dx = gp @ wp: over N, or over cupykern.gemm.padded_grad's columns
-    cols = core.padded_grad(g2.shape[0], n, k, _name(g.dtype), ctx.precision)
+    m = g.numel() // n if n else 0
+    cols = core.padded_grad(m, n, k, _name(g.dtype), ctx.precision)
     if cols > n and g.is_cuda and not torch.is_grad_enabled() and any(ctx.needs_input_grad[:2]):
-        gp = g2.new_empty(g2.shape[0], cols)
+        # dx = gp @ wp sums over cupykern.gemm.padded_grad's columns: g copied once (any
+        # layout) into rows of an aligned stride, zeros past its n columns
+        gp = g.new_empty(m, cols)
         gp[:, n:].zero_()
-        g2 = gp[:, :n].copy_(g2)  # (rows of an aligned stride)
+        g2 = gp[:, :n]
+        g2.view(g.shape).copy_(g)
         wp = F.pad(weight, (0, 0, 0, cols - n)) if ctx.needs_input_grad[0] else None
+    else:
+        g2 = g.reshape(-1, n)
+        gp, wp = g2, weight
     dx = mm(gp, wp).reshape(x.shape) if ctx.needs_input_grad[0] else None
     dw = mm(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
     db = g2.sum(0) if ctx.needs_input_grad[2] else None
@@ -228,7 +243,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops."""
     prec = resolve_precision(precision)
     if out is None:
-        run = _eager() and core.planned_vendor(x, weight, bias, prec)
+        run = _eager() and core.planned_vendor(x, weight, bias, prec, wants_grad((x, weight, bias)))
         if run:
             return run(x, weight, bias)
         return linear_op(x, weight, bias, prec)
@@ -283,7 +298,7 @@ def matmul(a, b, *, precision=None, out=None):
     ``out=`` it takes no gradient."""
     prec = resolve_precision(precision)
     if out is None:
-        run = _eager() and core.planned_vendor_matmul(a, b, prec)
+        run = _eager() and core.planned_vendor_matmul(a, b, prec, wants_grad((a, b)))
         if run:
             return run(a, b)
         return matmul_op(a, b, prec)
