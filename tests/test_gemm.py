@@ -39,6 +39,23 @@ def dispatched():
     """Products go where cupykern.gemm.route says (see _our_kernels)."""
 
 
+@pytest.fixture
+def grad_bounds():
+    """``set(bound)``: route's work bounds for calls that autograd records (both) set to
+    ``bound``, every plan dropped (they hold routes); the bounds restored, and the plans
+    dropped, after the test."""
+    from cupykern import gemm
+    keys = ("MISALIGNED_GRAD_MIN_WORK", "HIGHEST_GRAD_MIN_WORK")
+    old = {k: gemm._ROUTE[k] for k in keys}
+
+    def set_bound(bound):
+        gemm._ROUTE.update(dict.fromkeys(keys, bound))
+        gemm._drop_plans()
+    yield set_bound
+    gemm._ROUTE.update(old)
+    gemm._drop_plans()
+
+
 def _data(m, n, k, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
@@ -559,12 +576,14 @@ def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["linear", "matmul"])
-def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, monkeypatch):
+def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_bounds):
     """A bf16 product of an N off 16-byte rows that ours computes alone (cupykern.gemm.route)
     but that autograd records below MISALIGNED_GRAD_MIN_WORK runs as torch's own op, with
     torch's own backward: the same output and gradients as torch's, bit for bit. Lower the
     bound, and the call runs ours (the op's backward)."""
     from cupykern import gemm
+    if not _hopper():
+        pytest.skip("the rule that gives ours a 16-bit product of a misaligned N is Hopper's")
     m, n, k = 1024, 1025, 1024
     x, w, b = (t.cuda() for t in _data(m, n, k, torch.bfloat16))
     call = ((lambda x, w: cupykern.linear(x, w, b)) if op == "linear"
@@ -574,12 +593,12 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, monke
     with torch.no_grad():
         call(x, w)  # (plans ours)
     planned = gemm.planned_vendor if op == "linear" else gemm.planned_vendor_matmul
-    args = (x, w, b) if op == "linear" else (x, w.t())
-    assert planned(*args, "highest") is None  # ours, not recorded
+    plans, key = ((gemm._plans, gemm._linear_key(x, w, b, "highest")) if op == "linear"
+                  else (gemm._matmul_plans, gemm._matmul_key(x, w.t(), "highest")))
+    assert plans.get(key) is not None and type(plans.get(key)) is not gemm._VendorPlan  # ours
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     for bound, ours in ((gemm._ROUTE["MISALIGNED_GRAD_MIN_WORK"], False), (2 ** 20, True)):
-        monkeypatch.setitem(gemm._ROUTE, "MISALIGNED_GRAD_MIN_WORK", bound)
-        gemm._drop_plans()
+        grad_bounds(bound)
         xs, ws = (t.clone().requires_grad_() for t in (x, w))
         xr, wr = (t.clone().requires_grad_() for t in (x, w))
         out, want = call(xs, ws), ref(xr, wr)
@@ -596,11 +615,13 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, monke
             assert_grad_close(ws.grad.float(), wr.grad.float(), 2e-2, what="w")
 
 
-def test_padded_vendor_forms_leave_recorded_calls_to_torch():
+def test_padded_vendor_forms_leave_recorded_calls_to_torch(monkeypatch):
     """The vendor's padded forms (cupykern.gemm.padded_n) compute a call that autograd does
     not record padded, and one it records as torch's plain op (their pad and copy would
     add backward ops): the same values either way."""
     from cupykern.torch import gemm as torch_gemm
+    pads, real = [], torch_gemm.F.pad
+    monkeypatch.setattr(torch_gemm.F, "pad", lambda t, p: pads.append(p) or real(t, p))
     x, w, b = _data(6, 5, 4, torch.float32)
     want = torch.nn.functional.linear(x, w, b)
     for grad in (False, True):
@@ -611,6 +632,8 @@ def test_padded_vendor_forms_leave_recorded_calls_to_torch():
         out = torch_gemm._padded_matmul(xs, w.t(), pad=3)
         torch.testing.assert_close(out, x @ w.t())
         assert (type(out.grad_fn).__name__ == "MmBackward0") == grad
+        assert pads == ([] if grad else [(0, 3), (0, 0, 0, 3), (0, 3)])  # b, W; b of matmul
+        pads.clear()
 
 
 def test_padded_grad_boundaries():
@@ -678,8 +701,8 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
     assert gemm.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
 
 
-# (M, N, K, dtype, precision, kind, compute capability, aligned) -> route: the table's
-# boundaries, pinned (cupykern.gemm.route gives each one's measurement).
+# (M, N, K, dtype, precision, kind, compute capability, aligned[, grad]) -> route: the
+# table's boundaries, pinned (cupykern.gemm.route gives each one's measurement).
 ROUTES = [
     ((1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
     ((1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
@@ -754,24 +777,31 @@ DISPATCHED = [(1, 300, 64), (4, 2048, 2048), (5, 1, 4), (64, 64, 4096), (130, 25
                                               (torch.float16, None), (torch.bfloat16, None),
                                               (torch.float64, None)], ids=str)
 @pytest.mark.parametrize("shape", DISPATCHED, ids=lambda s: "x".join(map(str, s)))
-def test_dispatched_linear(shape, dtype, precision, dispatched):
+@pytest.mark.parametrize("recorded", ["routed", "as unrecorded"])
+def test_dispatched_linear(shape, dtype, precision, recorded, dispatched, grad_bounds):
     """linear wherever the dispatcher sends it: within the precision's bound of float64,
     and "highest" as accurate as SGEMM (the vendor's "highest" is SGEMM itself); twice,
-    the second call from the cached plan (the eager call without the op's boundary), with
-    torch's or the op's autograd."""
+    the second call from the cached plan (the eager call without the op's boundary), a
+    call autograd does not record and one it does, with torch's or the op's autograd:
+    the latter where route's grad bounds send it ("routed"), or wherever the unrecorded
+    call goes (the bounds at 0: "as unrecorded")."""
+    if recorded == "as unrecorded":
+        grad_bounds(0)
     x, w, b = (t.cuda() for t in _data(*shape, dtype))
     bound = {torch.float64: 1e-12, torch.float32: REL_BOUND["high"] if precision == "high"
              else 1e-6}.get(dtype, 1.6e-2)
-    for _ in range(2):
-        xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        err_cublas, _ = _errors(torch.nn.functional.linear(x, w, b), x, w, b)
+    for grad in (False, True) * 2:
+        xg = x.clone().requires_grad_(grad)
         out = cupykern.linear(xg, w, b, precision=precision)
         assert out.dtype == dtype and out.shape == (shape[0], shape[1])
         err, mag = _errors(out, x, w, b)
         assert err <= bound * mag + (1e-300 if dtype == torch.float64 else 1e-30), (err, mag)
         if precision == "highest":
-            with torch.no_grad():
-                err_cublas, _ = _errors(torch.nn.functional.linear(x, w, b), x, w, b)
             assert err <= 2 * err_cublas + 5e-7 * mag, (err, err_cublas)
+        if not grad:
+            continue
         out.sum().backward()  # dx = ones @ W
         grad_bound = {torch.float64: 1e-10, torch.float32: 1e-4 if precision == "highest"
                       else 2e-2}.get(dtype, 3e-2)
@@ -864,7 +894,8 @@ def test_misaligned_n_16_bit(dtype, dispatched):
     """16-bit products of an N off 16-byte alignment: linear on Hopper runs ours (wgmma,
     any output row), matmul's row-major b and other GPUs' products run padded on the
     vendor (cupykern.gemm.padded_n): the N columns, contiguous, within 16-bit rounding of
-    float64; gradients through either."""
+    float64; a call that autograd records (torch's own op below MISALIGNED_GRAD_MIN_WORK)
+    too, and its gradients."""
     from cupykern import gemm
     from cupykern._array import operand
     m, n, k = 1024, 1025, 1024
@@ -874,7 +905,8 @@ def test_misaligned_n_16_bit(dtype, dispatched):
     assert gemm._route_of(operand(x, "x"), operand(w, "w"), "highest") == ("ours" if hopper else "vendor")
     xg = x.clone().requires_grad_()
     for _ in range(2):  # (the second call: the eager path without the op's boundary)
-        out = cupykern.linear(xg, w, b)
+        with torch.no_grad():
+            out = cupykern.linear(x, w, b)
         assert out.shape == (m, n) and out.is_contiguous()
         err, mag = _errors(out, x, w, b)
         assert err <= 1.6e-2 * mag
@@ -882,6 +914,9 @@ def test_misaligned_n_16_bit(dtype, dispatched):
         assert mm.shape == (m, n) and mm.is_contiguous()
         err, mag = _errors(mm, x, w, torch.zeros_like(b))
         assert err <= 1.6e-2 * mag
+    out = cupykern.linear(xg, w, b)
+    err, mag = _errors(out, x, w, b)
+    assert out.shape == (m, n) and err <= 1.6e-2 * mag
     out.float().sum().backward()
     assert_grad_close(xg.grad, w.double().sum(0).expand(m, -1), 3e-2)
 
