@@ -451,6 +451,11 @@ def signature(x):
 _PLAN_CACHE_SIZE = 4096
 
 
+def plannable(key: tuple) -> bool:
+    """Whether a plan may be stored under ``key``: none of its parts is :data:`UNPLANNED`."""
+    return not any(k is UNPLANNED for k in key)
+
+
 def cached(plans: dict, key: tuple, build):
     """``plans[key]``, made by ``build()`` on a miss (bounded: cleared when full). A key
     holding :data:`UNPLANNED` (an argument :func:`signature` does not describe) is never
@@ -458,7 +463,7 @@ def cached(plans: dict, key: tuple, build):
     plan = plans.get(key, plans)  # plans itself: a sentinel no plan can be
     if plan is plans:
         plan = build()
-        if not any(k is UNPLANNED for k in key):
+        if plannable(key):
             if len(plans) >= _PLAN_CACHE_SIZE:
                 plans.clear()
             plans[key] = plan

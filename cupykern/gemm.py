@@ -37,8 +37,8 @@ import numpy as np
 from . import _dask, _loader, _tma
 from ._array import (CTYPE, ITEMSIZE, Operand, Place, _is_cupy, cached_checked, check_out,
                      contiguous, copy_into, data_ptr, empty, is_torch, launch_all, operand,
-                     require_writable, row_view_stride, rows_2d, same_place, scalar, signature,
-                     torch_layer, UNPLANNED)
+                     plannable, require_writable, row_view_stride, rows_2d, same_place, scalar,
+                     signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
 
 # Kernel files, one per variant (kernels_cu/gemm.cuh: what they share): the CUDA-core
@@ -863,7 +863,8 @@ OURS, VENDOR = "ours", "vendor"
 _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
-_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128, "MIN_WORK": 2 ** 28,
+_ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
+          "HIGHEST_MIN_WORK": 2 ** 30,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 32,
           # the vendor path's own forms: padded_n, bias_apart
@@ -907,16 +908,17 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # Except where N leaves the output's rows off 16-byte alignment (N % 8): cuBLAS then
     # runs slower kernels (for some N and K slow enough that padded_n's copy is the vendor
     # path's best), while ours stores any row. Ours (wgmma, operands K-major in place) / the
-    # vendor route, x eager, bf16 linear (2026-11-27): 1024x1024x1023 2.39 / 1.00x,
-    # 8192x4096x17 1.47 / 1.01x, 256x4096x4100 1.81 / 0.86x, 2048x2048x2047 5.79 / 3.61x,
-    # 8192x1024x50257 5.70 / 3.88x (against torch.compile, which pads the output's rows:
-    # 0.95 / 0.65x). A misaligned K is not ours: its element loads run mma.sync
-    # (4096x4095x4096 0.39x), nor is matmul's row-major b (copied first: 256x4096x4100
-    # 0.56x), nor a short K, where the product is the output's stores (576x16x15101 bf16,
-    # GPU time from CUDA graphs: ours 21.6 us against 18.2; the wins above have K >= 512).
+    # vendor route, x eager, bf16 linear (2026-11-27, events around each call):
+    # 256x4096x4100 1.81 / 0.86x, 2048x2048x2047 5.79 / 3.61x, 8192x1024x50257 5.70 /
+    # 3.88x (against torch.compile, which pads the output's rows: 0.95 / 0.65x). A
+    # misaligned K is not ours: its element loads run mma.sync (4096x4095x4096 0.39x), nor
+    # is matmul's row-major b (copied first: 256x4096x4100 0.56x), nor a short K, where
+    # the product is the output's stores (576x16x15101 bf16, GPU time from CUDA graphs:
+    # ours 21.6 us against 18.2; the wins above have K >= 512).
     # Not below MISALIGNED_MIN_WORK, where a call is the host's: ours launches for ~40 us
-    # of host time against F.linear's ~20 (H200, 2026-11-28, no grad, calls back to back,
-    # ours / the vendor route x eager, linear bf16: 64x1024x1025 (2**26) 0.50 / 0.71x,
+    # of host time against F.linear's ~20 (events around each call had ours ahead there:
+    # 1024x1024x1023 2.39x, 8192x4096x17 1.47x; H200, 2026-11-27, no grad, calls back to
+    # back, ours / the vendor route x eager, linear bf16: 64x1024x1025 (2**26) 0.50 / 0.71x,
     # 128x1024x1025 0.63 / 0.98x, 333x776x555 0.59 / 0.95x, 256x1024x1025 0.62 / 0.99x,
     # 512x1024x1025 (2**29) 1.03 / 0.99x, 128x4096x1025 1.48 / 0.99x, 1024x1024x1025
     # (2**30) 1.30x; matmul bf16 512x1024x1025 0.67 / 0.84x, 1024x1024x1025 1.10x; the
@@ -924,9 +926,9 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     # A call that autograd records (a training step: the forward on ours pays a Python
     # autograd node and its backward ops, whose products are the vendor's either way) is
     # the vendor's below MISALIGNED_GRAD_MIN_WORK (H200, steps back to back, the op / x
-    # eager: bf16 linear 256x1024x1025 0.60x, 1024x1024x1025 0.64x, 2048x2048x2047
-    # 0.90-1.23x, 4096x2048x2047 (2**33) 1.07-1.41x; matmul 0.34-0.79x, then 1.34-1.57x;
-    # TF32 linear 0.59-0.86x, then 1.01-1.19x; the vendor route 0.98-1.01x from 2**32).
+    # eager: bf16 linear 256x1024x1025 0.60x, 1024x1024x1025 0.64x, 2048x2048x2047 (just
+    # under 2**33) 0.90-1.23x, 4096x2048x2047 1.07-1.41x; matmul 0.34-0.79x, then
+    # 1.34-1.57x; TF32 linear 0.59-0.86x, then 1.01-1.19x; the vendor route 0.98-1.01x from 2**32).
     c, work = _ROUTE, M * N * K
     misaligned_ours = work >= c["MISALIGNED_MIN_WORK"] and (
         not grad or work >= c["MISALIGNED_GRAD_MIN_WORK"])
@@ -943,8 +945,15 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         #  N < 128: matmul 8192x2048x64 ours 74 us against 61 (0.82x; cuBLAS's NN kernel;
         #    linear's NT one 95 us: 1.29x, given up for one rule); 8192x4096x16 1.01x.
         #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x).
-        #  fewer than 2**28 multiply-adds: 333x777x555 0.74x; 512^3 0.84x (matmul) and
-        #    1.32x (linear); 256x1024x1024 (2**28) 2.11x; 1000^3 1.66x.
+        #  fewer than HIGHEST_MIN_WORK multiply-adds, where a call is bound by the host's
+        #    time (ours launches for 35-60 us of it, F.linear for 14-25): H200 and H100,
+        #    2026-11-27, calls back to back, no grad, ours / the vendor route x eager:
+        #    linear 256x1024x1024 (2**28) 0.49 / 0.85x, 333x1024x1000 1.12 / 0.99x; at
+        #    2**29 0.57-1.66x (512x1024x1024: 0.57 on the H100's host, 1.03 on the H200's)
+        #    / 0.86-0.99x; matmul 0.68-0.84x at 2**28, 0.58-1.00x at 2**29 / 0.82-0.98x;
+        #    at 2**30 linear 1.10-1.75x, matmul 0.96-1.39x / 0.96-0.98x. CuPy's SGEMM
+        #    (cupy.matmul) alike: 256x1024x1024 36 us a call against ours' 44, 1000^3 52
+        #    against 41. (Events around each call had ours ahead from 2**28: 2.11x.)
         # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
         # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
         # On Hopper, rows that wgmma cannot read (K % 4: no copy aligns them) leave ours on
@@ -958,7 +967,7 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         # 2048^3 1.98x; matmul 1024^3 0.41 / 0.89x, 1024x2048x1024 0.65 / 0.99x, 2**32
         # 1.22x, 2048^3 1.83x.
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
-                or work < c["MIN_WORK"] or (cc == 90 and not aligned)
+                or work < c["HIGHEST_MIN_WORK"] or (cc == 90 and not aligned)
                 or (grad and work < c["HIGHEST_GRAD_MIN_WORK"])):
             return VENDOR
         return OURS
@@ -1173,8 +1182,10 @@ def planned_capture(a) -> bool:
 
 
 class _CupyVendor:
-    """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM
-    itself (``cupy.cublas.gemm``: exact fp32 products whatever CUPY_TF32 says); "high" /
+    """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM:
+    ``cupy.matmul`` (CUBLAS_COMPUTE_32F: exact fp32 products) unless CuPy's compute type is
+    TF32 (CUPY_TF32=1), then ``cupy.cublas.gemm`` (SGEMM whatever CUPY_TF32 says, at twice
+    cupy.matmul's host time: H100, 256x1024x1024, 79 us a call against 36); "high" /
     "medium" only where CuPy's float32 compute type is TF32 already (CUPY_TF32=1: cuBLAS's
     CUBLAS_COMPUTE_32F_FAST_TF32), else ours; float64 / float16 cupy.matmul as it is
     (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums)."""
@@ -1208,7 +1219,8 @@ class _CupyVendor:
         cupy = _loader.cupy()
         if a.shape[-1] == 0:  # (cuBLAS is not asked to sum nothing)
             return cupy.zeros(matmul_shape(a.shape, b.shape), a.dtype)
-        if a.dtype == np.float32 and precision == "highest":
+        if (a.dtype == np.float32 and precision == "highest"
+                and _CupyVendor.state() == cupy._core._routines_linalg.COMPUTE_TYPE_TF32):
             return _CupyVendor._sgemm(a, b)
         return cupy.matmul(a, b)
 
@@ -1308,8 +1320,9 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     CUDA tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        run, checked = cached_checked(_plans, _linear_key(x, weight, bias, precision), check,
-                                      _fresh, (x, weight, bias, precision, None))
+        key = _linear_key(x, weight, bias, precision, vendor_state(x))
+        run, checked = cached_checked(_plans, key, check, _fresh,
+                                      (x, weight, bias, precision, None))
         if run is not None:
             return run(x, weight, bias)
     xo, wo, bo, o, prec, shape = checked or check(x, weight, bias, precision, out)
@@ -1398,34 +1411,39 @@ class _VendorPlan:
         return self.impl(*arrays, self.precision)
 
 
-def planned_vendor(x, weight, bias, precision, grad=False):
-    """The eager form of :func:`linear`'s cached plan for these arguments (checked
-    precision) where that plan is the vendor's: the torch layer calls it in plain eager
-    mode (torch's own ``F.linear``, with torch's autograd), without the op's boundary.
-    None until a first call has planned them, or where ours computes them. (Arguments that
-    :func:`signature` does not describe, such as tensor subclasses, have no plan.)
-    ``grad``: a call that autograd records, which also takes the vendor's form where
-    :func:`route` with ``grad`` gives it the product, planned on its first call."""
-    key = _linear_key(x, weight, bias, precision)
+def planned_vendor(x, weight, bias, precision, state, grad=False):
+    """The eager form of :func:`linear`'s cached plan for these arguments (a string
+    precision; ``state``: :func:`vendor_state` of x) where that plan is the vendor's: the
+    torch layer calls it in plain eager mode (torch's own ``F.linear``, with torch's
+    autograd), without the op's boundary. None until a first call has planned them, or
+    where ours computes them. (Arguments that :func:`signature` does not describe, such as
+    tensor subclasses, have no plan.) ``grad``: a call that autograd records, which also
+    takes the vendor's form where :func:`route` with ``grad`` gives it the product,
+    planned on its first call (which, where ours computes it, validates again in the op)."""
+    key = _linear_key(x, weight, bias, precision, state)
     return _eager_form(_plans, _grad_plans, key, grad, check, _fresh,
                        (x, weight, bias, precision, None))
 
 
 def _eager_form(plans, grad_plans, key, grad, check, fresh, args):
     """:func:`planned_vendor`'s answer from the op's ``plans`` or, for a recorded call
-    where those are not the vendor's, ``grad_plans`` (made by ``fresh`` with grad)."""
+    where those are not the vendor's, ``grad_plans`` (made by ``fresh`` with grad; not for
+    a key no plan is stored for, which would validate on every call)."""
     plan = plans.get(key)
-    if type(plan) is not _VendorPlan and grad and not any(k is UNPLANNED for k in key):
+    if type(plan) is _VendorPlan:
+        return plan.eager
+    if grad and plannable(key):
         plan = cached_checked(grad_plans, key, check, fresh, args, (True,))[0]
-    return plan.eager if type(plan) is _VendorPlan else None
+        return plan.eager if type(plan) is _VendorPlan else None
+    return None
 
 
 _grad_plans: dict = {}  # linear's keys -> the vendor's plan for a recorded call, or None
 
 
-def _linear_key(x, weight, bias, precision) -> tuple:
-    """The key of :func:`linear_core`'s cached plans."""
-    return signature(x), signature(weight), signature(bias), precision, vendor_state(x)
+def _linear_key(x, weight, bias, precision, state) -> tuple:
+    """The key of :func:`linear_core`'s cached plans (``state``: :func:`vendor_state` of x)."""
+    return signature(x), signature(weight), signature(bias), precision, state
 
 
 # ---- matmul: NumPy's matmul on the same dispatcher.
@@ -1495,8 +1513,8 @@ def matmul_core(a, b, precision=None, out=None):
     tensors."""
     checked = None
     if out is None and (precision is None or type(precision) is str):  # the common call
-        run, checked = cached_checked(_matmul_plans, _matmul_key(a, b, precision), check_matmul,
-                                      _matmul_fresh, (a, b, precision, None))
+        run, checked = cached_checked(_matmul_plans, _matmul_key(a, b, precision, vendor_state(a)),
+                                      check_matmul, _matmul_fresh, (a, b, precision, None))
         if run is not None:
             return run(a, b)
     ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
@@ -1603,15 +1621,15 @@ def _matmul_fresh(checked, a, b, precision, out, grad=False):
     return _on_arrays(mm_plan(ao, bo, prec))
 
 
-def planned_vendor_matmul(a, b, precision, grad=False):
+def planned_vendor_matmul(a, b, precision, state, grad=False):
     """As :func:`planned_vendor`, for :func:`matmul`."""
-    return _eager_form(_matmul_plans, _matmul_grad_plans, _matmul_key(a, b, precision), grad,
-                       check_matmul, _matmul_fresh, (a, b, precision, None))
+    return _eager_form(_matmul_plans, _matmul_grad_plans, _matmul_key(a, b, precision, state),
+                       grad, check_matmul, _matmul_fresh, (a, b, precision, None))
 
 
 _matmul_grad_plans: dict = {}  # as _grad_plans, for matmul
 
 
-def _matmul_key(a, b, precision) -> tuple:
-    """The key of :func:`matmul_core`'s cached plans."""
-    return signature(a), signature(b), precision, vendor_state(a)
+def _matmul_key(a, b, precision, state) -> tuple:
+    """The key of :func:`matmul_core`'s cached plans (``state``: :func:`vendor_state` of a)."""
+    return signature(a), signature(b), precision, state

@@ -593,8 +593,9 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
     with torch.no_grad():
         call(x, w)  # (plans ours)
     planned = gemm.planned_vendor if op == "linear" else gemm.planned_vendor_matmul
-    plans, key = ((gemm._plans, gemm._linear_key(x, w, b, "highest")) if op == "linear"
-                  else (gemm._matmul_plans, gemm._matmul_key(x, w.t(), "highest")))
+    state = gemm.vendor_state(x)
+    plans, key = ((gemm._plans, gemm._linear_key(x, w, b, "highest", state)) if op == "linear"
+                  else (gemm._matmul_plans, gemm._matmul_key(x, w.t(), "highest", state)))
     assert plans.get(key) is not None and type(plans.get(key)) is not gemm._VendorPlan  # ours
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     for bound, ours in ((gemm._ROUTE["MISALIGNED_GRAD_MIN_WORK"], False), (2 ** 20, True)):
@@ -602,8 +603,8 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
         xs, ws = (t.clone().requires_grad_() for t in (x, w))
         xr, wr = (t.clone().requires_grad_() for t in (x, w))
         out, want = call(xs, ws), ref(xr, wr)
-        assert (planned(*((xs, ws, b) if op == "linear" else (xs, ws.t())), "highest", True)
-                is None) == ours
+        args = (xs, ws, b) if op == "linear" else (xs, ws.t())
+        assert (planned(*args, "highest", state, True) is None) == ours
         assert (type(out.grad_fn) is type(want.grad_fn)) != ours
         out.backward(g)
         want.backward(g)
@@ -634,6 +635,38 @@ def test_padded_vendor_forms_leave_recorded_calls_to_torch(monkeypatch):
         assert (type(out.grad_fn).__name__ == "MmBackward0") == grad
         assert pads == ([] if grad else [(0, 3), (0, 0, 0, 3), (0, 3)])  # b, W; b of matmul
         pads.clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("x_shape, w_shape", [((3, 4), (0, 4)), ((3, 0), (5, 0)), ((0, 4), (5, 4)),
+                                              ((2, 0, 4), (5, 4))], ids=str)
+def test_gradients_of_empty_products(x_shape, w_shape, device):
+    """An empty product (N, K or the rows 0) has the gradients torch gives, of linear (its
+    own backward) and of matmul with W transposed."""
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*s, generator=g).to(device) for s in (x_shape, w_shape))
+    b = torch.randn(w_shape[0], generator=g).to(device)
+    calls = ((cupykern.linear, torch.nn.functional.linear, (x, w, b)),
+             (lambda a, b_: cupykern.matmul(a, b_.t()), lambda a, b_: a @ b_.t(), (x, w)))
+    for ours, ref, args in calls:
+        mine, want = ([t.clone().requires_grad_() for t in args] for _ in range(2))
+        out = ours(*mine)
+        out.backward(torch.ones_like(out))
+        ref(*want).backward(torch.ones_like(out))
+        for a, r in zip(mine, want):
+            assert a.grad.shape == r.grad.shape and torch.equal(a.grad, r.grad)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("precision", [["high"], "low", 3], ids=str)
+def test_bad_precision_of_tensors(precision, device):
+    """A precision that is not one of PRECISIONS (a list, which no plan can be keyed by,
+    included) gets the checks' ValueError naming it, from linear and matmul on tensors."""
+    x, w, b = (t.to(device) for t in _data(5, 4, 3, torch.float32))
+    for call in (lambda: cupykern.linear(x, w, b, precision=precision),
+                 lambda: cupykern.matmul(x, w.t(), precision=precision)):
+        with pytest.raises(ValueError, match="precision"):
+            call()
 
 
 def test_padded_grad_boundaries():
@@ -716,10 +749,11 @@ ROUTES = [
     ((63, 4096, 4096, "float32", "highest", "torch", 90, True), "vendor"),
     ((8192, 128, 2048, "float32", "highest", "torch", 90, True), "ours"),
     ((8192, 127, 2048, "float32", "highest", "torch", 90, True), "vendor"),
-    ((16384, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
-    ((16384, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
-    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**28
-    ((256, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
+    ((65536, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
+    ((65536, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
+    ((1024, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**30
+    ((1024, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
+    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "vendor"),  # 2**28
     ((1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
     ((4097, 3001, 1000, "float32", "high", "torch", 90, True), "ours"),
     ((4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),

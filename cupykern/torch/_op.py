@@ -51,9 +51,13 @@ def _plain(t) -> bool:
 
 
 def wants_grad(tensors) -> bool:
-    """Whether autograd records a call on these (tensors or None)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    """Whether autograd records a call on these (tensors or None). (A loop, not any() of a
+    generator: a third of its host time, on every eager call.)"""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
 
 
 def _direct(tensors) -> bool:

@@ -21,6 +21,7 @@ rows are off 16 bytes into padded rows first, where that pays
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +188,7 @@ def _backward(ctx, g):
     x, weight = ctx.saved_tensors
     n, k = weight.shape
     mm = _products(ctx)
-    m = g.numel() // n if n else 0
+    m = math.prod(g.shape[:-1])  # (not reshape(-1, n): ambiguous where g or x is empty)
     cols = core.padded_grad(m, n, k, _name(g.dtype), ctx.precision)
     if cols > n and g.is_cuda and not torch.is_grad_enabled() and any(ctx.needs_input_grad[:2]):
         # dx = gp @ wp sums over cupykern.gemm.padded_grad's columns: g copied once (any
@@ -198,10 +199,10 @@ def _backward(ctx, g):
         g2.view(g.shape).copy_(g)
         wp = F.pad(weight, (0, 0, 0, cols - n)) if ctx.needs_input_grad[0] else None
     else:
-        g2 = g.reshape(-1, n)
+        g2 = g.reshape(m, n)
         gp, wp = g2, weight
     dx = mm(gp, wp).reshape(x.shape) if ctx.needs_input_grad[0] else None
-    dw = mm(g2.t(), x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
+    dw = mm(g2.t(), x.reshape(m, k)) if ctx.needs_input_grad[1] else None
     db = g2.sum(0) if ctx.needs_input_grad[2] else None
     return dx, dw, db, None
 
@@ -239,14 +240,27 @@ linear_out_op = Op("linear_out(Tensor x, Tensor weight, Tensor? bias, str precis
                    "Tensor(a!) out) -> ()", _out_impl, lambda *args: None)
 
 
+def _eager_precision(precision):
+    """:func:`resolve_precision` where :func:`_eager` holds (neither compiling nor
+    autocasting), without its checks of those: the plain call's host time, most of a small
+    product's (the vendor's eager forms). None for a precision no plan is keyed by (not a
+    string: the op's checks say what is wrong with it)."""
+    prec = torch.get_float32_matmul_precision() if precision is None else precision
+    return prec if type(prec) is str else None
+
+
 def linear(x, weight, bias=None, *, precision=None, out=None):
-    """:func:`cupykern.linear` for torch tensors, through the custom ops."""
-    prec = resolve_precision(precision)
+    """:func:`cupykern.linear` for torch tensors, through the custom ops, or in plain eager
+    mode torch's own op where the plan is the vendor's (:func:`cupykern.gemm.planned_vendor`)."""
     if out is None:
-        run = _eager() and core.planned_vendor(x, weight, bias, prec, wants_grad((x, weight, bias)))
-        if run:
-            return run(x, weight, bias)
-        return linear_op(x, weight, bias, prec)
+        if _eager():
+            prec = _eager_precision(precision)
+            run = prec and core.planned_vendor(x, weight, bias, prec, Vendor.state(),
+                                               wants_grad((x, weight, bias)))
+            if run:
+                return run(x, weight, bias)
+        return linear_op(x, weight, bias, resolve_precision(precision))
+    prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
     return out
@@ -296,12 +310,14 @@ def matmul(a, b, *, precision=None, out=None):
     """:func:`cupykern.matmul` for torch tensors, through the custom op. With ``out``
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient."""
-    prec = resolve_precision(precision)
     if out is None:
-        run = _eager() and core.planned_vendor_matmul(a, b, prec, wants_grad((a, b)))
-        if run:
-            return run(a, b)
-        return matmul_op(a, b, prec)
+        if _eager():  # (as linear's)
+            prec = _eager_precision(precision)
+            run = prec and core.planned_vendor_matmul(a, b, prec, Vendor.state(), wants_grad((a, b)))
+            if run:
+                return run(a, b)
+        return matmul_op(a, b, resolve_precision(precision))
+    prec = resolve_precision(precision)
     core.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
         raise ValueError("out: matmul with out= does not support autograd (an input requires "
