@@ -30,6 +30,7 @@ float32 (float64 for float64): fp32-accurate at every precision, but without ten
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -864,7 +865,7 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
-          "HIGHEST_MIN_WORK": 2 ** 30,
+          "HIGHEST_MIN_WORK": 2 ** 30, "HIGHEST_MIN_WORK_CUPY": 2 ** 28,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 32,
           # the vendor path's own forms: padded_n, bias_apart
@@ -951,9 +952,13 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         #    linear 256x1024x1024 (2**28) 0.49 / 0.85x, 333x1024x1000 1.12 / 0.99x; at
         #    2**29 0.57-1.66x (512x1024x1024: 0.57 on the H100's host, 1.03 on the H200's)
         #    / 0.86-0.99x; matmul 0.68-0.84x at 2**28, 0.58-1.00x at 2**29 / 0.82-0.98x;
-        #    at 2**30 linear 1.10-1.75x, matmul 0.96-1.39x / 0.96-0.98x. CuPy's SGEMM
-        #    (cupy.matmul) alike: 256x1024x1024 36 us a call against ours' 44, 1000^3 52
-        #    against 41. (Events around each call had ours ahead from 2**28: 2.11x.)
+        #    at 2**30 linear 1.10-1.75x, matmul 0.96-1.39x / 0.96-0.98x. (Events around
+        #    each call had ours ahead from 2**28: 2.11x.) CuPy arrays from
+        #    HIGHEST_MIN_WORK_CUPY: the vendor's path there (our wrapper, then cupy.matmul)
+        #    costs 10-18 us a call over cupy's own, more than ours does (H200, x cupy's @,
+        #    ours / the vendor route: 256x1024x1024 (2**28) 0.85-0.90 / 0.70-0.76x,
+        #    512x1024x1024 1.21-1.30 / 0.96-0.97x, 1000^3 1.27-1.29 / 0.98x; 333x777x555
+        #    0.63-0.64 / 0.68-0.73x).
         # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
         # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
         # On Hopper, rows that wgmma cannot read (K % 4: no copy aligns them) leave ours on
@@ -967,7 +972,8 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
         # 2048^3 1.98x; matmul 1024^3 0.41 / 0.89x, 1024x2048x1024 0.65 / 0.99x, 2**32
         # 1.22x, 2048^3 1.83x.
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
-                or work < c["HIGHEST_MIN_WORK"] or (cc == 90 and not aligned)
+                or work < c["HIGHEST_MIN_WORK_CUPY" if kind == "cupy" else "HIGHEST_MIN_WORK"]
+                or (cc == 90 and not aligned)
                 or (grad and work < c["HIGHEST_GRAD_MIN_WORK"])):
             return VENDOR
         return OURS
@@ -1184,8 +1190,8 @@ def planned_capture(a) -> bool:
 class _CupyVendor:
     """cuBLAS through CuPy, on CuPy's current stream. float32 "highest" is cuBLAS's SGEMM:
     ``cupy.matmul`` (CUBLAS_COMPUTE_32F: exact fp32 products) unless CuPy's compute type is
-    TF32 (CUPY_TF32=1), then ``cupy.cublas.gemm`` (SGEMM whatever CUPY_TF32 says, at twice
-    cupy.matmul's host time: H100, 256x1024x1024, 79 us a call against 36); "high" /
+    TF32 (CUPY_TF32=1), then ``cupy.cublas.gemm`` (SGEMM whatever CUPY_TF32 says; this path
+    through it took 79 us a call against cupy's @ 36, H100, 256x1024x1024); "high" /
     "medium" only where CuPy's float32 compute type is TF32 already (CUPY_TF32=1: cuBLAS's
     CUBLAS_COMPUTE_32F_FAST_TF32), else ours; float64 / float16 cupy.matmul as it is
     (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums)."""
@@ -1244,8 +1250,8 @@ class _CupyVendor:
 
     @staticmethod
     def linear(x, w, b, precision):
-        lead = x.shape[:-1]
-        y = _CupyVendor.matmul(x.reshape(int(np.prod(lead)), x.shape[-1]), w.T, precision)
+        lead = x.shape[:-1]  # (math.prod: np.prod of a tuple costs a call microseconds)
+        y = _CupyVendor.matmul(x.reshape(math.prod(lead), x.shape[-1]), w.T, precision)
         y = y.reshape(lead + (w.shape[0],))
         if b is not None:
             y += b

@@ -752,8 +752,9 @@ ROUTES = [
     ((65536, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
     ((65536, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
     ((1024, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**30
-    ((1024, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
-    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "vendor"),  # 2**28
+    ((1024, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
+    ((256, 1024, 1024, "float32", "highest", "cupy", 90, True), "ours"),  # 2**28 (CuPy's)
+    ((256, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
     ((1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
     ((4097, 3001, 1000, "float32", "high", "torch", 90, True), "ours"),
     ((4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),
