@@ -753,6 +753,7 @@ ROUTES = [
     ((65536, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
     ((1024, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**30
     ((1024, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
+    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "vendor"),  # 2**28
     ((256, 1024, 1024, "float32", "highest", "cupy", 90, True), "ours"),  # 2**28 (CuPy's)
     ((256, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
     ((1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
@@ -1234,6 +1235,32 @@ def test_float64_bias_apart_boundaries():
     assert gemm.bias_apart(1 << 16, 64, 1024, "float64")
     assert not gemm.bias_apart(1 << 16, 63, 1024, "float64")  # (few columns: addmm's)
     assert not gemm.bias_apart(4096, 4096, 4096, "float32")
+
+
+@pytest.mark.parametrize("compute_type, sgemm", [(1, False), (2, False), (7, True)],
+                         ids=["default", "pedantic", "tf32"])
+def test_cupy_highest_runs_cupy_matmul_unless_tf32(compute_type, sgemm, monkeypatch):
+    """GPU-free: CuPy's float32 "highest" vendor product is cupy.matmul (exact SGEMM under
+    any compute type but TF32), cupy.cublas.gemm's SGEMM (_sgemm) only where CuPy's float32
+    compute type is TF32 (7); other dtypes and precisions are cupy.matmul's."""
+    from types import SimpleNamespace
+    from cupykern import _loader, gemm
+    calls = []
+    fake = SimpleNamespace(matmul=lambda a, b: calls.append("matmul") or a @ b,
+                           _core=SimpleNamespace(_routines_linalg=SimpleNamespace(
+                               COMPUTE_TYPE_TF32=7)))
+    monkeypatch.setattr(_loader, "cupy", lambda: fake)
+    monkeypatch.setattr(gemm._CupyVendor, "state", staticmethod(lambda: compute_type))
+    monkeypatch.setattr(gemm._CupyVendor, "_sgemm",
+                        staticmethod(lambda a, b: calls.append("sgemm") or a @ b))
+    a, b = np.ones((3, 4), np.float32), np.ones((4, 5), np.float32)
+    for dtype, precision, want in ((np.float32, "highest", "sgemm" if sgemm else "matmul"),
+                                   (np.float32, "high", "matmul"),
+                                   (np.float64, "highest", "matmul")):
+        out = gemm._CupyVendor.matmul(a.astype(dtype), b.astype(dtype), precision)
+        np.testing.assert_array_equal(out, np.full((3, 5), 4, dtype))
+        assert calls == [want]
+        calls.clear()
 
 
 def test_vendor_eager_forms():
