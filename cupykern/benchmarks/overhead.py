@@ -11,6 +11,11 @@ Targets: MatmulSumMaxMeanLogSumExp at 1024x8192->8192 with parameters that
 require grad and grad mode on no slower than ``torch.mv(x, v)`` (one read of x, like
 ours) and <= 20 us on an H200; L1/L2 at 16x16384 no slower than eager;
 GemmScaleBatchNorm training at 128x1024->512 >= 1.0x eager.
+
+The plain products below 2**30 multiply-adds (linear / matmul on the vendor's route:
+PyTorch's or CuPy's own call behind our wrapper) show the wrapper's own host time: a
+forward, a recorded forward and a training step on torch tensors, and CuPy calls against
+CuPy's ``@``.
 """
 from __future__ import annotations
 
@@ -80,6 +85,40 @@ def rows():
     w = torch.randn(512, 1024, device="cuda") / 32
     yield ("linear 128x1024->512", lambda: cupykern.linear(xg, w), "F.linear",
            lambda: nn.functional.linear(xg, w))
+    yield from _plain_products()
+
+
+def _plain_products():
+    """Rows of plain products that the dispatcher gives to the vendor (torch's default
+    float32 matmul precision, "highest", below HIGHEST_MIN_WORK; 16-bit)."""
+    import torch
+    from torch import nn
+
+    import cupykern
+
+    xb, wb, bb = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in
+                  ((64, 512), (512, 512), (512,)))
+    wb.requires_grad_()
+    yield ("linear bf16 64x512->512 (grad on)", lambda: cupykern.linear(xb, wb, bb), "F.linear",
+           lambda: nn.functional.linear(xb, wb, bb))
+    gb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    yield ("linear bf16 64x512->512 training step", lambda: cupykern.linear(xb, wb, bb).backward(gb),
+           "eager step", lambda: nn.functional.linear(xb, wb, bb).backward(gb))
+    x, w = torch.randn(256, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    yield ("linear float32 256x1024->1024 (2**28)", lambda: cupykern.linear(x, w), "F.linear",
+           lambda: nn.functional.linear(x, w))
+    a = torch.randn(333, 777, device="cuda", requires_grad=True)
+    b = torch.randn(777, 555, device="cuda")
+    yield ("matmul float32 333x777x555 (grad on)", lambda: cupykern.matmul(a, b), "torch.matmul",
+           lambda: torch.matmul(a, b))
+    import cupy
+
+    xc, wc = cupy.asarray(x), cupy.asarray(w)
+    yield ("CuPy linear float32 256x1024->1024", lambda: cupykern.linear(xc, wc), "CuPy x @ w.T",
+           lambda: xc @ wc.T)
+    ac, bc = cupy.asarray(a.detach()), cupy.asarray(b)
+    yield ("CuPy matmul float32 333x777x555", lambda: cupykern.matmul(ac, bc), "CuPy a @ b",
+           lambda: ac @ bc)
 
 
 def main(argv=None) -> int:
