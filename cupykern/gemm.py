@@ -618,7 +618,7 @@ def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
 def vendor_linear(kind: str, precision: str, problem):
     """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
     C-contiguous array), as a plan (:class:`_VendorPlan`) of ``problem`` (M, N, K, dtype),
-    with its eager form (:func:`planned_vendor`)."""
+    with its eager form (:func:`eager_plan`)."""
     vendor = _vendor(kind)
     return _VendorPlan(vendor, vendor.linear, precision, vendor.linear_form(*problem))
 
@@ -666,8 +666,8 @@ def _on_arrays(plan):
     for None)."""
     if plan is None:
         return None
-    ptr = plan.place.ptr
-    return lambda a, b: plan(ptr(a), ptr(b), 0)  # (b.T starts where b does)
+    ptr = plan.place.ptr  # (b.T starts where b does; *_: as _fresh's)
+    return lambda a, b, *_: plan(ptr(a), ptr(b), 0)
 
 
 class _Product:
@@ -880,7 +880,7 @@ def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int
     (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
     capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`_route_of`);
     ``grad``: a torch call that autograd records, in plain eager mode (the vendor's is
-    then torch's own op and backward, :func:`planned_vendor`). Each rule with its
+    then torch's own op and backward, :func:`eager_plan`). Each rule with its
     measurement: H200, one run, our kernel forced against the vendor (cuBLAS through
     torch; "highest": SGEMM), events around each call, host included, shapes as M x K x
     N."""
@@ -1364,7 +1364,7 @@ def _fresh(checked, x, weight, bias, precision, out, grad=False):
     """``run(x, weight, bias) -> out`` for calls like this one without ``out``
     (``checked``: their validation), planned once (a transposed copy is a launch of the
     plan); None where the call needs the general path (CPU, empty, or an operand copied
-    otherwise). With ``grad`` (:func:`planned_vendor`'s) only the vendor's plan, else
+    otherwise). With ``grad`` (:func:`eager_plan`'s) only the vendor's plan, else
     None."""
     xo, wo, bo, _, prec, shape = checked
     if xo.kind == "cpu" or 0 in shape:
@@ -1384,8 +1384,8 @@ def _fresh(checked, x, weight, bias, precision, out, grad=False):
     run = _planned_gemm(xo, wo, work, prec, shape)
     if run is None:
         return None
-    ptr = run.place.ptr
-    return lambda x, weight, bias: run(ptr(x), ptr(weight), ptr(bias))
+    ptr = run.place.ptr  # (*_: the op's precision, from the torch layer's Op.call_planned)
+    return lambda x, weight, bias, *_: run(ptr(x), ptr(weight), ptr(bias))
 
 
 def _rows_planned(xo):
@@ -1417,31 +1417,35 @@ class _VendorPlan:
         return self.impl(*arrays, self.precision)
 
 
-def planned_vendor(x, weight, bias, precision, state, grad=False):
-    """The eager form of :func:`linear`'s cached plan for these arguments (a string
-    precision; ``state``: :func:`vendor_state` of x) where that plan is the vendor's: the
-    torch layer calls it in plain eager mode (torch's own ``F.linear``, with torch's
-    autograd), without the op's boundary. None until a first call has planned them, or
-    where ours computes them. (Arguments that :func:`signature` does not describe, such as
-    tensor subclasses, have no plan.) ``grad``: a call that autograd records, which also
-    takes the vendor's form where :func:`route` with ``grad`` gives it the product,
-    planned on its first call (which, where ours computes it, validates again in the op)."""
+def eager_plan(x, weight, bias, precision, state, grad=False):
+    """What the torch layer runs for :func:`linear` in plain eager mode (a string
+    precision; ``state``: :func:`vendor_state` of x), from the cached plan of these
+    arguments: ``(run, vendor)``. ``vendor``: the plan is the vendor's and ``run`` its eager
+    form (torch's own ``F.linear``, with torch's autograd), called without the op's
+    boundary; else ``run`` is ours' launch plan (``run(x, weight, bias, *_)``), for
+    :meth:`cupykern.torch._op.Op.call_planned` (the op's autograd without its second
+    lookup), or None until a first call has planned them or where the general path
+    computes them. (Arguments that :func:`signature` does not describe, such as tensor
+    subclasses, have no plan.) ``grad``: a call that autograd records, which also takes
+    the vendor's form where :func:`route` with ``grad`` gives it the product, planned on
+    its first call (which, where ours computes it, validates again in the op)."""
     key = _linear_key(x, weight, bias, precision, state)
-    return _eager_form(_plans, _grad_plans, key, grad, check, _fresh,
+    return _eager_plan(_plans, _grad_plans, key, grad, check, _fresh,
                        (x, weight, bias, precision, None))
 
 
-def _eager_form(plans, grad_plans, key, grad, check, fresh, args):
-    """:func:`planned_vendor`'s answer from the op's ``plans`` or, for a recorded call
-    where those are not the vendor's, ``grad_plans`` (made by ``fresh`` with grad; not for
-    a key no plan is stored for, which would validate on every call)."""
+def _eager_plan(plans, grad_plans, key, grad, check, fresh, args):
+    """:func:`eager_plan`'s answer from the op's ``plans`` or, for a recorded call where
+    those are not the vendor's, ``grad_plans`` (made by ``fresh`` with grad; not for a key
+    no plan is stored for, which would validate on every call)."""
     plan = plans.get(key)
     if type(plan) is _VendorPlan:
-        return plan.eager
+        return plan.eager, True
     if grad and plannable(key):
-        plan = cached_checked(grad_plans, key, check, fresh, args, (True,))[0]
-        return plan.eager if type(plan) is _VendorPlan else None
-    return None
+        vendor = cached_checked(grad_plans, key, check, fresh, args, (True,))[0]
+        if type(vendor) is _VendorPlan:
+            return vendor.eager, True
+    return plan, False
 
 
 _grad_plans: dict = {}  # linear's keys -> the vendor's plan for a recorded call, or None
@@ -1627,9 +1631,9 @@ def _matmul_fresh(checked, a, b, precision, out, grad=False):
     return _on_arrays(mm_plan(ao, bo, prec))
 
 
-def planned_vendor_matmul(a, b, precision, state, grad=False):
-    """As :func:`planned_vendor`, for :func:`matmul`."""
-    return _eager_form(_matmul_plans, _matmul_grad_plans, _matmul_key(a, b, precision, state),
+def eager_plan_matmul(a, b, precision, state, grad=False):
+    """As :func:`eager_plan`, for :func:`matmul` (ours' ``run(a, b, *_)``)."""
+    return _eager_plan(_matmul_plans, _matmul_grad_plans, _matmul_key(a, b, precision, state),
                        grad, check_matmul, _matmul_fresh, (a, b, precision, None))
 
 

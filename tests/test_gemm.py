@@ -546,7 +546,7 @@ def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monke
     from cupykern import gemm
     from cupykern.torch import gemm as torch_gemm
     monkeypatch.setitem(gemm._ROUTE, "PADDED_GRAD_MIN_WORK", 2 ** 20)
-    monkeypatch.setattr(gemm, "planned_vendor", lambda *args: None)  # (the op, every call)
+    monkeypatch.setattr(gemm, "eager_plan", lambda *args: (None, False))  # (the op, every call)
     bs, s, n, k = 4, 96, 1025, 512
     cols = 1032 if dtype.itemsize == 2 else 1028
     assert gemm.padded_grad(bs * s, n, k, str(dtype)[6:], precision) == cols
@@ -592,7 +592,7 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
            else (lambda x, w: torch.matmul(x, w.t())))
     with torch.no_grad():
         call(x, w)  # (plans ours)
-    planned = gemm.planned_vendor if op == "linear" else gemm.planned_vendor_matmul
+    planned = gemm.eager_plan if op == "linear" else gemm.eager_plan_matmul
     state = gemm.vendor_state(x)
     plans, key = ((gemm._plans, gemm._linear_key(x, w, b, "highest", state)) if op == "linear"
                   else (gemm._matmul_plans, gemm._matmul_key(x, w.t(), "highest", state)))
@@ -604,7 +604,7 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
         xr, wr = (t.clone().requires_grad_() for t in (x, w))
         out, want = call(xs, ws), ref(xr, wr)
         args = (xs, ws, b) if op == "linear" else (xs, ws.t())
-        assert (planned(*args, "highest", state, True) is None) == ours
+        assert planned(*args, "highest", state, True)[1] != ours
         assert (type(out.grad_fn) is type(want.grad_fn)) != ours
         out.backward(g)
         want.backward(g)
@@ -614,6 +614,37 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
         else:
             assert_grad_close(xs.grad.float(), xr.grad.float(), 2e-2, what="x")
             assert_grad_close(ws.grad.float(), wr.grad.float(), 2e-2, what="w")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_eager_calls_run_ours_plan_through_the_op(op, grad, monkeypatch):
+    """In plain eager mode a call that a first call planned on ours runs that plan through
+    Op.call_planned (cupykern.gemm.eager_plan), without the op's implementation: the same
+    output and gradients, bit for bit, as the first call through the op."""
+    from cupykern import gemm
+    m, n, k = 100, 130, 70
+    x, w, b = (t.cuda() for t in _data(m, n, k, torch.float32))
+    call = ((lambda x, w: cupykern.linear(x, w, b, precision="highest")) if op == "linear"
+            else (lambda x, w: cupykern.matmul(x, w.t(), precision="highest")))
+    core = "linear_core" if op == "linear" else "matmul_core"
+    calls, real = [], getattr(gemm, core)
+    monkeypatch.setattr(gemm, core, lambda *a: calls.append(1) or real(*a))
+    g = torch.randn(m, n, device="cuda")
+    outs, grads = [], []
+    for _ in range(2):
+        xs, ws = (t.clone().requires_grad_(grad) for t in (x, w))
+        out = call(xs, ws)
+        if grad:
+            out.backward(g)
+            grads.append((xs.grad, ws.grad))
+        outs.append(out)
+    assert len(calls) == 1  # (the first call only: the second ran the plan)
+    assert torch.equal(outs[0], outs[1])
+    if grad:
+        assert all(torch.equal(a, c) for a, c in zip(*grads))
+        assert_grad_close(grads[1][0], g @ w, 1e-5, what="x")
 
 
 def test_padded_vendor_forms_leave_recorded_calls_to_torch(monkeypatch):

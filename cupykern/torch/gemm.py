@@ -14,7 +14,8 @@ torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`); in plain eager mo
 a call has planned that, ``linear`` / ``matmul`` call them directly, with torch's own
 autograd, without the op's boundary (its microseconds are most of a small product's time);
 so do calls that autograd records where ``route`` gives them to the vendor for that
-(``grad``: a training step bound by the host). linear's backward copies a gradient whose
+(``grad``: a training step bound by the host). A call planned on ours runs that plan
+through :meth:`Op.call_planned`. linear's backward copies a gradient whose
 rows are off 16 bytes into padded rows first, where that pays
 (:func:`cupykern.gemm.padded_grad`).
 """
@@ -77,7 +78,7 @@ class Vendor:
     @staticmethod
     def linear_form(M: int, N: int, K: int, dtype: str):
         """``fn(x, weight, bias)``: how the vendor computes a linear of M x K by N x K
-        outside autocast; planned once per signature (:func:`cupykern.gemm.planned_vendor`)."""
+        outside autocast; planned once per signature (:func:`cupykern.gemm.eager_plan`)."""
         pad = core.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
@@ -249,17 +250,28 @@ def _eager_precision(precision):
     return prec if type(prec) is str else None
 
 
+def _call(op, eager_plan, args, precision):
+    """``op(*args, precision)``; in plain eager mode, once a call has planned these
+    arguments (:func:`cupykern.gemm.eager_plan`), the plan itself: the vendor's as torch's
+    own op, ours through :meth:`Op.call_planned` (the op's autograd, without its second
+    key, mode checks and lookup: the host time of a call that ours computes)."""
+    if _eager():
+        prec = _eager_precision(precision)
+        if prec:
+            grad = wants_grad(args)
+            run, vendor = eager_plan(*args, prec, Vendor.state(), grad)
+            if vendor:
+                return run(*args)
+            if run is not None:
+                return op.call_planned(run, grad, *args, prec)
+    return op(*args, resolve_precision(precision))
+
+
 def linear(x, weight, bias=None, *, precision=None, out=None):
-    """:func:`cupykern.linear` for torch tensors, through the custom ops, or in plain eager
-    mode torch's own op where the plan is the vendor's (:func:`cupykern.gemm.planned_vendor`)."""
+    """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
+    mode their cached plan, :func:`_call`)."""
     if out is None:
-        if _eager():
-            prec = _eager_precision(precision)
-            run = prec and core.planned_vendor(x, weight, bias, prec, Vendor.state(),
-                                               wants_grad((x, weight, bias)))
-            if run:
-                return run(x, weight, bias)
-        return linear_op(x, weight, bias, resolve_precision(precision))
+        return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
@@ -307,16 +319,11 @@ matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_im
 
 
 def matmul(a, b, *, precision=None, out=None):
-    """:func:`cupykern.matmul` for torch tensors, through the custom op. With ``out``
+    """:func:`cupykern.matmul` for torch tensors, through the custom op (as linear's). With ``out``
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient."""
     if out is None:
-        if _eager():  # (as linear's)
-            prec = _eager_precision(precision)
-            run = prec and core.planned_vendor_matmul(a, b, prec, Vendor.state(), wants_grad((a, b)))
-            if run:
-                return run(a, b)
-        return matmul_op(a, b, resolve_precision(precision))
+        return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
     prec = resolve_precision(precision)
     core.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
