@@ -647,6 +647,36 @@ def test_eager_calls_run_ours_plan_through_the_op(op, grad, monkeypatch):
         assert_grad_close(grads[1][0], g @ w, 1e-5, what="x")
 
 
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_eager_call_hands_ours_plan_to_the_op(op, grad, monkeypatch):
+    """GPU-free, with a fake plan: where cupykern.gemm.eager_plan answers ours' plan, the
+    torch layer runs it through Op.call_planned with the op's arguments and resolved
+    precision, and autograd records the op's backward; where it answers nothing, the op."""
+    from cupykern import gemm
+    x, w, b = _data(5, 3, 4, torch.float64)
+    args = (x, w, b) if op == "linear" else (x, w.t())
+    ref = torch.nn.functional.linear if op == "linear" else torch.matmul
+    seen = []
+
+    def run(*a):
+        seen.append(a[-1])
+        return ref(*a[:-1])
+    for plan in (run, None):
+        monkeypatch.setattr(gemm, "eager_plan" if op == "linear" else "eager_plan_matmul",
+                            lambda *a, plan=plan: (plan, False))
+        leaves = [t.clone().requires_grad_(grad) for t in args[:2]]
+        call_args = (*leaves, *args[2:])
+        out = getattr(cupykern, op)(*call_args, precision="high")
+        torch.testing.assert_close(out, ref(*call_args), rtol=1e-12, atol=1e-12)
+        assert (out.grad_fn is not None) == grad
+        if grad:
+            out.sum().backward()
+            dx = torch.ones_like(out) @ w  # (x @ w.T either way)
+            torch.testing.assert_close(leaves[0].grad, dx, rtol=1e-12, atol=1e-12)
+    assert seen == ["high"]  # (the fake plan's call only, with the op's precision)
+
+
 def test_padded_vendor_forms_leave_recorded_calls_to_torch(monkeypatch):
     """The vendor's padded forms (cupykern.gemm.padded_n) compute a call that autograd does
     not record padded, and one it records as torch's plain op (their pad and copy would
