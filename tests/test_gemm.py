@@ -671,6 +671,7 @@ def test_eager_call_hands_ours_plan_to_the_op(op, grad, monkeypatch):
         torch.testing.assert_close(out, ref(*call_args), rtol=1e-12, atol=1e-12)
         assert (out.grad_fn is not None) == grad
         if grad:
+            assert type(out.grad_fn).__name__ == f"{op}Backward"  # (the op's node, not torch's)
             out.sum().backward()
             dx = torch.ones_like(out) @ w  # (x @ w.T either way)
             torch.testing.assert_close(leaves[0].grad, dx, rtol=1e-12, atol=1e-12)
