@@ -84,13 +84,22 @@ def _cached_plans() -> int:
     return sum(len(getattr(m, n)) for m in MODULES for n in _plan_caches(m))
 
 
+def _reach(a) -> int:
+    """The bytes from ``a``'s data pointer to the end of its last element (0 if empty)."""
+    if a.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))) * a.element_size()
+
+
 def _named(launches, arrays):
     """The log with each array's data pointer replaced by its position in ``arrays`` (a
     pointer inside one by (position, offset)) and a pointer into a fresh allocation
     (output, scratch) by ("new", offset)."""
     log, fresh = launches
     names = {a.data_ptr(): i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor)}
-    spans = [(i, a.data_ptr(), a.data_ptr() + a.nbytes) for i, a in enumerate(arrays)
+    # (the bytes a view reaches, not nbytes: an expanded view's numel covers a fresh
+    # allocation that lands just past its one element)
+    spans = [(i, a.data_ptr(), a.data_ptr() + _reach(a)) for i, a in enumerate(arrays)
              if isinstance(a, torch.Tensor)]
 
     def name(v):
