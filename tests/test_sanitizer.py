@@ -1,5 +1,11 @@
 """compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over tests/sanitize_driver.py,
-which calls every kernel family at small edge shapes and checks the results."""
+which calls every kernel family at small edge shapes and checks the results.
+
+One case is one tool over one family in one dtype (and, for the normalize families, one
+norm): 112 cases. The whole driver under one tool takes longer than the GPU machine's
+10-minute call; split, the longest case (racecheck of normalize's float32 L2 cluster
+kernels) took 318-432 s on an H200. `bash .ci/gpu sanitizer` runs them side by side."""
+import ast
 import os
 import pathlib
 import re
@@ -10,19 +16,21 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
 DRIVER = pathlib.Path(__file__).with_name("sanitize_driver.py")
 ROOT = DRIVER.parent.parent
 DONE = "sanitize driver done"
 # The clean-run summary each tool prints (compute-sanitizer 2025.x).
 CLEAN = {"racecheck": r"RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)"}
 CLEAN_DEFAULT = r"ERROR SUMMARY: 0 errors"
-# racecheck is by far the slowest tool: one run per kernel family.
-CASES = [("memcheck", None), ("initcheck", None), ("synccheck", None)] + [
-    ("racecheck", g) for g in ("normalize", "normalize_rows", "linear", "gemm_scale_batchnorm",
-                               "matmul_sum")]
-TIMEOUT = 1800  # seconds per sanitizer run
+# The driver's --only, --dtypes and --kinds. Racecheck first: its cases are the longest.
+TOOLS = ("racecheck", "memcheck", "initcheck", "synccheck")
+GROUPS = ("normalize", "normalize_rows", "linear", "gemm_scale_batchnorm", "matmul_sum")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+NORMS = {"normalize": ("l1", "l2"), "normalize_rows": ("l1", "l2")}
+PARTS = [(g, d, k) for g in GROUPS for d in DTYPES for k in NORMS.get(g, (None,))]
+CASES = [(tool, *part) for tool in TOOLS for part in PARTS]
+# Seconds per sanitizer run; `.ci/gpu sanitizer` lowers it to its deadline.
+TIMEOUT = int(os.environ.get("SANITIZER_TIMEOUT", 1800))
 
 
 def _sanitizer():
@@ -53,26 +61,61 @@ def _run(cmd, timeout):
     return p.returncode, out
 
 
+def _driver_args(group, dtype, norm):
+    return ["--only", group, "--dtypes", dtype] + ([] if norm is None else ["--kinds", norm])
+
+
+_plain_passed = set()
+
+
 @pytest.fixture(scope="module")
 def sanitizer():
-    """The compute-sanitizer binary, after one plain driver run: it fills CuPy's kernel cache
-    (NVRTC compiles under the sanitizer are slow) and must itself pass."""
     tool = _sanitizer()
     if tool is None:
         pytest.skip("compute-sanitizer not found on PATH, $CUDA_HOME/bin or /usr/local/cuda/bin")
-    rc, out = _run([sys.executable, str(DRIVER)], timeout=900)
-    assert rc == 0 and DONE in out, f"the driver fails without the sanitizer (exit {rc}):\n{out[-6000:]}"
     return tool
 
 
-@pytest.mark.parametrize("tool,only", CASES, ids=[t if g is None else f"{t}-{g}" for t, g in CASES])
-def test_sanitizer_clean(sanitizer, tool, only):
+def _plain_run(args):
+    """The same driver run without the sanitizer, once per process and part: it must itself
+    pass, and it fills CuPy's kernel cache (NVRTC compiles under the sanitizer are slow)."""
+    if tuple(args) in _plain_passed:
+        return
+    rc, out = _run([sys.executable, str(DRIVER)] + args, timeout=min(900, TIMEOUT))
+    assert rc == 0 and DONE in out, (
+        f"the driver fails without the sanitizer (exit {rc}, {' '.join(args)}):\n{out[-6000:]}")
+    _plain_passed.add(tuple(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool,group,dtype,norm", CASES,
+                         ids=["-".join(filter(None, case)) for case in CASES])
+def test_sanitizer_clean(sanitizer, tool, group, dtype, norm):
+    args = _driver_args(group, dtype, norm)
+    _plain_run(args)
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
-           sys.executable, str(DRIVER)] + ([] if only is None else ["--only", only])
+           sys.executable, str(DRIVER)] + args
     rc, out = _run(cmd, TIMEOUT)
     if "Device not supported" in out:  # e.g. a sandboxed runtime the sanitizer cannot attach to
         pytest.skip(f"compute-sanitizer cannot use this GPU:\n{out[-2000:]}")
     summary = CLEAN.get(tool, CLEAN_DEFAULT)
     assert rc == 0 and DONE in out and re.search(summary, out), (
-        f"{tool}{'' if only is None else ' --only ' + only}: exit {rc} (99: the sanitizer found "
-        f"errors), expected {summary!r} and {DONE!r}:\n{out[-8000:]}")
+        f"{tool} {' '.join(args)}: exit {rc} (99: the sanitizer found errors), expected "
+        f"{summary!r} and {DONE!r}:\n{out[-8000:]}")
+
+
+def test_cases_cover_the_whole_driver():
+    """GPU-free: the cases name every family, dtype and norm the driver has, read from its source."""
+    found, reads_kinds = {}, set()
+    for node in ast.parse(DRIVER.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            found[node.targets[0].id] = node.value
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(n, ast.Name) and n.id == "KINDS" for n in ast.walk(node)):
+            reads_kinds.add(node.name)
+    groups = {k.value: v.id for k, v in zip(found["GROUPS"].keys, found["GROUPS"].values)}
+    assert tuple(groups) == GROUPS
+    assert tuple(e.attr for e in found["DTYPES"].elts) == DTYPES
+    # The families whose function reads the norms take --kinds: a case per norm.
+    assert {g for g, fn in groups.items() if fn in reads_kinds} == set(NORMS)
+    assert all(norms == ast.literal_eval(found["KINDS"]) for norms in NORMS.values())
