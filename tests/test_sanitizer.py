@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,8 +30,12 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 NORMS = {"normalize": ("l1", "l2"), "normalize_rows": ("l1", "l2")}
 PARTS = [(g, d, k) for g in GROUPS for d in DTYPES for k in NORMS.get(g, (None,))]
 CASES = [(tool, *part) for tool in TOOLS for part in PARTS]
-# Seconds per sanitizer run; `.ci/gpu sanitizer` lowers it to its deadline.
-TIMEOUT = int(os.environ.get("SANITIZER_TIMEOUT", 1800))
+TIMEOUT = 1800  # seconds per sanitizer run
+# `.ci/gpu sanitizer`, running the cases side by side, one pytest each, sets a deadline
+# (a Unix time) that ends every run, and a folder where a part's passing plain run leaves
+# a mark, so that the other three tools' cases of that part skip it.
+DEADLINE = float(os.environ.get("SANITIZER_DEADLINE", "inf"))
+PLAIN_MARKS = os.environ.get("SANITIZER_PLAIN_MARKS")
 
 
 def _sanitizer():
@@ -45,7 +50,11 @@ def _sanitizer():
 
 
 def _run(cmd, timeout):
-    """Run cmd from the repository root; returns (exit code, stdout and stderr together)."""
+    """Run cmd from the repository root, for at most ``timeout`` seconds and not past
+    DEADLINE; returns (exit code, stdout and stderr together)."""
+    timeout = min(timeout, DEADLINE - time.time())
+    if timeout <= 0:
+        pytest.fail(f"timed out after 0 s (the deadline has passed): {' '.join(cmd)}")
     # The driver imports cupykern from this checkout, as pytest does.
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
@@ -77,14 +86,18 @@ def sanitizer():
 
 
 def _plain_run(args):
-    """The same driver run without the sanitizer, once per process and part: it must itself
-    pass, and it fills CuPy's kernel cache (NVRTC compiles under the sanitizer are slow)."""
-    if tuple(args) in _plain_passed:
+    """The same driver run without the sanitizer, once per part: it must itself pass, and
+    it fills CuPy's kernel cache (NVRTC compiles under the sanitizer are slow)."""
+    mark = PLAIN_MARKS and pathlib.Path(PLAIN_MARKS, "_".join(args).replace("-", ""))
+    if tuple(args) in _plain_passed or (mark and mark.exists()):
         return
-    rc, out = _run([sys.executable, str(DRIVER)] + args, timeout=min(900, TIMEOUT))
+    rc, out = _run([sys.executable, str(DRIVER)] + args, timeout=900)
     assert rc == 0 and DONE in out, (
         f"the driver fails without the sanitizer (exit {rc}, {' '.join(args)}):\n{out[-6000:]}")
     _plain_passed.add(tuple(args))
+    if mark:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
 
 
 @pytest.mark.gpu
@@ -119,3 +132,26 @@ def test_cases_cover_the_whole_driver():
     # The families whose function reads the norms take --kinds: a case per norm.
     assert {g for g, fn in groups.items() if fn in reads_kinds} == set(NORMS)
     assert all(norms == ast.literal_eval(found["KINDS"]) for norms in NORMS.values())
+
+
+def test_deadline_ends_a_run(monkeypatch):
+    """GPU-free: past `.ci/gpu sanitizer`'s deadline a run fails as timed out, unstarted."""
+    monkeypatch.setattr(sys.modules[__name__], "DEADLINE", time.time() - 1)
+    with pytest.raises(pytest.fail.Exception, match="timed out after 0 s"):
+        _run([sys.executable, "-c", "raise SystemExit(3)"], timeout=60)
+
+
+def test_plain_run_once_per_part_across_processes(monkeypatch, tmp_path):
+    """GPU-free: a part's passing plain run leaves its mark; a later process (its own set
+    empty) skips the run, another part does not."""
+    this = sys.modules[__name__]
+    calls = []
+    monkeypatch.setattr(this, "_run", lambda cmd, timeout: (calls.append(cmd[2:]), (0, DONE))[1])
+    monkeypatch.setattr(this, "PLAIN_MARKS", str(tmp_path))
+    monkeypatch.setattr(this, "_plain_passed", set())
+    part, other = _driver_args("normalize", "float32", "l2"), _driver_args("linear", "float32", None)
+    _plain_run(part)
+    monkeypatch.setattr(this, "_plain_passed", set())  # as in a new pytest process
+    _plain_run(part)
+    _plain_run(other)
+    assert calls == [part, other]
