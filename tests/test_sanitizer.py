@@ -3,8 +3,9 @@ which calls every kernel family at small edge shapes and checks the results.
 
 One case is one tool over one family in one dtype (and, for the normalize families, one
 norm): 112 cases. The whole driver under one tool takes longer than the GPU machine's
-10-minute call; split, the longest case (racecheck of normalize's float32 L2 cluster
-kernels) took 318-432 s on an H200. `bash .ci/gpu sanitizer` runs them side by side."""
+10-minute call; split (the same driver arguments, run from a script), the longest, racecheck
+of normalize's float32 and float64 L2 cluster kernels, took 318-343 s on an H200. `bash
+.ci/gpu sanitizer` runs the cases side by side."""
 import ast
 import os
 import pathlib
