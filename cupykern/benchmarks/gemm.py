@@ -23,8 +23,8 @@ PyTorch eager.
 
 ``--sweep`` (instead of the parts) is the envelope: ``linear`` and ``matmul`` (ours as
 the dispatcher routes them) against PyTorch eager and torch.compile at float32 "highest"
-(PyTorch's is cuBLAS's SGEMM) and "high", bfloat16, float16 and float64 over the issue's
-grid, each row with the same-run ceiling (tensor peak or copy bandwidth, whichever
+(PyTorch's is cuBLAS's SGEMM) and "high", bfloat16, float16 and float64 over the
+envelope grid, each row with the same-run ceiling (tensor peak or copy bandwidth, whichever
 bounds the shape), the route taken and the error against float64 of ours and PyTorch's;
 then GemmScaleBatchNorm's forward and training step against eager. ``--json PATH``
 writes the rows and the summary (min and median per op, dtype and mode).
@@ -111,7 +111,7 @@ def bench_backward(m, n, k, iters):
 
 def bench_model(case, iters):
     """Ours at "highest" (the default) and "high" against PyTorch at the default float32
-    precision (the issue's baseline) and, for reference, PyTorch with TF32 allowed."""
+    precision (the models' float32 baseline) and, for reference, PyTorch with TF32 allowed."""
     from cupykern.models import gemm_scale_batchnorm as model3
 
     torch.manual_seed(0)
@@ -234,7 +234,7 @@ def bench_small():
                   f"{eager / ours:.2f}x")
 
 
-# The issue's envelope grid, (M, K, N): x (M, K) @ W (N, K)^T for linear, a (M, K) @ b (K, N)
+# The envelope grid, (M, K, N): x (M, K) @ W (N, K)^T for linear, a (M, K) @ b (K, N)
 # for matmul; then matmul's batched (32, 512, 64) @ (32, 64, 512).
 GRID = [(2048, 2048, 2048), (6144, 6144, 6144), (3000, 5000, 700), (512, 512, 512),
         (1536, 768, 3072), (16, 8192, 8192), (4, 2048, 2048), (1, 8192, 1024),
@@ -324,7 +324,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
                      **err, **extra)
 
 
-# GemmScaleBatchNorm's (M, in, out) shapes of the issue: its forward and training step.
+# GemmScaleBatchNorm's envelope (M, in, out) shapes: its forward and training step.
 GSBN_GRID = [(64, 512, 512), (128, 1024, 512), (256, 4096, 4096), (2048, 2048, 2048),
              (8192, 1024, 1024), (1024, 8192, 8192), (16384, 4096, 4096)]
 
@@ -564,7 +564,7 @@ def main(argv=None):
                     default="all", help="the GEMM alone, linear's backward GEMMs, "
                     "GemmScaleBatchNorm's forward, its training step, small grids, or all")
     ap.add_argument("--sweep", action="store_true", help="the envelope sweep: linear and "
-                    "matmul against PyTorch eager and torch.compile over the issue's grid, "
+                    "matmul against PyTorch eager and torch.compile over the envelope grid, "
                     "every dtype and float32 precision (instead of --part)")
     ap.add_argument("--quick", action="store_true", help="--sweep: 5 timed calls, no "
                     "torch.compile")

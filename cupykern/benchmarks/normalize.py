@@ -142,7 +142,7 @@ def compile_times():
             print(f"  {label}: {r.stdout.strip() or r.stderr[-500:]}")
 
 
-# ---- The envelope sweep (issue 38's grid, and shapes of our own).
+# ---- The envelope sweep (the envelope grid: every row-length family, and extra shapes).
 GRID = ((1, 4194304), (3, 2000001), (2000000, 5), (524288, 16), (131072, 100), (65536, 512),
         (8192, 768), (1024, 1024), (300, 50000), (100000, 300), (2, 65535), (32768, 65535))
 # (few long rows larger than L2: 8x4194304, 4x8388608 and 2x16777216 float32 are 128 MB)
@@ -301,7 +301,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="4096 rows instead of 32768")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per figure")
     ap.add_argument("--training-only", action="store_true", help="only the training figures")
-    ap.add_argument("--sweep", action="store_true", help="the envelope sweep (issue 38's grid)")
+    ap.add_argument("--sweep", action="store_true", help="the envelope sweep (the envelope grid: every row-length family)")
     ap.add_argument("--huge", action="store_true", help="with --sweep --quick: add 32768x65535")
     ap.add_argument("--json", metavar="PATH", help="with --sweep: write the rows as JSON")
     ap.add_argument("--workers", type=int, default=8,

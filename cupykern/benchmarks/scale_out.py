@@ -2,8 +2,8 @@
 
 Each world size W runs W processes (NCCL, a GPU each) that train ours and the
 reference model, both with ``bn`` converted to nn.SyncBatchNorm and wrapped in
-DistributedDataParallel, at B x K -> N per GPU (weak scaling; default the issue's
-16384x4096->4096, float32). A step is forward + backward + SGD step, timed with CUDA
+DistributedDataParallel, at B x K -> N per GPU (weak scaling; default the benchmark
+shape 16384x4096->4096, float32). A step is forward + backward + SGD step, timed with CUDA
 events on rank 0 (mean of ``--steps`` after warm-up). FLOP model: 3 GEMMs of 2*B*K*N
 per GPU and step. Prints per W: ms per step for ours and the reference, the speedup,
 and ours' weak-scaling efficiency t(1) / t(W). With one process SyncBatchNorm does not
