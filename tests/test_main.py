@@ -12,7 +12,32 @@ def test_main_job_without_gpu():
     r = subprocess.run([sys.executable, "-m", "cupykern"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "No CUDA GPU found" in r.stdout
-    assert r.stdout.count(" ok") == 5 and "MISMATCH" not in r.stdout
+    assert r.stdout.count(" ok") == 6 and "MISMATCH" not in r.stdout
+    checked = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" ok")]
+    assert checked == ["l1_normalize", "l2_normalize", "linear", "matmul",
+                       "matmul_sum_max_mean_logsumexp", "gemm_scale_batchnorm"], r.stdout
+    assert "not apply" not in r.stdout  # no option given, none to name
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the job benchmarks instead (test_quick_main_job)")
+@pytest.mark.parametrize("args, named", [(["--quick"], "--quick does not apply"),
+                                         (["--iters", "3"], "--iters does not apply"),
+                                         (["--quick", "--iters", "3"], "--quick and --iters do not apply")])
+def test_main_job_without_gpu_names_the_timing_options_it_ignores(args, named):
+    r = subprocess.run([sys.executable, "-m", "cupykern", "--models", "L1Norm", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "not apply" in line]
+    assert len(lines) == 1 and lines[0].startswith(named) and "without a GPU" in lines[0], r.stdout
+    assert "l1_normalize" in r.stdout and "MISMATCH" not in r.stdout
+
+
+def test_cpu_check_covers_matmul_in_numpy_semantics():
+    from cupykern.__main__ import _cpu_check
+
+    results = _cpu_check(["matmul_sum_max_mean_logsumexp"])
+    assert list(results) == ["linear", "matmul", "matmul_sum_max_mean_logsumexp"]
+    assert all(r["correct"] for r in results.values()), results
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the job benchmarks instead (test_quick_main_job)")
@@ -34,7 +59,7 @@ def test_main_job_without_gpu_checks_the_models_asked_for():
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     checked = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" ok")]
-    assert checked == ["l2_normalize", "linear", "gemm_scale_batchnorm"], r.stdout
+    assert checked == ["l2_normalize", "linear", "matmul", "gemm_scale_batchnorm"], r.stdout
 
 
 @pytest.mark.parametrize("iters", ["0", "-3", "x"])
