@@ -63,3 +63,34 @@ def test_main_job_without_torch_says_so():
     r = _run_without("torch", "import sys; from cupykern.__main__ import main; sys.exit(main([]))")
     assert r.returncode == 0, r.stderr
     assert "PyTorch is not installed" in r.stdout and "MISMATCH" not in r.stdout
+
+
+def test_editable_install_imports_from_beside_the_clone(tmp_path):
+    """``pip install -e .``, then a script in the folder that holds the clone: its folder
+    ``cupykern/`` (no __init__.py) must not shadow the installed package as an empty
+    namespace package (setup.cfg's [editable_wheel] mode = compat puts the clone's root on
+    sys.path through a .pth file)."""
+    clone = tmp_path / "cupykern"
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+        ".benchmarks"))
+    venv = tmp_path / "venv"  # with this interpreter's pip, numpy and setuptools (no download)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-index", "-e", str(clone)], cwd=tmp_path, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    script = tmp_path / "s.py"
+    script.write_text("import numpy as np, cupykern\n"
+                      "print(cupykern.__file__)\n"
+                      "print(cupykern.l1_normalize(np.ones((2, 3), np.float32)).sum())\n")
+    r = subprocess.run([python, str(script)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(clone / "cupykern" / "__init__.py"), "6.0"], r.stdout
+    # an edit in the clone is seen without reinstalling (the point of an editable install)
+    (clone / "cupykern" / "_probe.py").write_text("VALUE = 42\n")
+    r = subprocess.run([python, "-c", "import cupykern._probe as p; print(p.VALUE)"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "42", r.stderr
