@@ -18,7 +18,56 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_readme_is_short():
-    assert len(README.encode()) < 12_000
+    assert len(README.encode()) < 12_500
+
+
+def _bash_blocks(text: str) -> list:
+    return re.findall(r"```bash\n(.*?)```", text, re.S)
+
+
+def _commands(block: str) -> list:
+    return [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_commands_stand_alone_in_a_fresh_shell():
+    """No shell variable set in another block (or anywhere): each line runs as written."""
+    for block in _bash_blocks(README):
+        assert "$" not in block, block
+    install = _commands(_bash_blocks(_section(README, "Install"))[0])
+    assert install[0] == "python -m venv .venv && . .venv/bin/activate"
+    two = _commands(_bash_blocks(_section(README, "The two commands"))[0])
+    assert two == ["python -m cupykern", 'python -m pip install -e ".[test]" && python -m pytest']
+
+
+def test_readme_gpu_check_prints_on_a_cpu_machine():
+    check = re.search(r"`(nvidia-smi[^`]*)`", README.replace("\n", " ")).group(1)
+    assert "2>/dev/null" in check and "|| echo" in check, check
+    r = subprocess.run(["bash", "-c", check], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.strip(), (r.stdout, r.stderr)
+
+
+def test_readme_states_normalize_default_axis():
+    import inspect
+
+    import cupykern
+    for fn in (cupykern.l1_normalize, cupykern.l2_normalize):
+        assert inspect.signature(fn).parameters["axis"].default == 1
+    assert "`axis=1` by default" in README
+
+
+def test_readme_lists_the_test_extra_as_it_is():
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    names = [ln.strip().split("[")[0] for ln in cfg["options.extras_require"]["test"].split("\n") if ln.strip()]
+    extras = _section(README, "Install").lower()
+    for name in names:
+        assert name.lower() in extras, name
 
 
 def test_tables_match_the_stored_json():
@@ -42,14 +91,19 @@ def test_the_cpu_snippet_runs_as_written(tmp_path):
     assert r.stdout.splitlines()[0] == "ndarray (64, 1000) (64, 32)"
 
 
-def test_ci_runs_the_readme_cpu_recipe_and_test_command():
+def test_ci_runs_the_readme_cpu_recipe_and_two_commands():
     ci = (ROOT / ".ci" / "run").read_text()
-    for line in ("EXTRAS=test", 'python -m pip install -e ".[$EXTRAS]" && python -m pytest'):
-        assert line in README and line in ci, line
+    step1 = ci.split("# Step 2", 1)[0].splitlines()
+    recipe = _bash_blocks(_section(README, "Install"))[0].split("# CPU only", 1)[1].split("\n", 1)[1]
+    cpu = [ln for ln in _commands(recipe) if not ln.startswith("python -m pip install torch")]
+    two = _commands(_bash_blocks(_section(README, "The two commands"))[0])
+    assert cpu and two
+    for line in cpu + two:
+        assert line in step1, line
 
 
 def test_links_to_files_and_sections_resolve():
-    for doc in ("README.md", "docs/design.md", "docs/performance.md"):
+    for doc in ("README.md", "docs/design.md", "docs/performance.md", "docs/history.md"):
         path = ROOT / doc
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
             if target.startswith("http"):
