@@ -28,11 +28,12 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_tor
                      scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, grid_rows
 from ._stats import merge_moments
-from .gemm import (PART_ROWS, STATS_BM, bias_apart, check_operands, check_precision,
-                   check_vector, float64_capture, fresh_like, fused_vendor, gemm, gemm_call,
-                   gemm_kernel, linear_core, matmul_core, planned_capture, register_plans,
-                   routed_mm_plan, statistics_call, vendor_linear, vendor_state,
-                   workspace)
+from .gemm import linear_core, matmul_core
+from .gemm_checks import check_operands, check_precision, check_vector
+from .gemm_kernels import PART_ROWS, STATS_BM, gemm, gemm_call, gemm_kernel, statistics_call, workspace
+from .gemm_operands import fresh_like
+from .gemm_route import bias_apart, fused_vendor, register_plans, routed_mm_plan
+from .gemm_vendor import float64_capture, planned_capture, vendor_linear, vendor_state
 
 _FILE = "gemm_scale_batchnorm.cu"
 _COEF_THREADS = 256  # bn_eval_coef: one thread per column

@@ -237,7 +237,7 @@ def check_linear(name, got, x, w, b, rtol):
 def run_linear():
     """Our kernels at these small shapes (the dispatcher gives most of them to cuBLAS, whose
     kernels are not ours to check); then matmul's stack of our 2-D GEMM per matrix."""
-    with cupykern.gemm.forced_route(cupykern.gemm.OURS):
+    with cupykern.gemm_route.forced_route(cupykern.gemm_route.OURS):
         _run_linear()
         # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
         for prec in ("highest", "high"):

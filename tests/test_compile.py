@@ -52,9 +52,9 @@ def test_a_wrong_launch_constant_does_not_compile():
     """Shared-memory bytes named in Python are static_asserted by the kernel."""
     import re
 
-    from cupykern import gemm
+    from cupykern import gemm, gemm_kernels
 
-    expr = gemm._mma_expr("float32", 0, True)
+    expr = gemm_kernels._mma_expr("float32", 0, True)
     wrong = re.sub(r"(\d+)>$", lambda m: f"{int(m.group(1)) + 16}>", expr)
     _loader.compile_nvrtc("gemm_mma.cu", [expr], 80)
     with pytest.raises(Exception):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupykern
-from cupykern.gemm import reference
+from cupykern.gemm_checks import reference
 
 torch = pytest.importorskip("torch")
 from support import assert_grad_close  # noqa: E402
@@ -26,17 +26,17 @@ REL_BOUND = {"high": 4e-3, "medium": 1.6e-2}
 def _our_kernels(request):
     """The kernel tests here run our kernels at every shape (the dispatcher gives many of
     these small products to the vendor); tests of the dispatcher take ``dispatched``."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     if "dispatched" in request.fixturenames:
         yield
         return
-    with gemm.forced_route(gemm.OURS):
+    with gemm_route.forced_route(gemm_route.OURS):
         yield
 
 
 @pytest.fixture
 def dispatched():
-    """Products go where cupykern.gemm.route says (see _our_kernels)."""
+    """Products go where cupykern.gemm_route.route says (see _our_kernels)."""
 
 
 @pytest.fixture
@@ -44,16 +44,16 @@ def grad_bounds():
     """``set(bound)``: route's work bounds for calls that autograd records (both) set to
     ``bound``, every plan dropped (they hold routes); the bounds restored, and the plans
     dropped, after the test."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     keys = ("MISALIGNED_GRAD_MIN_WORK", "HIGHEST_GRAD_MIN_WORK")
-    old = {k: gemm._ROUTE[k] for k in keys}
+    old = {k: gemm_route._ROUTE[k] for k in keys}
 
     def set_bound(bound):
-        gemm._ROUTE.update(dict.fromkeys(keys, bound))
-        gemm._drop_plans()
+        gemm_route._ROUTE.update(dict.fromkeys(keys, bound))
+        gemm_route._drop_plans()
     yield set_bound
-    gemm._ROUTE.update(old)
-    gemm._drop_plans()
+    gemm_route._ROUTE.update(old)
+    gemm_route._drop_plans()
 
 
 def _data(m, n, k, dtype, seed=0):
@@ -147,7 +147,7 @@ def test_reduced_precision(shape, precision):
 
 # (shape, how x's rows sit): 16-byte aligned; a C-contiguous view 4 bytes past alignment
 # (2-D or 3-D); rows of stride K + 1. 256x384x1024 splits K 8 ways. A misaligned x is read
-# in place by mma.sync where N < gemm._COPY_WORK, else (on Hopper) copied aligned for wgmma.
+# in place by mma.sync where N < gemm_operands._COPY_WORK, else (on Hopper) copied aligned for wgmma.
 ROUNDING_CASES = [((512, 1024, 3000), "aligned"), ((256, 384, 1024), "aligned"),
                   ((1100, 1030, 260), "aligned"), ((512, 1024, 3000), "offset"),
                   ((2048, 96, 3000), "offset"), ((2048, 96, 3000), "strided"),
@@ -296,26 +296,26 @@ def _hopper():
 
 def _our_gemm(x, w, bias=None, alpha=None, beta=None, stats=False, ldc=None, offset=0,
               precision="highest"):
-    """``epilogue(x @ w.T)`` by the kernel gemm.gemm_kernel chooses (x, w: 2-D CUDA tensors
+    """``epilogue(x @ w.T)`` by the kernel gemm_kernels.gemm_kernel chooses (x, w: 2-D CUDA tensors
     read in place; a split K's NaN-poisoned float32 workspace), into columns :N of a
     NaN-poisoned (M, ldc) buffer that starts ``offset`` elements into its allocation (whose
     first ``offset`` must stay NaN), and with ``stats`` the epilogue's per-M-tile (mean,
     M2, min, max) into a NaN-poisoned ``part``: (c, part, the buffer, the tile height of
     part, the kernel's template instantiation)."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_kernels
     from cupykern._array import launch_all, operand
     a, b = operand(x, "x"), operand(w, "weight")
     (m, _), n = x.shape, w.shape[0]
-    expr = gemm._choose(a, b, precision).expr
-    kernel = gemm.gemm_kernel(a, b, precision)
+    expr = gemm_kernels._choose(a, b, precision).expr
+    kernel = gemm_kernels.gemm_kernel(a, b, precision)
     ws = torch.full((kernel.workspace,), float("nan"), device=x.device) if kernel.workspace else None
     flat = torch.full((offset + m * (ldc or n),), float("nan"), dtype=x.dtype, device=x.device)
     buf = flat[offset:].view(m, ldc or n)
     part = None
     if stats:
-        part = torch.full((-(-m // kernel.bm), gemm.PART_ROWS, n), float("nan"), device=x.device)
+        part = torch.full((-(-m // kernel.bm), gemm_kernels.PART_ROWS, n), float("nan"), device=x.device)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    call = gemm.gemm_call(kernel, a, b, buf.stride(0))
+    call = gemm_kernels.gemm_call(kernel, a, b, buf.stride(0))
     launch_all(a, call(x.data_ptr(), w.data_ptr(), buf.data_ptr(), ptr(bias), ptr(alpha), ptr(beta),
                        ptr(part), ptr(ws)))
     torch.cuda.synchronize()  # (ws is freed on return)
@@ -477,13 +477,13 @@ def test_mm_row_major_b(shape, cols, swap, precision, bound):
     Hopper float32, at a batch of at least 128 with 16-byte aligned rows of b and enough
     output tiles not to split K, the product runs swapped, (b^T a^T)^T, reading b in place
     and storing the product transposed; otherwise b's transpose is copied. Against float64."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_operands
     from cupykern._array import operand
     from cupykern.torch.gemm import mm_op as mm
     m, n, k = shape
     a, bt, _ = (t.cuda() for t in _data(m, cols or n, k, torch.float32))
     b = bt.t().contiguous()[:, :n]
-    swapped = gemm._swaps(operand(a, "a"), operand(b.T, "b"), m * n * k, precision)
+    swapped = gemm_operands._swaps(operand(a, "a"), operand(b.T, "b"), m * n * k, precision)
     assert swapped == (swap and torch.cuda.get_device_capability() == (9, 0))
     ref = a.double() @ b.double()
     mag = (a.double().abs() @ b.double().abs()).max().item()
@@ -539,17 +539,17 @@ def test_linear_gradients_on_our_gemm(shape, precision, bound):
                                                      (torch.float32, "high", 2e-2)], ids=str)
 @pytest.mark.parametrize("wants", ["x, w, b", "w, b", "x"])
 def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monkeypatch):
-    """An N off 16-byte rows where cupykern.gemm.padded_grad pads (its work bound lowered
+    """An N off 16-byte rows where cupykern.gemm_route.padded_grad pads (its work bound lowered
     for a small product): linear's backward copies g (here of a 3-D x, and not
     row-contiguous) once into rows of `cols`, pads W, and its products read those; dx,
     dW, db against float64 autograd, whichever are wanted; x, W and g untouched."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     from cupykern.torch import gemm as torch_gemm
-    monkeypatch.setitem(gemm._ROUTE, "PADDED_GRAD_MIN_WORK", 2 ** 20)
+    monkeypatch.setitem(gemm_route._ROUTE, "PADDED_GRAD_MIN_WORK", 2 ** 20)
     monkeypatch.setattr(gemm, "eager_plan", lambda *args: (None, False))  # (the op, every call)
     bs, s, n, k = 4, 96, 1025, 512
     cols = 1032 if dtype.itemsize == 2 else 1028
-    assert gemm.padded_grad(bs * s, n, k, str(dtype)[6:], precision) == cols
+    assert gemm_route.padded_grad(bs * s, n, k, str(dtype)[6:], precision) == cols
     x, w, b = (t.cuda() for t in _data(bs * s, n, k, dtype))
     x = x.view(bs, s, k)
     g = torch.randn(n, s, bs, device="cuda").to(dtype).permute(2, 1, 0)  # (bs, s, n)
@@ -577,11 +577,11 @@ def test_linear_gradients_of_a_padded_grad(dtype, precision, bound, wants, monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["linear", "matmul"])
 def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_bounds):
-    """A bf16 product of an N off 16-byte rows that ours computes alone (cupykern.gemm.route)
+    """A bf16 product of an N off 16-byte rows that ours computes alone (cupykern.gemm_route.route)
     but that autograd records below MISALIGNED_GRAD_MIN_WORK runs as torch's own op, with
     torch's own backward: the same output and gradients as torch's, bit for bit. Lower the
     bound, and the call runs ours (the op's backward)."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route, gemm_vendor
     if not _hopper():
         pytest.skip("the rule that gives ours a 16-bit product of a misaligned N is Hopper's")
     m, n, k = 1024, 1025, 1024
@@ -593,12 +593,12 @@ def test_recorded_calls_below_the_grad_bound_are_torch_own(op, dispatched, grad_
     with torch.no_grad():
         call(x, w)  # (plans ours)
     planned = gemm.eager_plan if op == "linear" else gemm.eager_plan_matmul
-    state = gemm.vendor_state(x)
+    state = gemm_vendor.vendor_state(x)
     plans, key = ((gemm._plans, gemm._linear_key(x, w, b, "highest", state)) if op == "linear"
                   else (gemm._matmul_plans, gemm._matmul_key(x, w.t(), "highest", state)))
-    assert plans.get(key) is not None and type(plans.get(key)) is not gemm._VendorPlan  # ours
+    assert plans.get(key) is not None and type(plans.get(key)) is not gemm_vendor.VendorPlan  # ours
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for bound, ours in ((gemm._ROUTE["MISALIGNED_GRAD_MIN_WORK"], False), (2 ** 20, True)):
+    for bound, ours in ((gemm_route._ROUTE["MISALIGNED_GRAD_MIN_WORK"], False), (2 ** 20, True)):
         grad_bounds(bound)
         xs, ws = (t.clone().requires_grad_() for t in (x, w))
         xr, wr = (t.clone().requires_grad_() for t in (x, w))
@@ -679,7 +679,7 @@ def test_eager_call_hands_ours_plan_to_the_op(op, grad, monkeypatch):
 
 
 def test_padded_vendor_forms_leave_recorded_calls_to_torch(monkeypatch):
-    """The vendor's padded forms (cupykern.gemm.padded_n) compute a call that autograd does
+    """The vendor's padded forms (cupykern.gemm_route.padded_n) compute a call that autograd does
     not record padded, and one it records as torch's plain op (their pad and copy would
     add backward ops): the same values either way."""
     from cupykern.torch import gemm as torch_gemm
@@ -734,7 +734,7 @@ def test_bad_precision_of_tensors(precision, device):
 def test_padded_grad_boundaries():
     """GPU-free: which gradients linear's backward pads (16-bit, or float32 unless
     "highest"; N off 16-byte rows, at least 64 of them; at least 2**34 multiply-adds)."""
-    from cupykern.gemm import padded_grad
+    from cupykern.gemm_route import padded_grad
     assert padded_grad(2048, 1025, 8192, "bfloat16", "highest") == 1032
     assert padded_grad(2048, 1025, 8192, "float32", "high") == 1028
     assert padded_grad(2048, 1025, 8192, "float32", "medium") == 1028
@@ -751,15 +751,15 @@ def test_misaligned_rows_copied_for_wgmma_where_it_pays(monkeypatch, cc):
     """GPU-free: float32 rows that miss 16-byte alignment (start or stride) are copied for
     Hopper's wgmma kernels when the product is big against them; read in place by
     mma.sync elsewhere, for small products, or when K is not a multiple of 4."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_operands
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
     def mode(ptr, ld, k, work, dtype="float32"):
         o = _array.Operand(None, "torch", dtype, (64, k), (ld, 1), ptr, 0, "x", True)
-        return gemm._read_mode(o, work)[0]
+        return gemm_operands.read_mode(o, work)[0]
 
-    big, small = 64 * 64 * gemm._COPY_WORK, 64 * 64 * (gemm._COPY_WORK - 1)
+    big, small = 64 * 64 * gemm_operands._COPY_WORK, 64 * 64 * (gemm_operands._COPY_WORK - 1)
     copied = "copy" if cc == 90 else "view"
     assert mode(0x1004, 64, 64, big) == copied       # starts 4 bytes past alignment
     assert mode(0x1000, 65, 64, big) == copied       # stride of 65 floats
@@ -775,7 +775,7 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
     tiles 2i, 2i + 1 sharing B's slices) where the M tiles pair up; 3xTF32, an odd count
     of M tiles or cp.async loads keep one CTA; the persistent swapped product takes whole
     clusters."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_kernels
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 133)
@@ -785,19 +785,19 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
         shape, strides = ((rows, k), (1, rows)) if transposed else ((rows, k), (k, 1))
         return _array.Operand(None, "torch", "float32", shape, strides, 0x10000, 0, "a", True)
 
-    bm = gemm._WGMMA[1]["BM"]
-    assert gemm._choose(op(4 * bm, 256), op(512, 256), "high").cluster == 2
-    assert gemm._choose(op(4 * bm - 1, 256), op(512, 256), "high").cluster == 2  # 4 tiles, the last partial
-    assert gemm._choose(op(3 * bm, 256), op(512, 256), "high").cluster == 1
-    assert gemm._choose(op(4 * bm, 256), op(512, 256), "highest").cluster == 1
-    assert gemm._choose(op(4 * bm, 256), op(512, 256, True), "high").cluster == 1  # B by cp.async
+    bm = gemm_kernels._WGMMA[1]["BM"]
+    assert gemm_kernels._choose(op(4 * bm, 256), op(512, 256), "high").cluster == 2
+    assert gemm_kernels._choose(op(4 * bm - 1, 256), op(512, 256), "high").cluster == 2  # 4 tiles, the last partial
+    assert gemm_kernels._choose(op(3 * bm, 256), op(512, 256), "high").cluster == 1
+    assert gemm_kernels._choose(op(4 * bm, 256), op(512, 256), "highest").cluster == 1
+    assert gemm_kernels._choose(op(4 * bm, 256), op(512, 256, True), "high").cluster == 1  # B by cp.async
     a, b = op(64 * bm, 256, True), op(1024, 256)  # the swapped product (a transposed A by TMA)
-    assert gemm._choose(a, b, "high", True).cluster == 2
-    assert gemm.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
+    assert gemm_kernels._choose(a, b, "high", True).cluster == 2
+    assert gemm_kernels.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
 
 
 # (M, N, K, dtype, precision, kind, compute capability, aligned[, grad]) -> route: the
-# table's boundaries, pinned (cupykern.gemm.route gives each one's measurement).
+# table's boundaries, pinned (cupykern.gemm_route.route gives each one's measurement).
 ROUTES = [
     ((1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
     ((1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
@@ -852,17 +852,17 @@ ROUTES = [
 @pytest.mark.parametrize("args, want", ROUTES, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_route_table(args, want, dispatched):
     """GPU-free: the dispatcher's choice at each boundary of its table."""
-    from cupykern import gemm
-    assert gemm.route(*args) == want
+    from cupykern import gemm, gemm_route
+    assert gemm_route.route(*args) == want
 
 
 def test_forced_route(dispatched):
-    from cupykern import gemm
-    with gemm.forced_route("ours"):
-        assert gemm.route(1, 1, 1, "float64", "highest", "torch", 90) == "ours"
-    assert gemm.route(1, 1, 1, "float64", "highest", "torch", 90) == "vendor"
+    from cupykern import gemm, gemm_route
+    with gemm_route.forced_route("ours"):
+        assert gemm_route.route(1, 1, 1, "float64", "highest", "torch", 90) == "ours"
+    assert gemm_route.route(1, 1, 1, "float64", "highest", "torch", 90) == "vendor"
     with pytest.raises(ValueError, match="which"):
-        with gemm.forced_route("cublas"):
+        with gemm_route.forced_route("cublas"):
             pass
 
 
@@ -968,7 +968,7 @@ def test_half_wgmma_rows(dispatched, monkeypatch):
     rule) is ours only where our wgmma reads both operands K-major, 16-byte aligned and in
     place (as _choose takes them; a transposed one is copied first, or read by mma.sync);
     float32 operands count as wgmma's also transposed, or copied to aligned rows."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda device: 90)
 
@@ -978,13 +978,13 @@ def test_half_wgmma_rows(dispatched, monkeypatch):
 
     for dtype in ("float16", "bfloat16"):
         b = op(dtype, rows=1025)  # (N % 8: the rule that gives ours a 16-bit product)
-        assert gemm._route_of(op(dtype), b, "highest") == gemm.OURS
-        assert gemm._route_of(op(dtype, ptr=0x10002), b, "highest") == gemm.VENDOR
-        assert gemm._route_of(op(dtype, ld=1028), b, "highest") == gemm.VENDOR
-        assert gemm._route_of(op(dtype, transposed=True), b, "highest") == gemm.VENDOR
-        assert gemm._route_of(op(dtype), op(dtype, rows=1025, ptr=0x10002), "highest") == gemm.VENDOR
+        assert gemm_route.route_of(op(dtype), b, "highest") == gemm_route.OURS
+        assert gemm_route.route_of(op(dtype, ptr=0x10002), b, "highest") == gemm_route.VENDOR
+        assert gemm_route.route_of(op(dtype, ld=1028), b, "highest") == gemm_route.VENDOR
+        assert gemm_route.route_of(op(dtype, transposed=True), b, "highest") == gemm_route.VENDOR
+        assert gemm_route.route_of(op(dtype), op(dtype, rows=1025, ptr=0x10002), "highest") == gemm_route.VENDOR
     work = 512 * 1024 * 1024
-    assert gemm._wgmma_rows(op("float32", transposed=True), work)
+    assert gemm_route._wgmma_rows(op("float32", transposed=True), work)
 
 
 @pytest.mark.gpu
@@ -992,16 +992,16 @@ def test_half_wgmma_rows(dispatched, monkeypatch):
 def test_misaligned_n_16_bit(dtype, dispatched):
     """16-bit products of an N off 16-byte alignment: linear on Hopper runs ours (wgmma,
     any output row), matmul's row-major b and other GPUs' products run padded on the
-    vendor (cupykern.gemm.padded_n): the N columns, contiguous, within 16-bit rounding of
+    vendor (cupykern.gemm_route.padded_n): the N columns, contiguous, within 16-bit rounding of
     float64; a call that autograd records (torch's own op below MISALIGNED_GRAD_MIN_WORK)
     too, and its gradients."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     from cupykern._array import operand
     m, n, k = 1024, 1025, 1024
-    assert gemm.padded_n(m, n, k, str(dtype)[6:]) == 1032
+    assert gemm_route.padded_n(m, n, k, str(dtype)[6:]) == 1032
     hopper = torch.cuda.get_device_capability() == (9, 0)
     x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
-    assert gemm._route_of(operand(x, "x"), operand(w, "w"), "highest") == ("ours" if hopper else "vendor")
+    assert gemm_route.route_of(operand(x, "x"), operand(w, "w"), "highest") == ("ours" if hopper else "vendor")
     xg = x.clone().requires_grad_()
     for _ in range(2):  # (the second call: the eager path without the op's boundary)
         with torch.no_grad():
@@ -1024,7 +1024,7 @@ def test_misaligned_n_16_bit(dtype, dispatched):
 def test_float64_on_the_fp64_tensor_cores_where_there_are_some(monkeypatch, cc):
     """GPU-free: float64 GEMMs run DMMA (gemm_dmma) on the GPUs with FP64 tensor cores
     (sm_80, sm_90, sm_100), the CUDA-core kernel elsewhere; every layout, aligned or not."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_kernels
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
@@ -1034,7 +1034,7 @@ def test_float64_on_the_fp64_tensor_cores_where_there_are_some(monkeypatch, cc):
 
     for a, b, aligned in ((op(), op(), True), (op(0x10008), op(), False), (op(transposed=True), op(), True),
                           (op(transposed=True), op(transposed=True), False)):
-        expr = gemm._choose(a, b, "highest").expr
+        expr = gemm_kernels._choose(a, b, "highest").expr
         if cc in (80, 90, 100):
             assert expr.startswith("gemm_dmma<") and f", {str(aligned).lower()}, 128" in expr, expr
         else:
@@ -1062,8 +1062,8 @@ def test_float64_tensor_core_gemm_edges(shape):
 def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
     """GPU-free: a fused op's 16-bit forward GEMM is ours where it runs on Hopper's wgmma
     (K-major, 16-byte aligned operands by TMA), else the vendor's, as its backward
-    products are (cupykern.gemm.fused_vendor)."""
-    from cupykern import _array, _loader, gemm
+    products are (cupykern.gemm_route.fused_vendor)."""
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
@@ -1073,10 +1073,10 @@ def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
 
     for dtype in ("bfloat16", "float16"):
         x, w = op(64, 512, dtype), op(512, 512, dtype)
-        assert gemm.fused_vendor(x, w, "highest") == (cc != 90)
-        assert gemm.fused_vendor(x, w, "highest", batch=64)  # a backward product: route's
-    assert gemm.fused_vendor(op(64, 512, ptr=0x10002), op(512, 512), "highest")  # misaligned
-    assert not gemm.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
+        assert gemm_route.fused_vendor(x, w, "highest") == (cc != 90)
+        assert gemm_route.fused_vendor(x, w, "highest", batch=64)  # a backward product: route's
+    assert gemm_route.fused_vendor(op(64, 512, ptr=0x10002), op(512, 512), "highest")  # misaligned
+    assert not gemm_route.fused_vendor(op(64, 512, "float32"), op(512, 512, "float32"), "highest")
 
 
 @pytest.mark.parametrize("cc", [90, 80])
@@ -1084,7 +1084,7 @@ def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
     """GPU-free: a fused op's float32 GEMM whose rows no copy aligns for Hopper's wgmma
     (K % 4) follows the dispatcher there (the vendor's, as for a plain product); on other
     GPUs, and where wgmma reads the rows, it stays ours."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
@@ -1093,13 +1093,13 @@ def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
                               0x10000, 0, "a", True)
 
     x, w = op(4099, 5583), op(297, 5583)
-    assert gemm.fused_vendor(x, w, "highest") == (cc == 90)
-    assert gemm.fused_vendor(x, w, "highest", batch=4099) == (cc == 90)
-    assert not gemm.fused_vendor(op(4099, 5584), op(297, 5584), "highest")
+    assert gemm_route.fused_vendor(x, w, "highest") == (cc == 90)
+    assert gemm_route.fused_vendor(x, w, "highest", batch=4099) == (cc == 90)
+    assert not gemm_route.fused_vendor(op(4099, 5584), op(297, 5584), "highest")
     # a backward product's b, transposed as routed_mm_plan passes it (N x K of stride 1, N)
     bt = _array.Operand(torch.empty(0), "torch", "float32", (297, 5583), (1, 297), 0x10000, 0,
                         "b", True)
-    assert gemm.fused_vendor(x, bt, "highest", batch=4099) == (cc == 90)
+    assert gemm_route.fused_vendor(x, bt, "highest", batch=4099) == (cc == 90)
 
 
 @pytest.mark.parametrize("cc", [90, 80])
@@ -1109,7 +1109,7 @@ def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
     gemm_dmma: 32 of 128), forward and backward, or a forward of at most a quarter of its
     128 rows, follows the dispatcher (the vendor's here, torch's TF32 switch giving the
     precision); wider, it stays ours."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
@@ -1125,20 +1125,20 @@ def test_narrow_fused_products_follow_the_route(monkeypatch, cc, dispatched):
             dtype, prec = ("bfloat16", "highest") if what == "bfloat16" else ("float32", what)
             torch.backends.cuda.matmul.allow_tf32 = prec == "high"
             x = op(65536, 256, dtype)
-            assert gemm.fused_vendor(x, op(n, 256, dtype), prec), what
+            assert gemm_route.fused_vendor(x, op(n, 256, dtype), prec), what
             if cc == 90:  # (elsewhere a 16-bit forward is the vendor's at any N)
-                assert not gemm.fused_vendor(x, op(2 * n, 256, dtype), prec), what
+                assert not gemm_route.fused_vendor(x, op(2 * n, 256, dtype), prec), what
         # dW = dz^T @ x of a 200000-row batch into 16 x 64 (Hopper; 16 x 32 elsewhere):
         # narrow, though a big batch
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert gemm.fused_vendor(op(16, 200000), op(quarter["high"], 200000), "high", batch=200000)
-        assert not gemm.fused_vendor(op(512, 200000), op(1024, 200000), "high", batch=200000)
+        assert gemm_route.fused_vendor(op(16, 200000), op(quarter["high"], 200000), "high", batch=200000)
+        assert not gemm_route.fused_vendor(op(512, 200000), op(1024, 200000), "high", batch=200000)
         # a forward of at most a quarter of our tile's 128 rows; float64's too (gemm_dmma)
-        assert gemm.fused_vendor(op(32, 4096), op(4096, 4096), "high")
-        assert not gemm.fused_vendor(op(33, 4096), op(4096, 4096), "high")
-        assert gemm.fused_vendor(op(8, 4398, "float64"), op(288, 4398, "float64"), "highest")
-        assert gemm.fused_vendor(op(16465, 126, "float64"), op(14, 126, "float64"), "highest")
-        assert not gemm.fused_vendor(op(64, 512, "float64"), op(512, 512, "float64"), "highest")
+        assert gemm_route.fused_vendor(op(32, 4096), op(4096, 4096), "high")
+        assert not gemm_route.fused_vendor(op(33, 4096), op(4096, 4096), "high")
+        assert gemm_route.fused_vendor(op(8, 4398, "float64"), op(288, 4398, "float64"), "highest")
+        assert gemm_route.fused_vendor(op(16465, 126, "float64"), op(14, 126, "float64"), "highest")
+        assert not gemm_route.fused_vendor(op(64, 512, "float64"), op(512, 512, "float64"), "highest")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
@@ -1148,7 +1148,7 @@ def test_narrow_rule_reads_any_layout(monkeypatch, cc, dispatched):
     """GPU-free: a backward product's operand that is neither row- nor column-contiguous
     (x[:, ::2], which our GEMM would copy first) is judged narrow by its dtype, precision
     and arch like any other, and follows the route; a wide one stays ours."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
     for dtype in ("float32", "float64"):
@@ -1156,11 +1156,11 @@ def test_narrow_rule_reads_any_layout(monkeypatch, cc, dispatched):
                            "x", True)
         w = _array.Operand(torch.empty(0), "torch", dtype, (16, 300), (300, 1), 0x10000, 0,
                            "w", True)
-        want = gemm._route_of(x, w, "highest") == gemm.VENDOR
-        assert gemm.fused_vendor(x, w, "highest", batch=4099) == want
+        want = gemm_route.route_of(x, w, "highest") == gemm_route.VENDOR
+        assert gemm_route.fused_vendor(x, w, "highest", batch=4099) == want
         w = _array.Operand(torch.empty(0), "torch", dtype, (1024, 300), (300, 1), 0x10000, 0,
                            "w", True)
-        assert not gemm._narrow(x, w, "highest", forward=False)
+        assert not gemm_route._narrow(x, w, "highest", forward=False)
 
 
 @pytest.mark.parametrize("cc", [90, 80])
@@ -1168,7 +1168,7 @@ def test_captured_float64_products_follow_the_route(monkeypatch, cc, dispatched)
     """GPU-free: a fused op's float64 product of at most FUSED_F64_WORK[role] multiply-adds
     stays ours (host time) unless a CUDA graph is being captured: then it follows the
     dispatcher (the vendor's DGEMM), forward and backward; other dtypes ignore capture."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route, gemm_vendor
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
 
@@ -1177,12 +1177,12 @@ def test_captured_float64_products_follow_the_route(monkeypatch, cc, dispatched)
                               0x10000, 0, "a", True)
     for (m, k, n), kw in [((267, 157, 129), {}), ((53, 2829, 152), {"grad": True}),
                           ((4498, 29, 46), {"batch": 4498}), ((64, 512, 512), {})]:
-        assert not gemm.fused_vendor(op(m, k), op(n, k), "highest", **kw)
-        assert gemm.fused_vendor(op(m, k), op(n, k), "highest", captured=True, **kw)
+        assert not gemm_route.fused_vendor(op(m, k), op(n, k), "highest", **kw)
+        assert gemm_route.fused_vendor(op(m, k), op(n, k), "highest", captured=True, **kw)
     x, w = op(267, 160, "float32"), op(256, 160, "float32")
-    assert gemm.fused_vendor(x, w, "highest", captured=True) == gemm.fused_vendor(x, w, "highest")
-    assert not gemm.float64_capture(torch.empty(3, dtype=torch.float64))  # (not capturing)
-    assert not gemm.float64_capture(np.empty(3))
+    assert gemm_route.fused_vendor(x, w, "highest", captured=True) == gemm_route.fused_vendor(x, w, "highest")
+    assert not gemm_vendor.float64_capture(torch.empty(3, dtype=torch.float64))  # (not capturing)
+    assert not gemm_vendor.float64_capture(np.empty(3))
 
 
 def test_backward_products_reading_b_transposed_follow_the_route(monkeypatch, dispatched):
@@ -1191,7 +1191,7 @@ def test_backward_products_reading_b_transposed_follow_the_route(monkeypatch, di
     the dispatcher (SGEMM for "highest" at these sizes) instead of ours, from
     FUSED_VENDOR_BATCH rows on too. With _COPY_WORK features or more x is copied and ours
     keeps it."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_operands, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
 
@@ -1205,18 +1205,18 @@ def test_backward_products_reading_b_transposed_follow_the_route(monkeypatch, di
 
     for batch, feats, fin in [(200000, 16, 64), (200000, 64, 64), (12108, 57, 1961)]:
         dzt, xt = rows(feats, batch), cols(fin, batch)
-        assert gemm._transposed_b(dzt, xt)
-        assert gemm.fused_vendor(dzt, xt, "highest", batch)
-    dzt, xt = rows(gemm._COPY_WORK, 200000), cols(64, 200000)
-    assert not gemm._transposed_b(dzt, xt)
-    assert not gemm.fused_vendor(dzt, xt, "highest", 200000)
+        assert gemm_route._transposed_b(dzt, xt)
+        assert gemm_route.fused_vendor(dzt, xt, "highest", batch)
+    dzt, xt = rows(gemm_operands._COPY_WORK, 200000), cols(64, 200000)
+    assert not gemm_route._transposed_b(dzt, xt)
+    assert not gemm_route.fused_vendor(dzt, xt, "highest", 200000)
 
 
 def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
     """GPU-free: a copy (of a transposed operand, say) is a fresh array of rows of K, so
     with K % 4 it stays off Hopper's wgmma, and "highest" goes to SGEMM as for any such
     product; with K % 4 == 0 the copy is what wgmma reads."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_operands, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
 
@@ -1225,10 +1225,10 @@ def test_copies_of_misaligned_rows_stay_off_wgmma(monkeypatch, dispatched):
                               0x10000, 0, "a", True)
 
     work = 2048 * 2048 * 4099
-    assert gemm._read_mode(col_major(2048, 4099), work)[0] == "transpose"
-    assert not gemm._wgmma_rows(col_major(2048, 4099), work)
-    assert gemm._wgmma_rows(col_major(2048, 4100), work)
-    assert gemm._route_of(col_major(2048, 4099), col_major(2048, 4099), "highest") == "vendor"
+    assert gemm_operands.read_mode(col_major(2048, 4099), work)[0] == "transpose"
+    assert not gemm_route._wgmma_rows(col_major(2048, 4099), work)
+    assert gemm_route._wgmma_rows(col_major(2048, 4100), work)
+    assert gemm_route.route_of(col_major(2048, 4099), col_major(2048, 4099), "highest") == "vendor"
 
 
 def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, dispatched):
@@ -1236,7 +1236,7 @@ def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, dispatch
     multiply-adds (a cuBLAS call's host time outweighs our CUDA cores there), the
     vendor's above: 2**26 for a forward alone, 2**30 for a training step's forward, 2**28
     for a backward product."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
 
@@ -1244,20 +1244,20 @@ def test_fused_float64_products_stay_ours_up_to_their_work(monkeypatch, dispatch
         return _array.Operand(torch.empty(0), "torch", "float64", (rows, cols), (cols, 1),
                               0x10000, 0, "a", True)
 
-    assert gemm.FUSED_F64_WORK == {"forward": 2 ** 26, "forward with grad": 2 ** 30,
+    assert gemm_route.FUSED_F64_WORK == {"forward": 2 ** 26, "forward with grad": 2 ** 30,
                                    "backward": 2 ** 28}
     for kwargs, rows in (({}, 128), ({"grad": True}, 2048), ({"batch": 512}, 512)):
         # (rows x 1024 @ (1024 x 512): rows * 2**19 multiply-adds)
-        assert not gemm.fused_vendor(op(rows, 1024), op(512, 1024), "highest", **kwargs)
-        assert not gemm.fused_vendor(op(64, 512), op(512, 512), "highest", **kwargs)
-        assert gemm.fused_vendor(op(rows + 1, 1024), op(512, 1024), "highest", **kwargs)
-        assert gemm.fused_vendor(op(256, 4096), op(4096, 4096), "highest", **kwargs)
+        assert not gemm_route.fused_vendor(op(rows, 1024), op(512, 1024), "highest", **kwargs)
+        assert not gemm_route.fused_vendor(op(64, 512), op(512, 512), "highest", **kwargs)
+        assert gemm_route.fused_vendor(op(rows + 1, 1024), op(512, 1024), "highest", **kwargs)
+        assert gemm_route.fused_vendor(op(256, 4096), op(4096, 4096), "highest", **kwargs)
 
 
 def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
     """GPU-free: GemmScaleBatchNorm's backward plans dx / dW on ours only where the
     dispatcher gives the product to ours (else the vendor's product, planned alike)."""
-    from cupykern import _array, _loader, gemm
+    from cupykern import _array, _loader, gemm, gemm_route, gemm_vendor
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
@@ -1268,8 +1268,8 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
                               0x10000, 0, "a", True)
 
     def vendor(a, b, precision, batch):
-        plan, on_vendor = gemm.routed_mm_plan(a, b, precision, batch)
-        assert plan is not None and on_vendor == (type(plan) is gemm._VendorPlan)
+        plan, on_vendor = gemm_route.routed_mm_plan(a, b, precision, batch)
+        assert plan is not None and on_vendor == (type(plan) is gemm_vendor.VendorPlan)
         return on_vendor
 
     assert vendor(op(64, 512), op(512, 512), "highest", 64)
@@ -1290,14 +1290,14 @@ def test_fused_backward_gemms_follow_the_dispatcher(monkeypatch, dispatched):
 def test_float64_bias_apart_boundaries():
     """GPU-free: the vendor's float64 linear adds its bias apart (mm, then one pass) from
     2**28 multiply-adds with K >= 1024, where torch's addmm runs at half mm's rate."""
-    from cupykern import gemm
-    assert gemm.bias_apart(256, 1024, 1024, "float64")
-    assert not gemm.bias_apart(255, 1024, 1024, "float64")
-    assert not gemm.bias_apart(1 << 16, 1024, 1023, "float64")
-    assert not gemm.bias_apart(100000, 64, 64, "float64")
-    assert gemm.bias_apart(1 << 16, 64, 1024, "float64")
-    assert not gemm.bias_apart(1 << 16, 63, 1024, "float64")  # (few columns: addmm's)
-    assert not gemm.bias_apart(4096, 4096, 4096, "float32")
+    from cupykern import gemm, gemm_route
+    assert gemm_route.bias_apart(256, 1024, 1024, "float64")
+    assert not gemm_route.bias_apart(255, 1024, 1024, "float64")
+    assert not gemm_route.bias_apart(1 << 16, 1024, 1023, "float64")
+    assert not gemm_route.bias_apart(100000, 64, 64, "float64")
+    assert gemm_route.bias_apart(1 << 16, 64, 1024, "float64")
+    assert not gemm_route.bias_apart(1 << 16, 63, 1024, "float64")  # (few columns: addmm's)
+    assert not gemm_route.bias_apart(4096, 4096, 4096, "float32")
 
 
 @pytest.mark.parametrize("compute_type, sgemm", [(1, False), (2, False), (7, True)],
@@ -1307,20 +1307,20 @@ def test_cupy_highest_runs_cupy_matmul_unless_tf32(compute_type, sgemm, monkeypa
     any compute type but TF32), cupy.cublas.gemm's SGEMM (_sgemm) only where CuPy's float32
     compute type is TF32 (7); other dtypes and precisions are cupy.matmul's."""
     from types import SimpleNamespace
-    from cupykern import _loader, gemm
+    from cupykern import _loader, gemm, gemm_vendor
     calls = []
     fake = SimpleNamespace(matmul=lambda a, b: calls.append("matmul") or a @ b,
                            _core=SimpleNamespace(_routines_linalg=SimpleNamespace(
                                COMPUTE_TYPE_TF32=7)))
     monkeypatch.setattr(_loader, "cupy", lambda: fake)
-    monkeypatch.setattr(gemm._CupyVendor, "state", staticmethod(lambda: compute_type))
-    monkeypatch.setattr(gemm._CupyVendor, "_sgemm",
+    monkeypatch.setattr(gemm_vendor._CupyVendor, "state", staticmethod(lambda: compute_type))
+    monkeypatch.setattr(gemm_vendor._CupyVendor, "_sgemm",
                         staticmethod(lambda a, b: calls.append("sgemm") or a @ b))
     a, b = np.ones((3, 4), np.float32), np.ones((4, 5), np.float32)
     for dtype, precision, want in ((np.float32, "highest", "sgemm" if sgemm else "matmul"),
                                    (np.float32, "high", "matmul"),
                                    (np.float64, "highest", "matmul")):
-        out = gemm._CupyVendor.matmul(a.astype(dtype), b.astype(dtype), precision)
+        out = gemm_vendor._CupyVendor.matmul(a.astype(dtype), b.astype(dtype), precision)
         np.testing.assert_array_equal(out, np.full((3, 5), 4, dtype))
         assert calls == [want]
         calls.clear()

@@ -13,7 +13,8 @@ import cupykern.torch.matmul_sum_max_mean_logsumexp
 from cupykern import _array, _loader, _tma
 
 MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
-    "normalize", "gemm", "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp",
+    "normalize", "gemm", "gemm_checks", "gemm_kernels", "gemm_operands", "gemm_route", "gemm_vendor",
+    "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp",
     "torch.matmul_sum_max_mean_logsumexp")]
 
 
@@ -63,7 +64,7 @@ def launches(monkeypatch, request):
     monkeypatch.setattr(_loader, "device_cc", lambda dev: request.param)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     # our kernels at these small shapes, which the dispatcher would give to the vendor
-    monkeypatch.setattr(sys.modules["cupykern.gemm"], "_FORCED", ["ours"])
+    monkeypatch.setattr(sys.modules["cupykern.gemm_route"], "_FORCED", ["ours"])
     # a tensor map as what it encodes (the driver's encoder needs a GPU), kept apart from
     # the maps real launches share
     monkeypatch.setattr(_tma.Rows2D, "_encode",
@@ -144,10 +145,10 @@ def _calls():
     # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
     yield ("matmul stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
            lambda: [r(3, 1, 5, 24), r(2, 24, 8)], 1)
-    yield ("mm transposed a", lambda a: cupykern.gemm.mm(*a, "highest"),
+    yield ("mm transposed a", lambda a: cupykern.gemm_operands.mm(*a, "highest"),
            lambda: [r(24, 5).t(), r(24, 130)], 1)
     # dx = dy @ W where W's transposed copy pays: on Hopper "high" read in place (below)
-    yield "mm dy @ W", lambda a: cupykern.gemm.mm(*a, "high"), lambda: [r(130, 300), r(300, 40)], 1
+    yield "mm dy @ W", lambda a: cupykern.gemm_operands.mm(*a, "high"), lambda: [r(130, 300), r(300, 40)], 1
     for training in (True, False):
         yield (f"gemm_scale_batchnorm training={training}",
                lambda a, t=training: gs.gemm_scale_batchnorm_core(*a, t, 0.1, 1e-5, "highest"),
@@ -226,7 +227,7 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     W^T @ dy^T (4352, 130) transposed, straight into the (130, 4352) result; elsewhere,
     at a batch below 128, or with K split (a small W), W's transpose is copied first."""
     dy, w = torch.randn(130, 300), torch.randn(300, 4352)
-    cupykern.gemm.mm(dy, w, "high")
+    cupykern.gemm_operands.mm(dy, w, "high")
     log = _named(launches, [dy, w])
     names = [fn.split("<")[0] for fn, *_ in log]
     if _loader.device_cc(0) == 90:
@@ -238,7 +239,7 @@ def test_dx_reads_w_in_place_on_hopper(launches):
         assert gemm[3][-2] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
-    cupykern.gemm.mm(dy, w[:, :40], "high")  # 1 tile: K split
+    cupykern.gemm_operands.mm(dy, w[:, :40], "high")  # 1 tile: K split
     log = _named(launches, [w])
     assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 0
 
@@ -252,7 +253,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     tiles pair up, K split into whole 64-element slices (float slabs) where the tiles
     fill at most a quarter of the SMs, or half of them with K >= 2048. Misaligned or transposed operands, and other GPUs,
     keep gemm_mma's 16-bit mode (never split)."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_kernels
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
@@ -265,38 +266,38 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
         strides = (1, ld or rows) if transposed else (ld or k, 1)
         return _array.Operand(None, "torch", dtype, (rows, k), strides, ptr, 0, "a", True)
 
-    cfg = gemm._WGMMA[gemm._HALF]
+    cfg = gemm_kernels._WGMMA[gemm_kernels._HALF]
     bm, bn = cfg["BM"], cfg["BN"]
     a, b = op(8 * bm, 1024), op(9 * bn, 1024)  # 72 tiles: no split
-    choice = gemm._choose(a, b, "highest")
+    choice = gemm_kernels._choose(a, b, "highest")
     assert choice.expr == (f"gemm_wgmma<{ctype}, 3, false, false, false, 64, 2, 128, 256, 384, 4, "
                            f"{cfg['SMEM']}, 64>") and choice.cluster == 2
     assert choice.maps(0x10000, 0x20000) == (
         ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
         ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]))
-    kernel = gemm.gemm_kernel(a, b, "highest")
+    kernel = gemm_kernels.gemm_kernel(a, b, "highest")
     assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
-    assert gemm._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
-    assert gemm._choose(op(1, 8), op(1, 8), "high").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
+    assert gemm_kernels._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
+    assert gemm_kernels._choose(op(1, 8), op(1, 8), "high").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
     # 1 tile: 16 chunks of 512 (float32 slabs, 32-row tiles of statistics); 6 tiles of K 4104:
     # 13 chunks of 320, the last 264 (whole 64-element slices but the very last)
-    split = gemm.gemm_kernel(op(bm, 8192), op(bn, 8192), "highest")
+    split = gemm_kernels.gemm_kernel(op(bm, 8192), op(bn, 8192), "highest")
     assert (split.grid, split.splits, split.kchunk, split.bm, split.workspace, split.reduce) == (
         (1, 1, 16), 16, 512, 32, 16 * bm * bn, "kernel")
-    split = gemm.gemm_kernel(op(3 * bm, 4104), op(2 * bn, 4104), "highest")
+    split = gemm_kernels.gemm_kernel(op(3 * bm, 4104), op(2 * bn, 4104), "highest")
     assert (split.grid, split.splits, split.kchunk) == ((6, 1, 13), 13, 320)
-    split = gemm.gemm_kernel(op(4 * bm, 4096), op(9 * bn, 4096), "highest")  # 36 tiles: 3 chunks
+    split = gemm_kernels.gemm_kernel(op(4 * bm, 4096), op(9 * bn, 4096), "highest")  # 36 tiles: 3 chunks
     assert (split.grid, split.splits, split.kchunk) == ((36, 1, 3), 3, 1408)
     a_, b_ = op(4 * bm, 1984), op(9 * bn, 1984)  # K < 2048: a quarter of the SMs at most
-    assert gemm._choose(a_, b_, "highest").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
-    assert gemm.gemm_kernel(a_, b_, "highest").splits == 1
+    assert gemm_kernels._choose(a_, b_, "highest").expr.startswith(f"gemm_wgmma<{ctype}, 3,")
+    assert gemm_kernels.gemm_kernel(a_, b_, "highest").splits == 1
     for a_, b_ in ((op(256, 1024, ptr=0x10002), b),  # rows start off 16 bytes
                    (op(256, 1024, ld=1028), b),  # rows of 2056 bytes
                    (op(256, 1020), op(512, 1020)),  # K % 8
                    (op(256, 1024, transposed=True), b), (a, op(512, 1024, transposed=True))):
-        assert gemm._choose(a_, b_, "highest").expr.startswith(f"gemm_mma<{ctype}, 3,")
+        assert gemm_kernels._choose(a_, b_, "highest").expr.startswith(f"gemm_mma<{ctype}, 3,")
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
-    assert gemm._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
+    assert gemm_kernels._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
 
 
 @pytest.mark.parametrize("g", ["transposed", "expanded"])
@@ -330,7 +331,7 @@ def _cpu_calls():
     import numpy as np
 
     r = np.random.default_rng(0).random
-    yield "gemm", "check_mm", lambda m: m.mm(r((3, 4)), r((4, 5)))
+    yield "gemm_operands", "check_mm", lambda m: m.mm(r((3, 4)), r((4, 5)))
     yield "gemm", "check", lambda m: m.linear_core(r((3, 4)), r((5, 4)), r(5))
     yield "normalize", "check", lambda m: m.normalize(r((3, 4)), 2, -1)
     yield "gemm_scale_batchnorm", "check", lambda m: m.gemm_scale_batchnorm_core(

@@ -102,11 +102,11 @@ def _sgemm(a, b):
 @pytest.fixture(params=["ours", "dispatched"])
 def path(request):
     """Every GPU check twice: our kernels forced, then where the dispatcher sends it."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     if request.param == "dispatched":
         yield request.param
         return
-    with gemm.forced_route(gemm.OURS):
+    with gemm_route.forced_route(gemm_route.OURS):
         yield request.param
 
 

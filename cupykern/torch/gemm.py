@@ -9,7 +9,7 @@ backward passes. ``precision=None`` resolves to ``torch.get_float32_matmul_preci
 here, in the torch layer, so that torch.compile sees (and guards on) it too (see
 :func:`resolve_precision`).
 
-Where :func:`cupykern.gemm.route` gives a product to the vendor, the op computes it with
+Where :func:`cupykern.gemm_route.route` gives a product to the vendor, the op computes it with
 torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`); in plain eager mode, once
 a call has planned that, ``linear`` / ``matmul`` call them directly, with torch's own
 autograd, without the op's boundary (its microseconds are most of a small product's time);
@@ -17,7 +17,7 @@ so do calls that autograd records where ``route`` gives them to the vendor for t
 (``grad``: a training step bound by the host). A call planned on ours runs that plan
 through :meth:`Op.call_planned`. linear's backward copies a gradient whose
 rows are off 16 bytes into padded rows first, where that pays
-(:func:`cupykern.gemm.padded_grad`).
+(:func:`cupykern.gemm_route.padded_grad`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import gemm as core
+from .. import gemm as core, gemm_checks as checks, gemm_operands as operands, gemm_route as route
 from ._op import Op, _eager, lower_precision, wants_grad
 
 
@@ -52,9 +52,9 @@ def resolve_precision(precision) -> str:
 
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
-    :func:`cupykern.gemm.route` gives to the vendor (16-bit ones of a misaligned N
-    computed padded, see :func:`cupykern.gemm.padded_n`; big float64 ones with their bias
-    added apart, :func:`cupykern.gemm.bias_apart`). float32 only where torch's TF32
+    :func:`cupykern.gemm_route.route` gives to the vendor (16-bit ones of a misaligned N
+    computed padded, see :func:`cupykern.gemm_route.padded_n`; big float64 ones with their bias
+    added apart, :func:`cupykern.gemm_route.bias_apart`). float32 only where torch's TF32
     switch gives the precision asked ("highest": SGEMM, TF32 off; "high" / "medium": TF32
     on), as it does for ``precision=None``; an explicit precision against the switch runs
     on ours (flipping the switch for the call would change other threads' matmuls too)."""
@@ -79,16 +79,16 @@ class Vendor:
     def linear_form(M: int, N: int, K: int, dtype: str):
         """``fn(x, weight, bias)``: how the vendor computes a linear of M x K by N x K
         outside autocast; planned once per signature (:func:`cupykern.gemm.eager_plan`)."""
-        pad = core.padded_n(M, N, K, dtype) - N
+        pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
-        return _linear_bias_apart if core.bias_apart(M, N, K, dtype) else F.linear
+        return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
     @staticmethod
     def matmul_form(M: int, N: int, K: int, dtype: str, b_matrix: bool):
         """``fn(a, b)``, as :meth:`linear_form` for ``torch.matmul`` (M: a's rows, all
         batches; ``b_matrix``: b has a last dim N, not a vector's)."""
-        pad = core.padded_n(M, N, K, dtype) - N if b_matrix else 0
+        pad = route.padded_n(M, N, K, dtype) - N if b_matrix else 0
         return functools.partial(_padded_matmul, pad=pad) if pad else torch.matmul
 
     @staticmethod
@@ -138,7 +138,7 @@ def _name(dtype) -> str:
 
 def _padded_linear(x, weight, bias, pad):
     """F.linear of N + pad rows of W (zeros), its N columns copied out (see
-    :func:`cupykern.gemm.padded_n`); plain F.linear where autograd records the call (the
+    :func:`cupykern.gemm_route.padded_n`); plain F.linear where autograd records the call (the
     pad's and the copy's backward ops: H200, bf16 training steps, 1024x1024x1025 to
     2048x2048x2047, 0.47-0.72x eager)."""
     if wants_grad((x, weight, bias)):
@@ -155,7 +155,7 @@ def _padded_matmul(a, b, pad):
 
 
 def _linear_bias_apart(x, weight, bias):
-    """F.linear as mm, then the bias added in place (see :func:`cupykern.gemm.bias_apart`)."""
+    """F.linear as mm, then the bias added in place (see :func:`cupykern.gemm_route.bias_apart`)."""
     if bias is None:
         return F.linear(x, weight)
     return torch.matmul(x, weight.T).add_(bias)
@@ -164,7 +164,7 @@ def _linear_bias_apart(x, weight, bias):
 def _impl(x, weight, bias, precision):
     if x.is_cuda:
         return core.linear_core(x, weight, bias, precision)
-    core.check(x, weight, bias, precision, None)
+    checks.check(x, weight, bias, precision, None)
     return F.linear(x, weight, bias)
 
 
@@ -190,9 +190,9 @@ def _backward(ctx, g):
     n, k = weight.shape
     mm = _products(ctx)
     m = math.prod(g.shape[:-1])  # (not reshape(-1, n): ambiguous where g or x is empty)
-    cols = core.padded_grad(m, n, k, _name(g.dtype), ctx.precision)
+    cols = route.padded_grad(m, n, k, _name(g.dtype), ctx.precision)
     if cols > n and g.is_cuda and not torch.is_grad_enabled() and any(ctx.needs_input_grad[:2]):
-        # dx = gp @ wp sums over cupykern.gemm.padded_grad's columns: g copied once (any
+        # dx = gp @ wp sums over cupykern.gemm_route.padded_grad's columns: g copied once (any
         # layout) into rows of an aligned stride, zeros past its n columns
         gp = g.new_empty(m, cols)
         gp[:, n:].zero_()
@@ -210,8 +210,8 @@ def _backward(ctx, g):
 
 def _mm_impl(a, b, precision):
     if a.is_cuda:
-        return core.mm(a, b, precision)
-    core.check_mm(a, b, precision)
+        return operands.mm(a, b, precision)
+    checks.check_mm(a, b, precision)
     return a @ b
 
 
@@ -223,7 +223,7 @@ def _out_impl(x, weight, bias, precision, out):
     if x.is_cuda:
         core.linear_core(x, weight, bias, precision, out)
         return
-    core.check(x, weight, bias, precision, out)
+    checks.check(x, weight, bias, precision, out)
     out.copy_(F.linear(x, weight, bias))
 
 
@@ -281,7 +281,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
 def _matmul_impl(a, b, precision):
     if a.is_cuda:
         return core.matmul_core(a, b, precision)
-    core.check_matmul(a, b, precision, None)
+    checks.check_matmul(a, b, precision, None)
     return torch.matmul(a, b)
 
 
@@ -325,7 +325,7 @@ def matmul(a, b, *, precision=None, out=None):
     if out is None:
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
     prec = resolve_precision(precision)
-    core.check_matmul(a, b, prec, out)
+    checks.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
         raise ValueError("out: matmul with out= does not support autograd (an input requires "
                          "grad); call it under torch.no_grad() or without out=")
