@@ -13,6 +13,12 @@ z[b, j] formed and rounded as torch's Linear does, then summed), so nan/inf beha
 PyTorch's ops. Only an overflow of torch's own finite partial sums, which depends on
 torch's summation order, can differ.
 
+N-D x (B, S, ..., in_features), as nn.Linear takes it: the chain reduces over dim 1 (S)
+each time, so the Linear's (B, S, ..., out) outputs are summed over S and the output is
+(B, 1, ..., out_features); the identity above is for 2-D x only. No fused kernel applies:
+NumPy x runs :func:`reference`, GPU x our ``linear`` and a float64 sum over dim 1 (the
+torch layer: the reference chain in torch ops, with its autograd).
+
 Accuracy: the dot is float64; W.sum(0) adds 8 rows at a time in the accumulation type, then
 in float64 (float32 inputs: ~1e-7 relative, against ~1e-5 for PyTorch's own float32 chain).
 Sums are deterministic (fixed order, no float atomics).
@@ -79,8 +85,9 @@ def _zlim(dtype: str, n: int) -> float:
 def reference(x: np.ndarray, weight: np.ndarray, bias=None) -> np.ndarray:
     """NumPy reference with PyTorch's semantics (and the GPU kernel's exact path): z = x @ W.T
     rounded to the accumulation type (float32, float64 for float64), + b there, rounded to
-    x's dtype as torch stores the Linear output; summed over outputs (float64), rounded.
-    max / mean / logsumexp over the resulting size-1 dim return their input."""
+    x's dtype as torch stores the Linear output; summed over dim 1 (float64: the outputs for
+    2-D x, (B, 1); S for N-D x (B, S, ..., K), (B, 1, ..., N)), rounded. max / mean /
+    logsumexp over the resulting size-1 dim return their input."""
     acc = np.float64 if x.dtype == np.float64 else np.float32
     with np.errstate(all="ignore"):
         z = (x.astype(np.float64) @ weight.astype(np.float64).T).astype(acc)
@@ -108,17 +115,30 @@ def check_weights(weight, bias=None):
     return w, b
 
 
-def check_x(a, w, k=None):
-    """x must be 2-D, match weight's place and dtype, and have in_features columns."""
+def check_x(a, w, k=None, nd=False):
+    """x must be 2-D (with ``nd``: 2-D or more, features last, as nn.Linear takes them),
+    match weight's place and dtype, and have in_features columns."""
     same_place(a, w)
     if w.dtype != a.dtype:
         raise TypeError(f"weight: dtype {w.dtype} does not match x's dtype {a.dtype}")
-    if a.ndim != 2:
-        raise ValueError(f"x: expected a 2-D array (batch, in_features), got shape {tuple(a.shape)}")
+    if a.ndim != 2 and not (nd and a.ndim > 2):
+        more = " or more dimensions (batch, dim 1, ..., in_features)" if nd else ""
+        raise ValueError(f"x: expected a 2-D array (batch, in_features){more}, got shape "
+                         f"{tuple(a.shape)}")
     k = w.shape[1] if k is None else k
-    if a.shape[1] != k:
-        raise ValueError(f"x: has {a.shape[1]} features (x.shape[1]) but weight has "
+    if a.shape[-1] != k:
+        raise ValueError(f"x: has {a.shape[-1]} features (x.shape[-1]) but weight has "
                          f"in_features = {k} (weight.shape[1])")
+
+
+def unfused(x, weight, bias=None):
+    """The model for N-D GPU x (B, S, ..., K), checked: our ``linear`` (z rounded to x's
+    dtype, as torch's Linear stores it), summed over dim 1 in float64, rounded: (B, 1, ...,
+    N). The reductions after the sum act on a size-1 dim and return their input."""
+    from . import linear
+
+    z = linear(x, weight, bias)
+    return z.astype("float64").sum(axis=1, keepdims=True).astype(z.dtype)
 
 
 def _row_view(o, name):
@@ -298,15 +318,21 @@ class MatmulSumPlan:
         self._w, self._b = w, b
 
     def __call__(self, x):
-        """The model's output (B, 1) for x (B, in_features), as x's kind."""
+        """The model's output (B, 1) for x (B, in_features), as x's kind; (B, 1, ...,
+        out_features) for N-D x (B, S, ..., in_features) (see the module docstring)."""
         if is_torch(x):
             return torch_layer("matmul_sum_max_mean_logsumexp").matmul_sum_max_mean_logsumexp(
                 x, self.weight, self.bias, plan=self)
         if _dask.is_dask(x):  # block by block: a block of rows needs only the plan
             self.apply(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]))  # (the checks)
             x = _dask.whole(x, x.ndim - 1)
+            if x.ndim > 2:  # N-D: blocks whole along the summed dim 1 too
+                x = _dask.whole(x, 1)
+                chunks = (x.chunks[0], (1,), *x.chunks[2:-1], (self.out_features,))
+            else:
+                chunks = (x.chunks[0], (1,))
             return _dask.map_blocks(self.apply, x, name="matmul_sum_max_mean_logsumexp",
-                                    chunks=(x.chunks[0], (1,)))
+                                    chunks=chunks)
         try:
             return self.apply(x)
         except ProducerArgument:  # another library's x: imported, the result of its kind
@@ -316,9 +342,11 @@ class MatmulSumPlan:
         """:meth:`__call__` for CuPy/NumPy arrays and (from the torch layer) tensors.
         ``rows``: rows of x per thread block (1, 2 or 4; tuning), None to choose."""
         a = operand(x, "x")
-        check_x(a, self._w, self.in_features)
+        check_x(a, self._w, self.in_features, nd=True)
         if a.kind == "cpu":
             return reference(x, self._w.obj, None if self._b is None else self._b.obj)
+        if a.ndim > 2:
+            return unfused(x, self._w.obj, None if self._b is None else self._b.obj)
         return apply_plan(a, self._w, self._b, data_ptr(self.data), rows)
 
 
@@ -333,7 +361,10 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
 
     Args:
         x: (B, in_features) CuPy array, torch tensor (CUDA or CPU) or NumPy array of
-            float16, bfloat16, float32 or float64.
+            float16, bfloat16, float32 or float64; or N-D (B, S, ..., in_features), as
+            ``nn.Linear`` takes it: the chain then reduces over S, the output is (B, 1,
+            ..., out_features), computed unfused (our ``linear``, then the sum; on torch
+            the reference chain in torch ops; NumPy: :func:`reference`).
         weight: (out_features, in_features), same kind, device and dtype as x.
         bias: (out_features,) or None.
         plan: optional :class:`MatmulSumPlan` prepared from these same ``weight`` and
@@ -362,6 +393,8 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     if plan is None:
         a = operand(x, "x")
         w, _ = check_weights(weight, bias)
-        check_x(a, w)
+        check_x(a, w, nd=True)
+        if a.ndim > 2 and a.kind != "cpu":  # (no plan: it would read the weights for nothing)
+            return unfused(x, weight, bias)
         return MatmulSumPlan(weight, bias).apply(x)
     return plan(x)  # (which imports another library's x)

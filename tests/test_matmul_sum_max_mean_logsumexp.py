@@ -191,9 +191,10 @@ def test_bad_input_errors():
     f = cupykern.matmul_sum_max_mean_logsumexp
     with pytest.raises(ValueError, match=r"x: has 4 features .* in_features = 3"):
         f(np.ones((4, 4), np.float32), w, b)
-    with pytest.raises(ValueError, match="x: expected a 2-D array"):
-        f(np.ones((2, 4, 3), np.float32), w, b)
-    with pytest.raises(ValueError, match="x: expected a 2-D array"):
+    assert f(np.ones((2, 4, 3), np.float32), w, b).shape == (2, 1, 2)  # N-D, as nn.Linear
+    with pytest.raises(ValueError, match=r"x: has 4 features \(x.shape\[-1\]\)"):
+        f(np.ones((2, 4, 4), np.float32), w, b)
+    with pytest.raises(ValueError, match=r"x: expected a 2-D array .* or more dimensions"):
         f(np.ones(3, np.float32), w, b)
     with pytest.raises(ValueError, match="weight: expected a 2-D array"):
         f(x, np.ones(3, np.float32), b)
@@ -452,7 +453,11 @@ def test_bad_input_gpu():
     with pytest.raises(ValueError, match="x: has 9 features"):
         new(torch.rand(4, 9, device="cuda"))
     with pytest.raises(ValueError, match="x: expected a 2-D array"):
-        new(torch.rand(2, 4, 8, device="cuda"))
+        new(torch.rand(8, device="cuda"))
+    with pytest.raises(ValueError, match="x: has 9 features"):
+        new(torch.rand(2, 4, 9, device="cuda"))  # N-D: checked as 2-D x is
+    with pytest.raises(TypeError, match="weight: dtype float32 does not match x's dtype float16"):
+        new(torch.rand(2, 4, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(TypeError, match="bias: is a"):
         cupykern.matmul_sum_max_mean_logsumexp(torch.rand(4, 8, device="cuda"),
                                                torch.rand(3, 8, device="cuda"), torch.rand(3))
@@ -495,3 +500,173 @@ def test_planned_calls_follow_every_change():
                     assert_grad_close(xn.grad, xr.grad, 1e-5, what=name)
         for p, q in zip(new.parameters(), ref.parameters()):
             assert_grad_close(p.grad, q.grad, 1e-5, what=name)
+
+
+# ------------------------------------------------------- N-D x, as nn.Linear takes it
+# The reference reduces over dim 1 each time: for (B, S, ..., K) its Linear gives (B, S,
+# ..., N), the sum reduces over S and the rest over dims of size 1: (B, 1, ..., N).
+
+ND_SHAPES = [(3, 4), (2, 3, 4), (3, 1), (3, 0), (0, 4), (1, 1), (2, 5, 3)]  # x.shape[:-1]
+ND_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def nd_pair(k, n, dtype=torch.float32, device="cpu", seed=5):
+    torch.manual_seed(seed)
+    ref = model4.Model(k, n).to(device, dtype)
+    torch.manual_seed(seed)
+    new = model4.ModelNew(k, n).to(device, dtype)
+    return ref, new
+
+
+def nd_grads(model, x, g):
+    """Output and the gradients of x, weight and bias for ``(model(x) * g).sum()``."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    (out * g).sum().backward()
+    return out.detach(), x.grad, model.linear.weight.grad, model.linear.bias.grad
+
+
+def test_reference_shape_of_nd_input():
+    """What the reference itself gives, the semantics the N-D path follows."""
+    ref = model4.Model(10, 5)
+    x = torch.randn(3, 4, 10)
+    assert ref(x).shape == (3, 1, 5) and ref(torch.randn(2, 3, 4, 10)).shape == (2, 1, 4, 5)
+    z = ref.linear(x)
+    torch.testing.assert_close(ref(x), z.sum(1, keepdim=True), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ND_DTYPES)
+@pytest.mark.parametrize("lead", ND_SHAPES)
+def test_module_nd_cpu_matches_model_with_grads(dtype, lead):
+    k, n = 10, 5
+    ref, new = nd_pair(k, n, dtype)
+    x = rand(*lead, k, dtype=dtype, seed=7)
+    for xi in (x, x.transpose(0, 1) if x.dim() > 2 else x):  # (a non-contiguous x too)
+        want = ref(xi)
+        assert want.shape == (*xi.shape[:1], 1, *xi.shape[2:-1], n)
+        g = rand(*want.shape, dtype=dtype, seed=8)
+        for a, b_ in zip(nd_grads(new, xi, g), nd_grads(ref, xi, g)):
+            assert a.shape == b_.shape and a.dtype == b_.dtype
+            assert torch.equal(a, b_)  # on the CPU the module runs the reference's ops
+
+
+@pytest.mark.parametrize("dtype", ND_DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_function_nd_torch_cpu_matches_chain_with_grads(dtype, with_bias):
+    x = rand(2, 3, 4, 6, dtype=dtype).requires_grad_(True)
+    w = rand(5, 6, dtype=dtype, seed=1).requires_grad_(True)
+    b = rand(5, dtype=dtype, seed=2).requires_grad_(True) if with_bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    plan = cupykern.prepare_matmul_sum(w, b)
+    for how in ("plain", "plan"):
+        got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b, plan=plan if how == "plan" else None)
+        want = chain(x, w, b)
+        assert got.shape == want.shape == (2, 1, 4, 5)
+        g = rand(*want.shape, dtype=dtype, seed=3)
+        ga = torch.autograd.grad((got * g).sum(), leaves)
+        gb = torch.autograd.grad((want * g).sum(), leaves)
+        assert torch.equal(got, want) and all(torch.equal(p, q) for p, q in zip(ga, gb)), how
+    assert torch.equal(plan(x), chain(x, w, b))
+
+
+def test_function_nd_gradcheck_float64():
+    x = rand(2, 3, 4, dtype=torch.float64).requires_grad_(True)
+    w = rand(5, 4, dtype=torch.float64, seed=1).requires_grad_(True)
+    b = rand(5, dtype=torch.float64, seed=2).requires_grad_(True)
+    assert torch.autograd.gradcheck(tmr.matmul_sum_max_mean_logsumexp, (x, w, b))
+
+
+@pytest.mark.parametrize("np_dtype, tol", [(np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 1e-2)])
+@pytest.mark.parametrize("lead", ND_SHAPES)
+def test_numpy_nd_matches_float64_chain(np_dtype, tol, lead):
+    x, w, b = rand(*lead, 6), rand(5, 6, seed=1), rand(5, seed=2)
+    xn, wn, bn = (t.numpy().astype(np_dtype) for t in (x, w, b))
+    want = chain(*(torch.from_numpy(a).double() for a in (xn, wn, bn)))
+    for how in ("plain", "plan"):
+        plan = cupykern.prepare_matmul_sum(wn, bn) if how == "plan" else None
+        got = cupykern.matmul_sum_max_mean_logsumexp(xn, wn, bn, plan=plan)
+        assert isinstance(got, np.ndarray) and got.dtype == np_dtype and got.shape == want.shape
+        assert_same(torch.from_numpy(got.astype(np.float64)), want, tol)
+    if np_dtype == np.float32:  # against PyTorch's own float32 chain too
+        assert_same(torch.from_numpy(got), chain(x, w, b), 1e-4)
+
+
+def test_numpy_nd_nan_inf_like_torch():
+    x, w, b = specials()
+    x3 = torch.stack([x, x.flip(0)], 1)  # (6, 2, 4): a row's specials meet another row's
+    got = cupykern.matmul_sum_max_mean_logsumexp(x3.numpy(), w.numpy(), b.numpy())
+    assert_same(torch.from_numpy(got), chain(x3, w, b), 1e-4)
+
+
+def test_dask_nd_matches_numpy():
+    da = pytest.importorskip("dask.array")
+    x, w, b = (t.numpy() for t in (rand(6, 5, 3, 8), rand(4, 8, seed=1), rand(4, seed=2)))
+    want = cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
+    dx = da.from_array(x, chunks=(2, 2, 2, 3))  # split along the summed dim 1 and K too
+    got = cupykern.matmul_sum_max_mean_logsumexp(dx, w, b)
+    assert got.shape == want.shape == (6, 1, 3, 4)
+    np.testing.assert_allclose(got.compute(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_nd_bad_input_errors():
+    torch.manual_seed(0)
+    new = MatmulSumMaxMeanLogSumExp(6, 5)
+    with pytest.raises(ValueError, match=r"x: has 7 features \(x.shape\[-1\]\) but weight has in_features = 6"):
+        new(torch.ones(2, 3, 7))
+    with pytest.raises(ValueError, match=r"x: expected a 2-D array .* or more dimensions"):
+        new(torch.ones(6))
+    with pytest.raises(TypeError, match="weight: dtype float32 does not match x's dtype float64"):
+        new(torch.ones(2, 3, 6, dtype=torch.float64))
+    w = torch.ones(5, 6)
+    with pytest.raises(ValueError, match="x: has 7 features"):
+        cupykern.matmul_sum_max_mean_logsumexp(torch.ones(2, 3, 7), w)
+    with pytest.raises(ValueError, match="x: has 7 features"):
+        cupykern.prepare_matmul_sum(w.numpy())(np.ones((2, 3, 7), np.float32))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ND_DTYPES)
+@pytest.mark.parametrize("lead", [(3, 4), (2, 3, 4), (3, 1), (3, 0), (0, 4), (64, 33)])
+def test_module_nd_gpu_matches_model_with_grads(dtype, lead):
+    k, n = 300, 70
+    ref, new = nd_pair(k, n, dtype, "cuda")
+    x = rand(*lead, k, dtype=dtype, device="cuda", seed=7)
+    new(rand(4, k, dtype=dtype, device="cuda"))  # a 2-D call first: the plan cache exists
+    for _ in range(2):  # the second call: from the cache's (None) entry for this x
+        want = ref(x)
+        assert want.shape == (lead[0], 1, *lead[2:], n)
+        g = rand(*want.shape, dtype=dtype, device="cuda", seed=8)
+        for a, b_ in zip(nd_grads(new, x, g), nd_grads(ref, x, g)):
+            assert_same(a, b_, TOL[dtype])
+    x2 = rand(5, k, dtype=dtype, device="cuda", seed=9)  # 2-D still the fused path
+    assert new(x2).shape == (5, 1)
+    assert_same(new(x2), ref(x2), TOL[dtype])
+
+
+@gpu
+def test_function_nd_gpu_torch_and_cupy():
+    import cupy
+
+    x, w, b = rand(4, 6, 300, device="cuda"), rand(70, 300, device="cuda", seed=1), rand(70, device="cuda", seed=2)
+    want = chain(x, w, b)
+    assert_same(cupykern.matmul_sum_max_mean_logsumexp(x, w, b), want, 1e-4)
+    plan = cupykern.prepare_matmul_sum(w, b)
+    assert_same(plan(x), want, 1e-4)
+    for dt, tol in ((cupy.float32, 1e-4), (cupy.float64, 1e-10), (cupy.float16, 1e-2)):
+        xc, wc, bc = (cupy.asarray(t.cpu().numpy()).astype(dt) for t in (x, w, b))
+        tdt = getattr(torch, cupy.dtype(dt).name)
+        want = chain(*(torch.from_dlpack(a).to(tdt) for a in (xc, wc, bc)))
+        got = cupykern.matmul_sum_max_mean_logsumexp(xc, wc, bc)
+        assert isinstance(got, cupy.ndarray) and got.shape == (4, 1, 70) and got.dtype == dt
+        assert_same(torch.from_dlpack(got), want, tol)
+        got = cupykern.prepare_matmul_sum(wc, bc)(xc)
+        assert_same(torch.from_dlpack(got), want, tol)
+
+
+@gpu
+def test_module_nd_gpu_compiles():
+    ref, new = nd_pair(64, 16, device="cuda")
+    x = rand(3, 5, 64, device="cuda")
+    got = torch.compile(new, fullgraph=True)(x)
+    assert_same(got, ref(x), 1e-4)

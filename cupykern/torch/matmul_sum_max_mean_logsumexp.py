@@ -16,6 +16,11 @@ skip the version counter), or another data pointer, device, dtype, shape or stri
 ``.data``, which bypasses the version counter (PyTorch's own saved-tensor checks miss it
 too). Under torch.compile / export the plan op is part of the graph and runs every call
 (one read of W, still far below PyTorch's GEMM).
+
+N-D x (B, S, ..., in_features), which nn.Linear and so the reference model take, has no
+fused kernel (the chain reduces over S, then over dims of size 1: output (B, 1, ...,
+out_features), and x @ W.sum(0) + b.sum() does not hold): the module and the function run
+the reference chain in torch ops, with its autograd.
 """
 from __future__ import annotations
 
@@ -159,13 +164,17 @@ def _plan_of(weight, bias):
 
 def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
-    the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given."""
-    data = plan.data if plan is not None and plan.data is not None else None
+    the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given. N-D x
+    (B, S, ..., in_features): the reference chain in torch ops (see the module docstring)."""
+    nd = isinstance(x, torch.Tensor) and x.dim() > 2
+    data = plan.data if plan is not None and plan.data is not None and not nd else None
     if data is None:
         # x and the weights must agree before the weights are read (under torch.func the
         # op checks them, unwrapped: functorch's wrapped tensors have no data pointer)
         if not torch._C._are_functorch_transforms_active():
-            check_x(operand(x, "x"), check_weights(weight, bias)[0])
+            check_x(operand(x, "x"), check_weights(weight, bias)[0], nd=True)
+        if nd:
+            return reference(x, weight, bias)
         data = _plan_of(weight, bias)
     return matmul_sum_op(x, weight, bias, data)
 
@@ -227,8 +236,9 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
 
     Same parameters (``linear.weight``, ``linear.bias``), RNG order and state_dict as the
     documented model. CUDA inputs run on cupykern with a plan of the weights (cached in
-    eager mode, never stale: see the module docstring); CPU inputs, and any call while
-    ``linear`` has hooks (pruning, weight norm, probes), run the reference.
+    eager mode, never stale: see the module docstring); CPU inputs, N-D x (B, S, ...,
+    in_features: output (B, 1, ..., out_features), as the reference gives) and any call
+    while ``linear`` has hooks (pruning, weight norm, probes), run the reference.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -260,9 +270,13 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         w, b = members(linear, nn.Linear, ("weight", "bias"))
         if not (x.is_cuda or w.is_cuda) or hooked(linear):  # the reference model itself
             if x.device.type == "cpu":  # (meta tensors: shapes only)
-                check_x(operand(x, "x"), operand(w, "weight"))
+                check_x(operand(x, "x"), operand(w, "weight"), nd=True)
             return super().forward(x)
         require_submodule(self, "linear", nn.Linear, linear)
+        if x.dim() > 2:  # no fused kernel: the reference chain, its autograd
+            if _direct((x, w)):
+                check_x(operand(x, "x"), operand(w, "weight"), nd=True)
+            return super().forward(x)
         plan = self._plan(linear, w, b) if _direct((x, w)) else _plan_of(w, b)
         return matmul_sum_op(x, w, b, plan)
 
@@ -288,7 +302,8 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         if run is c:  # x's first call like this: validated (errors as forward's)
             if sx is UNPLANNED or type(w) not in _PLAIN or not (b is None or type(b) in _PLAIN):
                 return None
-            run = planned_run(x, w, b, c.plan, _check)[0]
+            # (N-D x: forward's reference chain, its None cached like a copying call's)
+            run = planned_run(x, w, b, c.plan, _check)[0] if x.dim() == 2 else None
             if len(c.runs) >= c.RUNS:
                 c.runs.clear()
             c.runs[sx] = run
