@@ -371,13 +371,12 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
             ``bias`` objects; then the call reads only x. Without it the plan is built
             first (reads the weights once).
 
-    Returns the (B, 1) result as x's kind and dtype (torch in -> torch out, on torch's
-    current stream, through the custom ops ``cupykern::matmul_sum_plan`` and
-    ``cupykern::matmul_sum_max_mean_logsumexp``, with autograd; JAX arrays in give JAX
-    arrays out, other DLPack / CUDA array interface producers CuPy arrays: see
-    :mod:`cupykern`). Results are PyTorch's,
-    nan and inf included (see the module docstring), and more accurate than PyTorch's
-    own chain.
+    Returns the (B, 1) result ((B, 1, ..., out_features) for N-D x) as x's kind and dtype
+    (torch in -> torch out, on torch's current stream, through the custom ops
+    ``cupykern::matmul_sum_plan`` and ``cupykern::matmul_sum_max_mean_logsumexp``, with
+    autograd; JAX arrays in give JAX arrays out, other DLPack / CUDA array interface
+    producers CuPy arrays: see :mod:`cupykern`). Results are PyTorch's, nan and inf
+    included (see the module docstring), and more accurate than PyTorch's own chain.
     """
     if plan is not None:
         if not isinstance(plan, MatmulSumPlan):
