@@ -1,9 +1,20 @@
 """GPU tests carry ``@pytest.mark.gpu`` and skip, with the reason, when no GPU (or no
 CuPy, which runs our kernels) is present; the NVRTC compile checks carry
 ``@pytest.mark.nvrtc`` and skip, with the reason, without CuPy and NVRTC (the
-``cuda12``/``cuda13`` extra). A CPU machine with only ``.[test]`` installed runs the rest."""
+``cuda12``/``cuda13`` extra). A CPU machine with only ``.[test]`` installed runs the rest.
+
+``@pytest.mark.long`` tests (the all-arch compile checks, compute-sanitizer, the GPU fuzz
+profile, the GPU distributed runs, the notebooks' execution) are left out of the default
+run (setup.cfg: ``-m "not long"``): ``--long`` (or ``-m ""``) runs everything, ``-m long``
+only them. The default run starts with the install smoke tests (tests/test_install.py)
+and ends with the slowest files. ``@pytest.mark.slow(gib=N)`` GPU tests skip, with the
+reason, when the GPU has less than N GiB free (24 when not given), after the caches of
+both memory pools are emptied, and empty them again when done."""
 import collections
 import functools
+import gc
+import pathlib
+import sys
 
 import pytest
 
@@ -47,7 +58,35 @@ def nvrtc_missing() -> str:
     return ""
 
 
+# The default run's order, by file: the install smoke tests first (a broken install fails
+# in the first minute), then every other file in collection order, then these, slowest
+# last (those with long tests after the rest).
+FIRST = ("test_install.py",)
+LAST = ("test_training.py", "test_main.py", "test_packaging.py", "test_notebook.py",
+        "test_fuzz.py", "test_distributed.py", "test_compile.py", "test_sanitizer.py")
+SLOW_GIB = 24  # free GPU memory a slow test needs unless its marker says (gib=N)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="also run the @pytest.mark.long tests (compile checks for every "
+                          "arch, compute-sanitizer, GPU fuzzing, distributed, notebooks)")
+
+
+def pytest_configure(config):
+    if config.getoption("long") and config.option.markexpr.strip() in ("not long", ""):
+        config.option.markexpr = ""  # (setup.cfg's -m "not long" lifted; another -m stays)
+
+
+def file_rank(item) -> int:
+    name = pathlib.Path(str(item.fspath)).name
+    if name in FIRST:
+        return 0
+    return 2 + LAST.index(name) if name in LAST else 1
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=file_rank)  # (stable: each file's tests keep their order)
     skips = {}
     if not gpu_count():
         why = _cupy_missing() or "none found: run the suite on the GPU machine"
@@ -74,6 +113,51 @@ def pytest_terminal_summary(terminalreporter):
     for reason, n in counts.most_common():
         k = len(files[reason])
         terminalreporter.write_line(f"{n:5d} skipped: {reason} ({k} file{'s' * (k > 1)})")
+    long = [i for i in terminalreporter.stats.get("deselected", []) if "long" in i.keywords]
+    if long:
+        terminalreporter.write_line(
+            f"{len(long)} long tests not run (-m {terminalreporter.config.option.markexpr!r}): "
+            "--long runs everything, -m long only them")
+
+
+def free_gpu_memory() -> None:
+    """Give cached GPU memory back to the device: what a failed test's traceback holds
+    (pytest keeps the last one for post-mortem debugging), torch's caching allocator's
+    and CuPy's default pool's unused blocks."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.cuda.Device().synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.fixture(autouse=True)
+def _slow_memory(request):
+    """A ``slow`` (large-memory) GPU test starts with the caches emptied, skips with the
+    reason when too little GPU memory is free, and leaves the caches emptied."""
+    marker = request.node.get_closest_marker("slow")
+    if marker is None or not gpu_count():
+        yield
+        return
+    need = marker.kwargs.get("gib", SLOW_GIB)
+    free_gpu_memory()
+    import cupy
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    if free < need * 2**30:
+        pytest.skip(f"needs {need} GiB of free GPU memory; {free / 2**30:.1f} of "
+                    f"{total / 2**30:.1f} GiB free")
+    try:
+        yield
+    finally:
+        free_gpu_memory()
 
 
 @pytest.fixture

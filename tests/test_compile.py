@@ -20,6 +20,7 @@ def test_headers_are_inlined_into_the_source():
         assert "acc_of" in text  # common.cuh made it in
 
 
+@pytest.mark.long
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("cc", _loader.CHECKED_CCS)
 def test_every_kernel_compiles(cc):

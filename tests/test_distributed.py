@@ -154,9 +154,11 @@ def _check_case(rank, world, device, sizes, momentum, how):
 # (backend, device of each rank): CPU ranks; two ranks sharing one GPU (gloo moves
 # CUDA tensors); a rank per GPU over NCCL.
 RUNS = [pytest.param("gloo", "cpu", id="cpu-gloo"),
-        pytest.param("gloo", "cuda:0", id="one-gpu-gloo", marks=pytest.mark.gpu),
-        pytest.param("nccl", "cuda:rank", id="nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            gpu_count() < 2, reason="needs 2 or more GPUs for NCCL ranks (found fewer)")])]
+        pytest.param("gloo", "cuda:0", id="one-gpu-gloo",
+                     marks=[pytest.mark.gpu, pytest.mark.long]),
+        pytest.param("nccl", "cuda:rank", id="nccl", marks=[
+            pytest.mark.gpu, pytest.mark.long, pytest.mark.skipif(
+                gpu_count() < 2, reason="needs 2 or more GPUs for NCCL ranks (found fewer)")])]
 
 
 def _world(backend):

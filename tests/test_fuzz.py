@@ -206,6 +206,7 @@ def test_normalize_cpu(data):
     check_normalize(data, CPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU
 @given(st.data())
@@ -213,6 +214,7 @@ def test_normalize_gpu(data):
     check_normalize(data, GPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU_FOCUSED
 @given(st.data())
@@ -247,6 +249,7 @@ def test_normalize_overlapping_out_raises_cpu(data):
     check_overlapping_out_raises(data, CPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU_FOCUSED
 @given(st.data())
@@ -309,6 +312,7 @@ def test_linear_cpu(data):
     check_linear(data, CPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU
 @given(st.data())
@@ -418,6 +422,7 @@ def test_gemm_scale_batchnorm_cpu(data):
     check_gsbn(data, CPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU
 @given(st.data())
@@ -478,6 +483,7 @@ def test_matmul_sum_cpu(data):
     check_m4(data, CPU_KINDS)
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @GPU
 @given(st.data())

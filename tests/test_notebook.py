@@ -44,6 +44,7 @@ def _images(cells):
     return [o for c in cells for o in c["outputs"] if "image/png" in o.get("data", {})]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_executes(name):
     cells = _execute(name)  # raises CellExecutionError on any error

@@ -101,6 +101,7 @@ def _plain_run(args):
         mark.touch()
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @pytest.mark.parametrize("tool,group,dtype,norm", CASES,
                          ids=["-".join(filter(None, case)) for case in CASES])

@@ -15,6 +15,7 @@ from .normalize import L1Norm, L2Norm
 from . import attention
 
 _array._torch()  # torch was imported after cupykern: remember it before anything is traced
+from ._pool import pool_in_use, use_cupy_pool, use_torch_pool  # noqa: F401 (installs it)
 
 __all__ = ["L1Norm", "L2Norm", "GemmScaleBatchNorm", "MatmulSumMaxMeanLogSumExp", "Linear",
            "FusedSequential", "convert", "unconvert", "attention"]
