@@ -13,12 +13,17 @@ Training (batch statistics), three launches (four where the GEMM splits K, see
   3. an in-place pass out = a*(z - mean) + beta, which also counts num_batches_tracked.
 Eval (running statistics): a and c are folded first, then one GEMM with a per-column
 affine epilogue.
+
+The backward is :mod:`cupykern.gemm_scale_batchnorm_backward`'s (it reads this module's
+helpers; this module does not import it). Inside, the vectors travel as an
+:class:`Affine` and the buffers and options as a :class:`BatchNormState`.
 """
 from __future__ import annotations
 
 import math
 import numbers
 import sys
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,13 +63,10 @@ _APPLY = {"THREADS": 128, "ROWS": 32}  # bn_apply: threads per block, rows per t
 # (its grid of few blocks, each thread 32 rows, fills too little of the GPU there).
 _ROW_STATS_FROM = 4096
 _BACKWARD_FILE = "gemm_scale_batchnorm_backward.cu"
+# The backward's kernels (cupykern.gemm_scale_batchnorm_backward runs them) are declared
+# here with the forward's, so that importing the package registers every instantiation
+# for the compile check (the backward's module is imported with the torch layer).
 _GRAD = {"THREADS": 128, "ROWS": 64}  # bn_grad_partials / bn_grad_dz: a column per thread
-# bn_grad_dz_rows stores dz^T from registers: from 8 lanes (N <= 16 of 128 threads) a
-# warp's store covers 2 or more rows of each column it holds (H200, float32, the pass
-# with dz^T against bn_grad_dz: N = 2 38.3 / 550.2 us at 4194305 rows, N = 8 49.8 / 213.2
-# at 1000000, N = 16 27.7 / 45.8 at 200000); below, a warp spans one row and each
-# store would scatter over 32 rows of dz^T, which bn_grad_dz stages into whole runs.
-_DZ_ROWS_MIN_LANES = 8
 # bn_grad_fused, the backward's passes in one launch, takes batches of at most ROWS rows,
 # COLS columns (a warp's lanes) per block.
 # H200, the passes alone, one launch / three, us of GPU (CUDA graph) and back to back
@@ -149,6 +151,34 @@ def batch_size_error(size) -> ValueError:
     return ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
 
 
+class Affine(NamedTuple):
+    """The per-column vectors of ``bn_weight * normalize((x @ W.T + bias) * scale) +
+    bn_bias``, (N,) each: arrays, or after :func:`check` their Operands. None: bias 0,
+    bn_weight 1, bn_bias 0 (scale is required)."""
+
+    bias: Any
+    scale: Any
+    bn_weight: Any
+    bn_bias: Any
+
+
+class BatchNormState(NamedTuple):
+    """``nn.BatchNorm1d``'s buffers and options: running_mean, running_var (N,) and
+    num_batches_tracked (0-d int64), updated in place in training mode (arrays, or after
+    :func:`check` their Operands; None where absent); ``training`` (batch statistics, else
+    the running ones), ``momentum`` (None: a cumulative average) and ``eps``.
+
+    The entry points (:func:`gemm_scale_batchnorm`, :func:`gemm_scale_batchnorm_core`, the
+    torch ops) take these flat; a call whose launch plan is cached never builds one."""
+
+    running_mean: Any = None
+    running_var: Any = None
+    num_batches_tracked: Any = None
+    training: Any = True
+    momentum: float | None = 0.1
+    eps: float = 1e-5
+
+
 def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
                          running_var=None, num_batches_tracked=None, *, training=True,
                          momentum=0.1, eps=1e-5, precision=None):
@@ -191,38 +221,40 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         return torch_layer("gemm_scale_batchnorm").gemm_scale_batchnorm(
             *args, training=training, momentum=momentum, eps=eps, precision=precision)
     if _dask.is_dask(x):
-        return _dask_call(*args, training, momentum, eps, precision)
+        return _dask_call(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
+            running_mean, running_var, num_batches_tracked, training, momentum, eps), precision)
     return gemm_scale_batchnorm_core(*args, training, momentum, eps, precision)
 
 
-def _dask_call(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
-               precision):
-    """:func:`gemm_scale_batchnorm` of a Dask array x (see its docstring)."""
+def _dask_call(x, weight, affine: Affine, state: BatchNormState, precision):
+    """:func:`gemm_scale_batchnorm` of a Dask array x (see its docstring). (Its tasks take
+    the vectors flat: dask reads a tuple inside a task's arguments as a task.)"""
     # (rows: a training batch of one row gets its error)
     rows = min(x.shape[0], 2) if x.ndim and not math.isnan(x.shape[0]) else 2
     sample = _dask.sample(x, (rows,) + x.shape[1:])
-    _, _, vec, _, momentum, eps, prec = check(sample, weight, bias, scale, gamma, beta, rmean,
-                                              rvar, nbt, training, momentum, eps, precision)
+    checked, prec = check(sample, weight, affine, state, precision)[3:]
     x = _dask.whole(x, 1)
     chunks = (x.chunks[0], (weight.shape[0],))
-    if not training:  # a per-row map: the fused eval-mode GEMM on each block, with the
-        # running statistics as they are now (a later training call updates them in place)
-        stats = (vec["running_mean"].obj.copy(), vec["running_var"].obj.copy())
-        return _dask.map_blocks(gemm_scale_batchnorm_core, x, weight, bias, scale, gamma, beta,
-                                *stats, None, False, None, eps, prec, chunks=chunks,
+    if not state.training:  # a per-row map: the fused eval-mode GEMM on each block, with
+        # the running statistics as they are now (a later training call updates them in place)
+        stats = (checked.running_mean.obj.copy(), checked.running_var.obj.copy())
+        return _dask.map_blocks(gemm_scale_batchnorm_core, x, weight, *affine, *stats, None,
+                                False, None, checked.eps, prec, chunks=chunks,
                                 name="gemm_scale_batchnorm")
     part = _dask.delayed(_block_moments)
-    parts = _dask.compute(*(part(b, weight, bias, scale, prec) for b in _dask.blocks(x)))
+    parts = _dask.compute(*(part(b, weight, affine.bias, affine.scale, prec)
+                            for b in _dask.blocks(x)))
     count, mean, m2 = merge_moments(parts)
+    rmean, rvar, nbt = state[:3]
     if rmean is not None:  # nn.BatchNorm1d's update, from the statistics of all rows
         if nbt is not None:
             nbt += 1
-        f = momentum if momentum is not None else 1.0 / float(nbt)
+        f = checked.momentum if checked.momentum is not None else 1.0 / float(nbt)
         rmean[...] = (1 - f) * rmean + f * mean
         rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
-    invstd = 1 / (m2 / count + eps) ** 0.5
-    return _dask.map_blocks(_normalize_block, x, weight, bias, scale, gamma, beta, mean, invstd,
-                            prec, chunks=chunks, name="gemm_scale_batchnorm")
+    invstd = 1 / (m2 / count + checked.eps) ** 0.5
+    return _dask.map_blocks(_normalize_block, x, weight, *affine, mean, invstd, prec,
+                            chunks=chunks, name="gemm_scale_batchnorm")
 
 
 def _affine_block(xb, weight, bias, scale, precision):
@@ -263,26 +295,25 @@ def check_inputs(x, weight):
     return xo, wo
 
 
-def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-          num_batches_tracked, training, momentum, eps, precision, synchronized=False):
-    """Validate every argument once: (x, weight Operands, dict of vector Operands or None,
-    num_batches_tracked Operand or None, momentum, eps, precision). ``synchronized``:
-    batch statistics over several processes, where one process may hold any number of
-    rows."""
+def check(x, weight, affine: Affine, state: BatchNormState, precision, synchronized=False):
+    """Validate every argument once: ``(x, weight Operands, Affine of vector Operands or
+    None, BatchNormState (Operands or None; training as given, momentum and eps as floats),
+    precision)``. ``synchronized``: batch statistics over several processes, where one
+    process may hold any number of rows."""
     xo, wo = check_inputs(x, weight)
     M, N = xo.shape[0], wo.shape[0]
-    vec = {name: check_vector(v, name, xo, N) for name, v in (
-        ("bias", bias), ("scale", scale), ("bn_weight", bn_weight), ("bn_bias", bn_bias))}
-    for name, v in (("running_mean", running_mean), ("running_var", running_var)):
-        vec[name] = check_vector(v, name, xo, N, in_place=True)
-    if vec["scale"] is None:
+    vec = Affine(*(check_vector(v, name, xo, N) for name, v in zip(Affine._fields, affine)))
+    running_mean, running_var, num_batches_tracked, training = state[:4]
+    rm, rv = (check_vector(v, name, xo, N, in_place=True)
+              for name, v in (("running_mean", running_mean), ("running_var", running_var)))
+    if vec.scale is None:
         raise ValueError(f"scale: required, shape ({N},) or (1,); got None")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
-    eps = check_real(eps, "eps")
+    eps = check_real(state.eps, "eps")
     if eps < 0:
         raise ValueError(f"eps: expected a non-negative number, got {eps}")
-    momentum = None if momentum is None else check_real(momentum, "momentum")
+    momentum = None if state.momentum is None else check_real(state.momentum, "momentum")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be given or both be None")
     if not training and running_mean is None:
@@ -300,10 +331,25 @@ def check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                          "average) and running statistics are updated")
     if training and M <= 1 and not synchronized:
         raise batch_size_error((M, N))
-    return xo, wo, vec, nbt, momentum, eps, check_precision(precision)
+    return (xo, wo, vec, BatchNormState(rm, rv, nbt, training, momentum, eps),
+            check_precision(precision))
+
+
+def _check_flat(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                num_batches_tracked, training, momentum, eps, precision):
+    """:func:`check` of :func:`gemm_scale_batchnorm_core`'s flat arguments (a plan cache's
+    miss: the parameter objects are built here, not on a hit)."""
+    return check(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
+        running_mean, running_var, num_batches_tracked, training, momentum, eps), precision)
+
+
+def _arrays(*operands) -> tuple:
+    """The arrays of ``operands`` (Operands or None)."""
+    return tuple(None if o is None else o.obj for o in operands)
 
 
 _plans: dict = {}  # _plan_key(arrays, options) -> run(*arrays), or None
+register_plans(_plans)  # (their GEMMs follow the route: forced_route drops them)
 
 
 def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
@@ -311,31 +357,35 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
                               precision, save=False):
     """:func:`gemm_scale_batchnorm` for CuPy arrays, NumPy arrays and (from the torch
     layer) torch CUDA tensors. With ``save`` (GPU, B > 0, N > 0) it returns ``(out, z, coefs)``:
-    also z = x @ W.T and (4, N) accumulation-type rows, which :func:`backward` takes: in
+    also z = x @ W.T and (4, N) accumulation-type rows, which
+    :func:`cupykern.gemm_scale_batchnorm_backward.backward` takes: in
     training mode (ca, cm, cb, inv); in eval mode (ca, 0, cb, inv), out being ca * z + cb
-    and inv 1 / sqrt(running_var + eps)."""
+    and inv 1 / sqrt(running_var + eps).
+
+    Its arguments are flat, as the ops' schemas have them: a call whose plan is cached
+    reads them as they come; a miss builds the parameter objects (:func:`_check_flat`)."""
     arrays = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
               num_batches_tracked)
     options = (training, momentum, eps, precision, save)
     checked = None
     if (type(training) is bool and type(eps) is float and type(momentum) in (float, type(None))
             and type(precision) in (str, type(None))):  # hashable: the common call, cached
-        run, checked = cached_checked(_plans, _plan_key(arrays, options), check, _fresh, arrays + options[:4],
-                                      options[4:])
+        run, checked = cached_checked(_plans, _plan_key(arrays, options), _check_flat, _fresh,
+                                      arrays + options[:4], options[4:])
         if run is not None:
             return run(*arrays)
-    xo, wo, vec, nbt, momentum, eps, prec = checked or check(*arrays, *options[:4])
+    xo, wo, vec, state, prec = checked or _check_flat(*arrays, *options[:4])
     M, N = xo.shape[0], wo.shape[0]
     if save and (xo.kind == "cpu" or M == 0 or N == 0):
         raise ValueError("save: needs GPU arrays, a non-empty batch and out_features > 0")
     if xo.kind == "cpu":
-        return reference(*arrays, training, momentum, eps)
+        return reference(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
+            running_mean, running_var, num_batches_tracked, training, state.momentum, state.eps))
     if M == 0 or N == 0:
         return empty(xo, (M, N))
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")  # (copies if rows are not contiguous)
-    run = _plan(a, b, training, momentum, eps, prec, save)
-    return run(a.obj, b.obj, *(None if v is None else v.obj for v in vec.values()),
-               num_batches_tracked)
+    run = _plan(a, b, state, prec, save)
+    return run(a.obj, b.obj, *_arrays(*vec, *state[:2]), num_batches_tracked)
 
 
 def planned_run(arrays, options):
@@ -357,21 +407,24 @@ def _fresh(checked, *args):
     """``run(*arrays) -> out`` for calls like this one (``args``: the 9 arrays, training,
     momentum, eps, precision, save; ``checked``: their validation), no copies; None where
     the call needs the general path (CPU, empty, or an array to copy first)."""
-    xo, wo, vec, _, momentum, eps, prec = checked
-    arrays, training, save = args[:9], args[9], args[13]
+    xo, wo, vec, state, prec = checked
+    arrays, save = args[:9], args[13]
     if (xo.kind == "cpu" or 0 in (xo.shape[0], wo.shape[0]) or row_view_stride(xo) is None
             or row_view_stride(wo) is None
-            or any(v is not None and v.obj is not arr for v, arr in zip(vec.values(), arrays[2:8]))):
+            or any(v is not None and v.obj is not arr
+                   for v, arr in zip((*vec, *state[:2]), arrays[2:8]))):
         return None
-    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), training, momentum, eps, prec, save)
+    return _plan(rows_2d(xo, "x"), rows_2d(wo, "weight"), state, prec, save)
 
 
-def _plan(a, b, training, momentum, eps, precision, save=False):
+def _plan(a, b, state: BatchNormState, precision, save=False):
     """``run(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
     num_batches_tracked) -> out`` (with ``save``: ``(out, z, coefs)``) for 2-D Operands
     ``a`` (x) and ``b`` (weight) with contiguous rows and validated vectors
-    (contiguous): the launches with their sizes fixed, so that a call only allocates
-    and reads data pointers."""
+    (contiguous), in ``state``'s mode (training, momentum, eps: :func:`check`'s): the
+    launches with their sizes fixed, so that a call only allocates and reads data
+    pointers."""
+    training, momentum, eps = state[3:]
     M, N = a.shape[0], b.shape[0]
     place, t, dev = Place(a), CTYPE[a.dtype], a.device
     acc = acc_dtype(a.dtype)
@@ -572,8 +625,9 @@ def _apply_call(place, M, N):
 
 
 # ---- the BatchNorm passes with column statistics from elsewhere (synchronized training:
-# every process's rows). z: a contiguous (M > 0, N) GPU array; vectors: contiguous (N,)
-# (or (3, N)) arrays of the accumulation type, beside z.
+# every process's rows; the backward's, grad_partials and grad_dz, are in
+# gemm_scale_batchnorm_backward). z: a contiguous (M > 0, N) GPU array; vectors:
+# contiguous (N,) (or (3, N)) arrays of the accumulation type, beside z.
 
 def _checked_z(z, name="z"):
     zo = operand(z, name)
@@ -612,264 +666,10 @@ def apply_coefficients(z, ca, cm, cb):
     return out
 
 
-def _grad_rows(M: int, N: int, dtype: str, device, transposed: bool = True):
-    """The backward's passes over the rows of (M, N) g and z: ``(tiles, partials, dz)``,
-    the last two ``(fn, grid, block, sizes)`` of bn_grad_partials and of the dz pass
-    (``transposed``: it writes dz^T too), ``sizes`` their arguments after z (M, N, and
-    lanes but for bn_grad_dz). ``lanes`` rows lie side by side (RowSpot) where N is at
-    most half a block of columns; a tile is _GRAD["ROWS"] * lanes rows, one per grid row
-    (looping past MAX_GRID_Y). (H200, float32 4194305x3->2, one row per block:
-    partials 147 us, bn_grad_coef 125 over 65537 tiles, bn_grad_dz 550, eager's whole
-    backward 770.) The dz pass is bn_grad_dz_rows laid out alike, or where it would
-    store dz^T from fewer than _DZ_ROWS_MIN_LANES lanes, the staged bn_grad_dz."""
-    threads = _GRAD["THREADS"]
-    exprs = _grad_exprs(CTYPE[dtype])
-    mn = (scalar(M, "int"), scalar(N, "int"))
-
-    def launch(expr, lanes):  # -> (tiles, (fn, grid, block, sizes))
-        tiles = cdiv(M, _GRAD["ROWS"] * lanes)
-        sizes = (*mn, scalar(lanes, "int")) if expr != "dz" else mn
-        fn = _loader.function(_BACKWARD_FILE, exprs[expr], device)
-        return tiles, (fn, (cdiv(N, threads // lanes), grid_rows(tiles)), (threads,), sizes)
-
-    lanes = _side_by_side(threads, N)
-    rows = lanes > 1 and (lanes >= _DZ_ROWS_MIN_LANES or not transposed)
-    tiles, partials = launch("partials", lanes)
-    return tiles, partials, launch("dz_rows", lanes)[1] if rows else launch("dz", 1)[1]
-
-
-def _grad_operand(zo, g):
-    """g's row Operand for the passes over z's rows (copied if its rows are not
-    contiguous)."""
-    M, N = zo.shape
-    go = _g_rows(g)
-    if go.shape != (M, N) or go.dtype != zo.dtype:
-        raise ValueError(f"g: expected a ({M}, {N}) {zo.dtype} array, got {go.shape} {go.dtype}")
-    same_place(zo, go)
-    return go
-
-
-def grad_partials(g, z, cm):
-    """Per (row tile, column) sums of g and g * (z - cm), (tiles, 2, N) of the accumulation
-    type (bn_grad_partials): add them over the tiles (axis 0) for the column sums."""
-    zo, place, (M, N) = _checked_z(z)
-    go = _grad_operand(zo, g)
-    tiles, (fn, grid, block, sizes), _ = _grad_rows(M, N, zo.dtype, zo.device)
-    part = empty(place, (tiles, 2, N), acc_dtype(zo.dtype))
-    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *sizes, place.ptr(cm),
-                                          place.ptr(part)), 0),))
-    return part
-
-
-def grad_dz(g, z, k, cm):
-    """dz = k[0] * (g - k[1] - k[2] * (z - cm)), column by column (bn_grad_dz), k (3, N)."""
-    zo, place, (M, N) = _checked_z(z)
-    go = _grad_operand(zo, g)
-    _, _, (fn, grid, block, sizes) = _grad_rows(M, N, zo.dtype, zo.device, transposed=False)
-    dz = empty(place, (M, N))
-    launch_all(place, ((fn, grid, block, (go.ptr, go.strides[0], zo.ptr, *sizes, place.ptr(k),
-                                          place.ptr(cm), place.ptr(dz), 0), 0),))
-    return dz
-
-
-# (signatures, training, eps, precision, input_grad, weight_grad, vendor state, capturing) -> run
-_backward_plans: dict = {}
-register_plans(_plans, _backward_plans)  # (their GEMMs follow the route: forced_route drops them)
-
-
-def backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training, eps,
-             precision, input_grad=True, weight_grad=True):
-    """Gradients of :func:`gemm_scale_batchnorm` from what its forward saved (``save``: z =
-    x @ W.T and coefs) in that mode (``training``: batch statistics; otherwise the
-    running ones, ``running_mean`` then required): ``(dx, dweight, dvec)``, arrays of
-    x's kind (dx None unless ``input_grad``, dweight None unless ``weight_grad``), dvec
-    (4, N) holding the gradients of the GEMM bias (0 in training mode: it cancels),
-    scale, bn_weight and bn_bias.
-
-    Bandwidth passes (column sums of g and g*(z - mean), their ordered merge into the
-    vector gradients, dz and its transpose: one launch for a batch of up to
-    _GRAD_FUSED["ROWS"] rows, else three), then dx = dz @ W and dW = dz^T @ x at
-    ``precision`` on our GEMM, each reading dz K-major (x is read in place where the GEMM
-    can: Hopper TF32 / 3xTF32), or on the vendor's where the dispatcher says so (its dW
-    reads dz transposed in place: no dz^T pass). g (B, N) may have any row stride; other
-    layouts are copied."""
-    arrays = (g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)
-    options = (training, eps, precision, input_grad, weight_grad)
-    run, checked = backward_run(arrays, options)
-    if run is not None:  # (a call that planned: its g as checked, copied if it had to be)
-        return run(*arrays) if checked is None else run(checked[0].obj, *arrays[1:])
-    checked = checked or _check_backward(*arrays, training)
-    run = _backward_plan(*checked, *options)
-    return run(*(None if o is None else o.obj for o in checked))
-
-
-def backward_run(arrays, options):
-    """``(run, checked)`` for :func:`backward`'s 9 arrays and its options (training, eps,
-    precision, input_grad, weight_grad): ``run(*arrays)`` the launch plan cached for calls
-    like this one, or None (the general path, which reuses ``checked``: the arrays'
-    validation where this call made it, else None)."""
-    training, eps, precision = options[:3]
-    if not (type(training) is bool and type(eps) is float and type(precision) is str):
-        return None, None  # (unhashable or unchecked options: the general path checks them)
-    z = arrays[1]
-    key = tuple(signature(v) for v in arrays) + options + (vendor_state(z), float64_capture(z))
-    return cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
-                          arrays + (training,), options[1:])
-
-
-def _check_backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training):
-    """Validate :func:`backward`'s arrays: Operands of g (2-D, rows contiguous: copied if
-    not), z, coefs, x, weight (read as they are), and the vectors (contiguous: copied if
-    not)."""
-    go = operand(g, "g")
-    zo, co = operand(z, "z"), operand(coefs, "coefs", dtypes=(acc_dtype(go.dtype),))
-    M, N = zo.shape
-    if go.dtype != zo.dtype:
-        raise TypeError(f"g: dtype {go.dtype} does not match z's dtype {zo.dtype}")
-    if go.shape != (M, N) or co.shape != (4, N) or not zo.is_c_contiguous():
-        raise ValueError(f"g, z, coefs: expected ({M}, {N}) g and z and (4, {N}) coefs, got "
-                         f"{tuple(go.shape)}, {tuple(zo.shape)}, {tuple(co.shape)}")
-    if co.strides != (N, 1):
-        raise ValueError("coefs: expected a contiguous (4, N) array")
-    same_place(zo, go)
-    same_place(zo, co)
-    if zo.kind == "cpu":
-        raise TypeError("z: backward takes GPU arrays (CuPy or torch CUDA)")
-    xo, wo = check_inputs(x, weight)
-    same_place(zo, xo)
-    if xo.shape[0] != M or wo.shape[0] != N or xo.dtype != zo.dtype:
-        raise ValueError(f"x, weight: expected ({M}, K) x and ({N}, K) weight of z's dtype "
-                         f"{zo.dtype}, got {tuple(xo.shape)}, {tuple(wo.shape)} {xo.dtype}")
-    if scale is None:
-        raise ValueError("scale: required, got None")
-    if not training and running_mean is None:
-        raise ValueError("running_mean: required in eval mode (training=False)")
-    return (rows_2d(go, "g"), zo, co, xo, wo,
-            *(check_vector(v, name, zo, N) for name, v in (
-                ("bias", bias), ("scale", scale), ("bn_weight", bn_weight),
-                ("running_mean", running_mean))))
-
-
-def _backward_fresh(checked, *arrays_options):
-    """``run(*arrays)`` for :func:`backward` calls like this one (``checked``: their
-    validated Operands), copying a g whose rows are not contiguous on each call (the
-    gradient of ``out.sum()`` is a stride-0 expansion: H200, 64x512->512 training step,
-    host time 800 us a step against eager's 371 when such a g took the general path);
-    None where another array must be copied first (the general path copies each call)."""
-    arrays = arrays_options[:9]
-    if any(o is not None and o.obj is not a for o, a in zip(checked[1:], arrays[1:])):
-        return None
-    run = _backward_plan(*checked, *arrays_options[9:])
-    if checked[0].obj is arrays[0]:
-        return run
-    return lambda g, *rest: run(_g_rows(g).obj, *rest)  # (as checked)
-
-
-def _g_rows(g):
-    """g as a 2-D row Operand: in place where its rows are contiguous, else a copy."""
-    return rows_2d(operand(g, "g"), "g")
-
-
-def _backward_plan(go, zo, co, xo, wo, bo, so, gmo, rmo, training, eps, precision, input_grad,
-                   weight_grad):
-    """``run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean)`` for validated
-    Operands (g with contiguous rows, vectors contiguous): the passes (:func:`_grad_passes`)
-    and the two GEMMs (:func:`cupykern.gemm.routed_mm_plan`: ours, or the vendor's where the
-    dispatcher says so) with their sizes fixed (any other GEMM, e.g. of an empty product
-    or of an operand that needs a general copy, is :func:`cupykern.gemm.matmul_core`'s
-    call after them)."""
-    prec = check_precision(precision)
-    M, N = zo.shape
-    place, acc = Place(zo), acc_dtype(zo.dtype)  # (run keeps no Operand: they hold arrays)
-    ptr = place.ptr
-    row = ITEMSIZE[zo.dtype] * N  # bytes of one row of dvec
-    # dz for dx = dz @ W, its transpose for dW = dz^T @ x: each read K-major by ours
-    has_k = xo.shape[1] > 0
-    # (each on ours or, where the dispatcher says so, the vendor's)
-    captured = planned_capture(zo)
-    dx_plan, _ = (routed_mm_plan(fresh_like(zo, (M, N), "dz"), wo, prec, M, captured)
-                  if input_grad and has_k else (None, False))
-    dw_plan, dw_vendor = (routed_mm_plan(fresh_like(zo, (N, M), "dzt"), xo, prec, M, captured)
-                          if weight_grad and has_k else (None, False))
-    # The vendor's dW reads dz transposed in place, and no pass writes dz^T: cuBLAS runs
-    # faster kernels for it than for the contiguous dz^T (H200, GemmScaleBatchNorm's dW
-    # at 12108x1961->57: float32 "highest" 191 us against 75, bf16 60 against 47).
-    wants_dz, wants_dzt = input_grad or dw_vendor, weight_grad and not dw_vendor
-    passes, scratch = _grad_passes(go, zo, training, eps, wants_dzt)
-
-    def run(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean):
-        # The passes go out in one batch, then each GEMM as soon as it is ready: the
-        # GPU, done with the forward, waits for the host until the first GEMM (H200,
-        # 1024x8192 "high", benchmarked: 55 us idle before the dz pass when the column
-        # sums went out alone; H100, 80 us when the GEMMs' preparation came first).
-        dvec = empty(place, (4, N))
-        buf = empty(place, (scratch,), acc) if scratch else None  # (held to the launches)
-        dz = empty(place, (M, N)) if wants_dz else None
-        dzt = empty(place, (N, M)) if wants_dzt else None
-        d0 = ptr(dvec)
-        launch_all(place, passes(ptr(g), ptr(z), ptr(coefs),
-                                 (ptr(bias), ptr(scale), ptr(bn_weight), ptr(running_mean)),
-                                 (d0 + row, d0 + 2 * row, d0 + 3 * row, d0), ptr(buf), ptr(dz),
-                                 ptr(dzt)))
-        dx = dx_plan(dz, weight) if dx_plan else None
-        dw = dw_plan(dz.T if dw_vendor else dzt, x) if dw_plan else None
-        if input_grad and dx is None:
-            dx = matmul_core(dz, weight, prec)
-        if weight_grad and dw is None:
-            dw = matmul_core(dzt, x, prec)
-        return dx, dw, dvec
-
-    return run
-
-
-def _grad_passes(go, zo, training, eps, transposed):
-    """``(passes, scratch)``: the backward's passes over g and z (Operands: g with contiguous
-    rows, z contiguous (M, N)) as ``passes(g, z, coefs, vectors, grads, buf, dz, dzt) ->
-    launches`` (pointers; vectors: bias, scale, bn_weight, running_mean; grads: where
-    d scale, d bn_weight, d bn_bias, d bias go; dz / dzt: 0 where not wanted, dzt only
-    with ``transposed``), which need a scratch buffer ``buf`` of ``scratch`` elements of
-    the accumulation type (0: none)."""
-    M, N = zo.shape
-    t, dev = CTYPE[zo.dtype], zo.device
-    step = N * ITEMSIZE[acc_dtype(zo.dtype)]  # (bytes of one row of coefs)
-    m_, n_, eps_, ld = scalar(M, "int"), scalar(N, "int"), scalar(eps, "double"), go.strides[0]
-    if M <= _GRAD_FUSED["ROWS"]:
-        fused = _loader.function(_BACKWARD_FILE, _fused_grad_expr(zo.dtype, training), dev)
-        cols = _GRAD_FUSED["COLS"]
-        launch = ((cdiv(N, cols),), (cols * _fused_grad_warps(zo.dtype),))
-
-        def one(g, z, c0, vectors, grads, buf, dz, dzt):  # (coefs: ca, cm, cb, inv)
-            return ((fused, *launch, (g, ld, z, m_, n_, c0 + step, *vectors, c0, c0 + 3 * step,
-                                      eps_, *grads, dz, dzt), 0),)
-
-        return one, 0
-    exprs = _grad_exprs(t)
-    train_coef, eval_coef = (_loader.function(_BACKWARD_FILE, exprs[e], dev)
-                             for e in ("coef", "eval_coef"))
-    tiles, (partials, grid, block, sizes), (dz_fn, dz_grid, _, dz_sizes) = _grad_rows(
-        M, N, zo.dtype, dev, transposed)
-    chunks, coef_launch = _chunks(tiles, N, _loader.sm_count(dev))
-    tiles_ = scalar(tiles, "int"), scalar(chunks, "int")
-
-    def three(g, z, c0, vectors, grads, k, dz, dzt):
-        bias, scale, gamma, rmean = vectors
-        part = k + 3 * step
-        if training:  # (coefs: ca, cm, cb, inv; buf: dz's k, then the partials)
-            coef = (train_coef, *coef_launch, (part, *tiles_, m_, n_, scale, gamma, c0 + 3 * step,
-                                               eps_, *grads, k), 0)
-            dz_args = (g, ld, z, *dz_sizes, k, c0 + step)
-        else:  # (coefs: ca, 0, cb, inv; dz = ca * g, k being coefs' first rows)
-            coef = (eval_coef, *coef_launch, (part, *tiles_, n_, bias, scale, gamma, rmean, c0,
-                                              c0 + 3 * step, *grads), 0)
-            dz_args = (g, ld, 0, *dz_sizes, c0, c0 + step)
-        return ((partials, grid, block, (g, ld, z, *sizes, c0 + step, part), 0), coef,
-                (dz_fn, dz_grid, block, dz_args + (dz, dzt), 0))
-
-    return three, 3 * N + 2 * tiles * N
-
-
-def reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps):
+def reference(x, weight, affine: Affine, state: BatchNormState):
     """NumPy reference with nn.BatchNorm1d's semantics (buffers updated in place)."""
+    bias, scale, gamma, beta = affine
+    rmean, rvar, nbt, training, momentum, eps = state
     acc = np.float64 if x.dtype == np.float64 else np.float32
     n = x.shape[0]
     z = x.astype(acc) @ weight.astype(acc).T

@@ -21,6 +21,7 @@ import cupykern
 from cupykern.matmul_sum_max_mean_logsumexp import _zlim
 from cupykern import normalize as nz
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
+from support import bn_factor, gsbn_torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CUPY_DTYPES = (torch.float16, torch.float32, torch.float64)  # CuPy has no bfloat16
@@ -312,22 +313,13 @@ def bn_params(n, k, dtype, lib="torch", seed=0):
 
 
 def bn_ref(x, w, b, s, g, be, rm, rv, training, momentum, eps, nbt):
-    """float64 (out, new running_mean, new running_var) as nn.BatchNorm1d computes them."""
-    x, w = host(x), host(w)
-    n = w.shape[0]
-    b, g, be = (host(v) if v is not None else torch.full((n,), d, dtype=torch.float64)
-                for v, d in ((b, 0.0), (g, 1.0), (be, 0.0)))
-    y = (x @ w.T + b) * host(s)
-    if training:
-        mean, var = y.mean(0), y.var(0, unbiased=False)
-        if rm is not None:
-            f = momentum if momentum is not None else 1.0 / (nbt + 1)
-            rm = (1 - f) * host(rm) + f * mean
-            rv = (1 - f) * host(rv) + f * y.var(0, unbiased=True)
-    else:
-        mean, var = host(rm), host(rv)
-        rm, rv = mean, var
-    return (y - mean) / (var + eps).sqrt() * g + be, rm, rv
+    """float64 (out, new running_mean, new running_var) as nn.BatchNorm1d computes them
+    (support's reference on host copies; ``nbt``: num_batches_tracked before the call)."""
+    rm, rv = (None if v is None else host(v) for v in (rm, rv))
+    factor = bn_factor(momentum, nbt + 1) if nbt is not None else (momentum or 0.0)
+    out = gsbn_torch(*(None if v is None else host(v) for v in (x, w, b, s, g, be)), rm, rv,
+                     training, factor, eps)
+    return out, rm, rv
 
 
 def check_bn(name, x, params, rtol, training=True, stats=True, momentum=0.1,

@@ -122,7 +122,9 @@ def linear_torch(x, w, b=None):
 
 
 def gsbn_torch(x, w, b, s, gamma, beta, rmean, rvar, training, factor, eps):
-    """Documented model 3 as F.batch_norm; ``rmean`` / ``rvar`` are updated in place."""
+    """Documented model 3 as F.batch_norm: the tests' one reference for it (None for b,
+    gamma, beta, or for both running statistics in training mode, as F.batch_norm takes
+    them); ``rmean`` / ``rvar`` are updated in place with ``factor`` (:func:`bn_factor`)."""
     return F.batch_norm(F.linear(x, w, b) * s, rmean, rvar, gamma, beta, training, factor, eps)
 
 

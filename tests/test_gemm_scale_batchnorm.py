@@ -12,7 +12,13 @@ torch = pytest.importorskip("torch")
 import cupykern  # noqa: E402
 from cupykern.models import gemm_scale_batchnorm as model3  # noqa: E402
 from cupykern.torch import GemmScaleBatchNorm  # noqa: E402
-from support import assert_grad_close, matmul_precision  # noqa: E402
+from support import assert_grad_close, gsbn_torch, matmul_precision  # noqa: E402
+
+
+def _modules():
+    """The forward's module and the backward's (``core``, ``bwd``)."""
+    return (importlib.import_module("cupykern.gemm_scale_batchnorm"),
+            importlib.import_module("cupykern.gemm_scale_batchnorm_backward"))
 
 
 def _pair(fin, fout, seed=0, **kw):
@@ -223,7 +229,7 @@ def test_backward_row_passes_by_width():
     65535 of them (the blocks loop over the rest); the partials hold every tile. The dz
     pass: bn_grad_dz_rows laid out alike (it takes lanes too), but where it would store
     dz^T from fewer than _DZ_ROWS_MIN_LANES lanes the staged bn_grad_dz, a row per block."""
-    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    core, bwd = _modules()
     rows, threads = core._GRAD["ROWS"], core._GRAD["THREADS"]
 
     def check(launch, m, n, lanes, expr):
@@ -239,10 +245,10 @@ def test_backward_row_passes_by_width():
                             (4194305, 2, 64), (2**31 - 1, 65, 1), (9001, 64, 2), (9001, 14, 8),
                             (9001, 16, 8), (9001, 17, 4)]:
             for transposed in (True, False):
-                tiles, partials, dz = core._grad_rows(m, n, "float32", 0, transposed)
+                tiles, partials, dz = bwd._grad_rows(m, n, "float32", 0, transposed)
                 assert tiles == -(-m // (rows * lanes))
                 check(partials, m, n, lanes, "bn_grad_partials")
-                if lanes >= core._DZ_ROWS_MIN_LANES or (lanes > 1 and not transposed):
+                if lanes >= bwd._DZ_ROWS_MIN_LANES or (lanes > 1 and not transposed):
                     check(dz, m, n, lanes, "bn_grad_dz_rows")
                 else:
                     check(dz, m, n, 1, "bn_grad_dz")
@@ -277,12 +283,13 @@ def test_row_passes_loop_past_the_grid(monkeypatch):
     still covers every tile: bn_column_stats and bn_apply (a vendor product), bn_train_apply
     (few tiles), bn_grad_partials, bn_grad_dz_rows and bn_grad_dz (a span of tiles per
     grid row; three launches), against float64."""
-    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
-    monkeypatch.setattr(core, "grid_rows", lambda tiles: min(tiles, 3))
+    core, bwd = _modules()
+    for module in (core, bwd):
+        monkeypatch.setattr(module, "grid_rows", lambda tiles: min(tiles, 3))
     monkeypatch.setattr(core, "_ROW_STATS_FROM", 0)
     monkeypatch.setitem(core._GRAD_FUSED, "ROWS", 0)
     core._plans.clear()
-    core._backward_plans.clear()
+    bwd._backward_plans.clear()
     try:
         _check_many_tiles((200709, 64, 16), torch.float32)
         _check_many_tiles((1000, 40, 200), torch.float32)
@@ -291,7 +298,7 @@ def test_row_passes_loop_past_the_grid(monkeypatch):
                 _check_backward(shape, training)
     finally:
         core._plans.clear()
-        core._backward_plans.clear()
+        bwd._backward_plans.clear()
 
 
 @pytest.mark.gpu
@@ -436,7 +443,7 @@ def test_captured_float64_plans_follow_the_route(monkeypatch, training):
     """A float64 GemmScaleBatchNorm planned while a CUDA graph is captured takes the
     vendor's products (fused_vendor's ``captured``), forward and backward, where eager
     calls keep ours; the graph's replay gives what eager calls give, on new inputs."""
-    core = importlib.import_module("cupykern.gemm_scale_batchnorm")
+    core, bwd = _modules()
     seen = []
     real = core.fused_vendor
 
@@ -444,9 +451,9 @@ def test_captured_float64_plans_follow_the_route(monkeypatch, training):
         seen.append((kw.get("captured", False), real(*args, **kw)))
         return seen[-1][1]
     monkeypatch.setattr(core, "fused_vendor", spy)
-    monkeypatch.setattr(sys.modules["cupykern.gemm"], "fused_vendor", spy)
+    monkeypatch.setattr(sys.modules["cupykern.gemm_route"], "fused_vendor", spy)
     core._plans.clear()
-    core._backward_plans.clear()
+    bwd._backward_plans.clear()
     m, fin, fout = 267, 157, 129
     ref, new = _pair(fin, fout)
     ref, new = ref.cuda().double().train(training), new.cuda().double().train(training)
@@ -483,7 +490,7 @@ def test_captured_float64_plans_follow_the_route(monkeypatch, training):
         for name in ("running_mean", "running_var"):
             assert torch.allclose(getattr(new.bn, name), getattr(ref.bn, name), atol=1e-12)
     core._plans.clear()
-    core._backward_plans.clear()
+    bwd._backward_plans.clear()
 
 
 @pytest.mark.gpu
@@ -534,17 +541,17 @@ def test_float64_and_cupy():
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ["ours", "vendor", "by role"])
 def test_float64_training_on_either_route(monkeypatch, route):
-    """float64 products run on ours up to cupykern.gemm.FUSED_F64_WORK[role]
+    """float64 products run on ours up to cupykern.gemm_route.FUSED_F64_WORK[role]
     multiply-adds, on cuBLAS above: every product ours, every product cuBLAS's (forced by
     moving the boundaries), and at 2**29 by role (a forward alone cuBLAS's, a training
     step's forward ours, its backward products cuBLAS's), each at a shape of its own so
     that no cached plan of another is reused, match the float64 reference: output,
     running statistics and every gradient, in training and eval mode."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     from cupykern._array import operand
 
     if route == "vendor":
-        monkeypatch.setattr(gemm, "FUSED_F64_WORK", dict.fromkeys(gemm.FUSED_F64_WORK, 0))
+        monkeypatch.setattr(gemm_route, "FUSED_F64_WORK", dict.fromkeys(gemm_route.FUSED_F64_WORK, 0))
     rows, fin, fout = {"ours": (71, 40, 36), "vendor": (70, 40, 36),
                        "by role": (512, 1024, 1024)}[route]
     ref, new = _pair(fin, fout)
@@ -552,10 +559,10 @@ def test_float64_training_on_either_route(monkeypatch, route):
     x = torch.randn(rows, fin, device="cuda", dtype=torch.float64)
     for grad in (False, True):
         want = route == "vendor" or (route == "by role" and not grad)
-        assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
+        assert gemm_route.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
                                  grad=grad) == want
     if route == "by role":  # (the backward products: dx = dz @ W, dW = dz^T @ x)
-        assert gemm.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
+        assert gemm_route.fused_vendor(operand(x, "x"), operand(new.gemm.weight, "w"), "highest",
                                  batch=rows)
     xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
     r, n = ref(xr), new(xn)
@@ -665,7 +672,7 @@ def test_backward_closed_form_matches_autograd():
     g = torch.randn(9, 5, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, b, s, gamma, beta)]
     xr, wr, br, sr, gr, ber = leaves
-    torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, None, None, gr, ber, True, 0.1, eps).backward(g)
+    gsbn_torch(xr, wr, br, sr, gr, ber, None, None, True, 0.1, eps).backward(g)
     dx, dw, dvec = backward_op(g, z, coefs, x, w, b, s, gamma, None, True, eps, "highest", True,
                                True)
     grads = (dx, dw, *dvec)
@@ -681,7 +688,7 @@ def test_backward_closed_form_matches_autograd():
     coefs = torch.stack([gamma * s * inv, torch.zeros(5, dtype=torch.float64), beta, inv])
     for t in leaves:
         t.grad = None
-    torch.nn.functional.batch_norm((xr @ wr.T + br) * sr, rm, rv, gr, ber, False, 0.1, eps).backward(g)
+    gsbn_torch(xr, wr, br, sr, gr, ber, rm, rv, False, 0.1, eps).backward(g)
     dx, dw, dvec = backward_op(g, z, coefs, x, w, b, s, gamma, rm, False, eps, "highest", True,
                                True)
     for ours, ref in zip((dx, dw, *dvec), (xr.grad, wr.grad, br.grad, sr.grad, gr.grad, ber.grad)):
@@ -705,9 +712,8 @@ def test_eval_backward_matches_autograd():
     for affine in (True, False):  # with gemm bias and bn weight / bias, and with neither
         x, w, s, g = r(9, 7), r(5, 7), r(5), r(9, 5)
         b, gamma, beta = (r(5), r(5), r(5)) if affine else (None, None, None)
-        for fn in (cupykern.gemm_scale_batchnorm, lambda x, w, b, s, gamma, beta, rm, rv, training: (
-                torch.nn.functional.batch_norm(torch.nn.functional.linear(x, w, b) * s, rm, rv,
-                                               gamma, beta, training))):
+        for fn in (cupykern.gemm_scale_batchnorm, lambda *a, training: (
+                gsbn_torch(*a, training, 0.1, 1e-5))):
             leaves = [t.clone().requires_grad_() if t is not None else None
                       for t in (x, w, b, s, gamma, beta)]
             fn(*leaves, rm, rv, training=False).backward(g)
@@ -769,7 +775,7 @@ def test_backward_passes_either_launch(dtype, training):
     rows) and in three give the same gradients, within rounding of the sums' order, at
     batches that leave a warp several 32-row chunks or a part of one, N of one column and
     of a partial 32-column block, and g with rows wider than N (a sliced view)."""
-    core = importlib.import_module("cupykern.gemm_scale_batchnorm")  # (the module, not the function)
+    core, bwd = _modules()
     for batch, fout in ((300, 1), (300, 33), (45, 70)):
         ref, new = _pair(20, fout)
         _running_stats(ref, new)
@@ -779,7 +785,7 @@ def test_backward_passes_either_launch(dtype, training):
         grads = []
         for rows in (core._GRAD_FUSED["ROWS"], 0):  # (0: three launches at any batch)
             core._plans.clear()  # (a forward plan keeps the backward plans it began)
-            core._backward_plans.clear()
+            bwd._backward_plans.clear()
             old, core._GRAD_FUSED["ROWS"] = core._GRAD_FUSED["ROWS"], rows
             try:
                 for p in [x, *new.parameters()]:
@@ -789,7 +795,7 @@ def test_backward_passes_either_launch(dtype, training):
             finally:
                 core._GRAD_FUSED["ROWS"] = old
                 core._plans.clear()
-                core._backward_plans.clear()
+                bwd._backward_plans.clear()
             grads.append([x.grad] + [p.grad for p in new.parameters()])
         want = _grads_float64(ref, x, g, training)
         for name, one, three, r in zip(["x"] + [n for n, _ in new.named_parameters()],
@@ -925,13 +931,13 @@ def test_planned_calls_follow_every_change():
 def test_passes_for_statistics_from_elsewhere_take_gpu_arrays_only():
     """The synchronized path's entry points (GEMM with epilogue statistics, apply, column
     sums, dz) name what they expect when given host arrays."""
-    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    gs, bwd = _modules()
     x, w, v = np.ones((4, 3), np.float32), np.ones((5, 3), np.float32), np.ones(5, np.float32)
     with pytest.raises(ValueError, match="x, weight: expected GPU arrays"):
         gs.gemm_statistics(x, w, "highest")
     z = np.ones((4, 5), np.float32)
-    for call in (lambda: gs.apply_coefficients(z, v, v, v), lambda: gs.grad_partials(z, z, v),
-                 lambda: gs.grad_dz(z, z, np.ones((3, 5), np.float32), v)):
+    for call in (lambda: gs.apply_coefficients(z, v, v, v), lambda: bwd.grad_partials(z, z, v),
+                 lambda: bwd.grad_dz(z, z, np.ones((3, 5), np.float32), v)):
         with pytest.raises(ValueError, match="z: expected a contiguous, 16-byte aligned"):
             call()
 
@@ -983,9 +989,8 @@ def test_forward_plan_follows_the_tf32_switch():
     m, k, n = 1024, 1027, 512
     x, w = (torch.randn(r, k, device="cuda", generator=g) for r in (m, n))
     b, s, gamma, beta = (torch.randn(n, device="cuda", generator=g) for _ in range(4))
-    y = (x.double() @ w.double().T + b.double()) * s.double()
-    want = (y - y.mean(0)) / torch.sqrt(y.var(0, unbiased=False) + 1e-5) * gamma.double() \
-        + beta.double()
+    want = gsbn_torch(*(t.double() for t in (x, w, b, s, gamma, beta)), None, None, True, 0.1,
+                      1e-5)
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         for tf32 in (False, True, False):

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_scale_batchnorm import (apply_coefficients, backward, batch_size_error, check,
-                                    check_inputs, check_real, gemm_scale_batchnorm_core,
-                                    gemm_statistics, grad_dz, grad_partials, planned_run)
+from ..gemm_scale_batchnorm import (Affine, BatchNormState, apply_coefficients,
+                                    batch_size_error, check, check_inputs, check_real,
+                                    gemm_scale_batchnorm_core, gemm_statistics, planned_run)
+from ..gemm_scale_batchnorm_backward import backward, grad_dz, grad_partials
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
@@ -60,8 +61,8 @@ def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momen
         return res if save else (res, x.new_empty(0), x.new_empty(0, dtype=_acc(x)))
     if save:
         raise ValueError("save: the fused backward runs on CUDA tensors only")
-    check(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
-               precision)
+    check(x, weight, Affine(bias, scale, gamma, beta),
+          BatchNormState(rmean, rvar, nbt, training, momentum, eps), precision)
     return _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum,
                       eps, precision, save)
 
@@ -117,12 +118,14 @@ def _backward(ctx, g, *_):
                             ctx.eps, ctx.precision, want[0], want[1])
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
+    affine = Affine(bias, scale, gamma, None)  # (bn_bias's gradient needs no bn_bias)
+    state = BatchNormState(rmean, rvar, None, ctx.training, None, ctx.eps)
     if not ctx.training and not torch.is_grad_enabled():
-        return _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
-    return _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar)
+        return _grad_eval(ctx, g, x, weight, affine, state)
+    return _grad_reference(ctx, g, x, weight, affine, state)
 
 
-def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
+def _grad_eval(ctx, g, x, weight, affine, state):
     """Eval-mode gradients off the GPU's fused backward, from z = x @ W.T recomputed.
     BatchNorm is then a per-column affine map, out = c (s (z + b) - rm) + beta
     with c = gamma / sqrt(rv + eps), so with S1 = sum_m g and S2 = sum_m g z:
@@ -130,8 +133,9 @@ def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
     d bias = c s S1, d scale = c (S2 + b S1), d gamma = (s (S2 + b S1) - rm S1) /
     sqrt(rv + eps), d beta = S1."""
     want, dt, acc = ctx.wants, x.dtype, _acc(x)
+    bias, scale, gamma, _ = affine
     z = F.linear(x, weight)
-    inv = torch.rsqrt(rvar.to(acc) + ctx.eps)
+    inv = torch.rsqrt(state.running_var.to(acc) + state.eps)
     c = inv if gamma is None else inv * gamma.to(acc)
     s = scale.to(acc)
     ga = g.to(acc)
@@ -143,26 +147,28 @@ def _grad_eval(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
     grads = (mm_op(dz, weight, ctx.precision) if want[0] else None,
              mm_op(dz.t(), x, ctx.precision) if want[1] else None,
              c * s * s1 if want[2] else None, c * s2b if want[3] else None,
-             inv * (s * s2b - rmean.to(acc) * s1) if want[4] else None, s1 if want[5] else None)
+             inv * (s * s2b - state.running_mean.to(acc) * s1) if want[4] else None,
+             s1 if want[5] else None)
     return tuple(None if t is None else t.to(dt) for t in grads) + (None,) * 8
 
 
-def _grad_reference(ctx, g, x, weight, bias, scale, gamma, rmean, rvar):
+def _grad_reference(ctx, g, x, weight, affine, state):
     """The gradients in PyTorch ops (recomputing the GEMM), differentiable."""
+    bias, scale, gamma, _ = affine
     dt = x.dtype
     acc = torch.float64 if dt == torch.float64 else torch.float32
     up = lambda t: None if t is None else t.to(acc)  # noqa: E731
     xa, wa, sa, ga = up(x), up(weight), up(scale), g.to(acc)
     z = F.linear(xa, wa, up(bias))
     y = z * sa
-    if ctx.training:
+    if state.training:
         mean, var = y.mean(0), y.var(0, unbiased=False)
     else:
-        mean, var = up(rmean), up(rvar)
-    inv = torch.rsqrt(var + ctx.eps)
+        mean, var = up(state.running_mean), up(state.running_var)
+    inv = torch.rsqrt(var + state.eps)
     yhat = (y - mean) * inv
     dyhat = ga if gamma is None else ga * up(gamma)
-    if ctx.training:
+    if state.training:
         dy = inv * (dyhat - dyhat.mean(0) - yhat * (dyhat * yhat).mean(0))
     else:
         dy = dyhat * inv
@@ -186,15 +192,18 @@ def _backward_impl(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, 
         dx, dw, dvec = backward(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
                                 precision, input_grad, weight_grad)
         return x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw, dvec
-    return _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
-                             input_grad, weight_grad)
+    return _grad_closed_form(g, z, coefs, x, weight, Affine(bias, scale, gamma, None),
+                             BatchNormState(rmean, training=training, eps=eps), input_grad,
+                             weight_grad)
 
 
-def _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, training, eps,
-                      input_grad, weight_grad):
+def _grad_closed_form(g, z, coefs, x, weight, affine, state, input_grad, weight_grad):
     """The fused backward's formulas in PyTorch ops (its CPU implementation: what opcheck
     and the CPU tests check the kernels' algebra against;
-    kernels_cu/gemm_scale_batchnorm_backward.cu derives them)."""
+    kernels_cu/gemm_scale_batchnorm_backward.cu derives them), in ``state``'s mode
+    (training, eps; running_mean in eval mode)."""
+    bias, scale, gamma, _ = affine
+    training, eps = state.training, state.eps
     acc = coefs.dtype
     ga, za = g.to(acc), z.to(acc)
     ca, cm, _, inv = coefs
@@ -208,7 +217,8 @@ def _grad_closed_form(g, z, coefs, x, weight, bias, scale, gamma, rmean, trainin
     else:  # (cm = 0: s2 = sum g z)
         s2b = s2 if bias is None else s2 + bias.to(acc) * s1
         dz = (ga * ca).to(x.dtype)
-        dvec = torch.stack([ca * s1, gm * inv * s2b, inv * (s * s2b - rmean.to(acc) * s1), s1])
+        dvec = torch.stack([ca * s1, gm * inv * s2b,
+                            inv * (s * s2b - state.running_mean.to(acc) * s1), s1])
     dx = dz @ weight if input_grad else x.new_empty(0)
     dw = dz.t() @ x if weight_grad else x.new_empty(0)
     return dx, dw, dvec.to(x.dtype)
@@ -255,8 +265,9 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
             and wants_grad((x, weight, bias, scale, bn_weight, bn_bias))
             and not torch._C._are_functorch_transforms_active())  # (its backward: PyTorch ops)
     if precision is None and _autocast_vendor(x, weight):
-        check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-              num_batches_tracked, training, momentum, eps, None)  # (as the op would)
+        check(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
+            running_mean, running_var, num_batches_tracked, training, momentum, eps),
+            None)  # (as the op would)
         return _reference(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                           num_batches_tracked, training, momentum, eps, None, False)[0]
     op, args = _op_call(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -450,8 +461,9 @@ def synchronized(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
         raise RuntimeError("synchronized batch statistics (SyncBatchNorm over several "
                            "processes) do not run under torch.func transforms")
     prec = resolve_precision(precision)
-    xo = check(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-               num_batches_tracked, True, momentum, eps, prec, synchronized=True)[0]
+    xo = check(x, weight, Affine(bias, scale, bn_weight, bn_bias),
+               BatchNormState(running_mean, running_var, num_batches_tracked, True, momentum,
+                              eps), prec, synchronized=True)[0]
     if not xo.torch:
         raise TypeError("x: synchronized batch statistics take torch tensors")
     return _Synchronized.apply(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
