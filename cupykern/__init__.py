@@ -14,6 +14,7 @@ import sys as _sys
 
 from . import gemm as _gemm, gemm_scale_batchnorm as _gsbn, normalize as _normalize
 from . import matmul_sum_max_mean_logsumexp as _m4
+from . import _array
 from ._array import accepts_producers as _producers
 from .matmul_sum_max_mean_logsumexp import MatmulSumPlan, prepare_matmul_sum
 
@@ -27,8 +28,16 @@ gemm_scale_batchnorm = _producers(  # (the running statistics: updated in traini
                                                    "num_batches_tracked") if a.get("training", True) else ())
 matmul_sum_max_mean_logsumexp = _producers(_m4.matmul_sum_max_mean_logsumexp)
 
+
+def _import_torch_layer():
+    """Import cupykern.torch (its modules register with the array layer): what the array
+    layer runs when it meets torch tensors before that (torch imported after cupykern)."""
+    from . import torch  # noqa: F401
+
+
+_array.set_torch_layer_import(_import_torch_layer)
 if _sys.modules.get("torch") is not None:  # register the ops now: torch.compile cannot trace an import
-    from . import torch as _torch_layer  # noqa: F401
+    _import_torch_layer()
 
 __version__ = "0.1.0"
 

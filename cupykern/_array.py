@@ -181,7 +181,7 @@ def stream_ptr(a) -> int:
     """The stream a launch for ``a`` (an Operand or a Place) must go on, as a raw handle:
     torch's current stream for tensors, CuPy's for CuPy arrays."""
     if a.kind == "torch":
-        return _TORCH._C._cuda_getCurrentRawStream(a.device)
+        return _torch_stream(a.device)
     return _loader.cupy().cuda.get_current_stream().ptr
 
 
@@ -270,18 +270,49 @@ def scalar(value, ctype: str):
     return _SCALAR[ctype](value)
 
 
-_LAYERS: dict = {}
+# ------------------------------------------------------------ the torch layer
+# cupykern.torch sits above this layer, which never imports it: its modules register
+# here when imported, and the package installs how to import it (the torch layer's
+# import), which a lookup runs on a miss (torch imported after cupykern).
+
+_LAYERS: dict = {}  # stem -> the torch layer's module of that name, registered by it
+_IMPORT_TORCH_LAYER = None  # set by the package: imports cupykern.torch
+
+
+def register_torch_layer(stem: str, module) -> None:
+    """Make ``module`` (``cupykern.torch.<stem>``) the torch layer of ``stem``."""
+    _LAYERS[stem] = module
+
+
+def set_torch_layer_import(import_layer) -> None:
+    """``import_layer()`` imports the torch layer, which registers its modules and raw
+    stream getter here (:func:`register_torch_layer`, :func:`register_torch_stream`)."""
+    global _IMPORT_TORCH_LAYER
+    _IMPORT_TORCH_LAYER = import_layer
 
 
 def torch_layer(stem: str):
-    """``cupykern.torch.<stem>``: where torch tensors go (custom ops, autograd). Imported
-    on first use, then a lookup in a dict of our own, which torch.compile traces without
-    a graph break (not sys.modules: see :func:`_torch`)."""
+    """``cupykern.torch.<stem>``: where torch tensors go (custom ops, autograd). A lookup
+    in a dict of our own, which torch.compile traces without a graph break (not
+    sys.modules: see :func:`_torch`); on a miss the torch layer is imported first."""
     mod = _LAYERS.get(stem)
     if mod is None:
-        import importlib
-        mod = _LAYERS[stem] = importlib.import_module(f"cupykern.torch.{stem}")
+        _IMPORT_TORCH_LAYER()
+        mod = _LAYERS[stem]
     return mod
+
+
+def register_torch_stream(raw_stream) -> None:
+    """``raw_stream(device)``: torch's current CUDA stream on ``device`` as a raw handle,
+    what :func:`stream_ptr` returns for torch tensors (the torch layer hands it over)."""
+    global _torch_stream
+    _torch_stream = raw_stream
+
+
+def _torch_stream(device: int) -> int:
+    """Until the torch layer registers its getter: import the torch layer, then ask it."""
+    _IMPORT_TORCH_LAYER()
+    return _torch_stream(device)
 
 
 def row_view_stride(o: Operand):

@@ -35,7 +35,7 @@ from . import _dask, _loader
 from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_into, data_ptr,
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
-from .gemm_checks import check, check_matmul, reference
+from .gemm_checks import check, check_matmul, promote, reference
 from .gemm_kernels import gemm, gemm_call, gemm_kernel, workspace
 from .gemm_operands import fresh_like, matrix, mm, mm_plan, on_arrays, planned_gemm
 from .gemm_route import VENDOR, register_plans, route_of
@@ -203,8 +203,10 @@ def matmul(a, b, *, precision=None, out=None):
     """``a @ b`` with NumPy's matmul semantics, on :func:`linear`'s dispatcher.
 
     Args:
-        a, b: CuPy arrays, torch tensors (CUDA or CPU) or NumPy arrays of one kind,
-            device and dtype (float16, bfloat16, float32, float64). 1-D operands are
+        a, b: CuPy arrays, torch tensors (CUDA or CPU) or NumPy arrays of one kind and
+            device, of float16, bfloat16, float32 or float64; two dtypes promote as in
+            NumPy and PyTorch (float32 @ float64 is float64: the lower one converted
+            first). 1-D operands are
             vectors (a row for ``a``, a column for ``b``, the dimension dropped from the
             result); more than 2 dims are stacks of matrices whose batch dims broadcast.
         precision: for float32 as in :func:`linear` ("highest": at least SGEMM's accuracy
@@ -220,6 +222,8 @@ def matmul(a, b, *, precision=None, out=None):
     """
     if is_torch(a):
         return torch_layer("gemm").matmul(a, b, precision=precision, out=out)
+    if getattr(a, "dtype", None) != getattr(b, "dtype", None):
+        a, b = promote(a, b)
     return matmul_core(a, b, precision, out)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._array import check_out, contiguous, operand, require_writable, same_place
+from ._array import FLOAT_DTYPES, check_out, contiguous, operand, require_writable, same_place
 
 PRECISIONS = ("highest", "high", "medium")  # PyTorch's float32 matmul precisions
 
@@ -109,6 +109,20 @@ def matmul_shape(a_shape, b_shape) -> tuple:
         raise ValueError(f"b: batch dimensions {tuple(b_shape[:-2])} do not broadcast with "
                          f"a's {tuple(a_shape[:-2])}") from None
     return batch + tuple(a_shape[-2:-1]) + tuple(b_shape[-1:] if len(b_shape) > 1 else ())
+
+
+def promote(a, b):
+    """``(a, b)`` in their common dtype where both are arrays of two different float dtypes
+    (NumPy's and CuPy's matmul promote: float32 @ float64 is float64, float16 @ float32
+    float32), the lower one converted; anything else as it is, for the checks to judge."""
+    try:
+        names = {a.dtype.name, b.dtype.name}
+        common = np.promote_types(a.dtype, b.dtype)
+    except (AttributeError, TypeError):
+        return a, b
+    if not names <= set(FLOAT_DTYPES) or common.name not in FLOAT_DTYPES:
+        return a, b
+    return a.astype(common, copy=False), b.astype(common, copy=False)
 
 
 def check_matmul(a, b, precision, out):

@@ -6,6 +6,7 @@ vendor's own forms of a product (:func:`padded_n`, :func:`padded_grad`,
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 from . import _loader
 from ._array import ITEMSIZE, Operand
@@ -149,18 +150,31 @@ _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
           "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024, "BIAS_APART_MIN_N": 64}
 
 
-def route(M: int, N: int, K: int, dtype: str, precision: str, kind: str, cc: int,
-          aligned: bool = True, grad: bool = False) -> str:
-    """OURS or VENDOR for a plain product (M x K) @ (K x N) of ``dtype`` at ``precision``
-    (a checked one; ignored but for float32) for arrays of ``kind`` on a GPU of compute
-    capability ``cc``; ``aligned``: Hopper runs ours on wgmma (:func:`route_of`);
-    ``grad``: a torch call that autograd records, in plain eager mode (the vendor's is
-    then torch's own op and backward, :func:`eager_plan`). Each rule with its
+class GemmProblem(NamedTuple):
+    """A plain product (M x K) @ (K x N) as the routing table reads it: ``dtype``, a
+    checked ``precision`` (read for float32 only), the arrays' ``kind`` ("torch" /
+    "cupy"), the GPU's compute capability ``cc``, ``aligned`` (Hopper would run ours on
+    wgmma: :func:`route_of`) and ``grad`` (a torch call that autograd records, in plain
+    eager mode: the vendor's is then torch's own op and backward)."""
+    M: int
+    N: int
+    K: int
+    dtype: str
+    precision: str
+    kind: str
+    cc: int
+    aligned: bool = True
+    grad: bool = False
+
+
+def route(p: GemmProblem) -> str:
+    """OURS or VENDOR for the plain product ``p``. Each rule with its
     measurement: H200, one run, our kernel forced against the vendor (cuBLAS through
     torch; "highest": SGEMM), events around each call, host included, shapes as M x K x
     N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
+    M, N, K, dtype, precision, kind, cc, aligned, grad = p
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
         return OURS  # (CuPy bfloat16)
     # Below sm_80 ours runs on CUDA cores only, as cuBLAS's SGEMM/DGEMM do, while cuBLAS
@@ -381,7 +395,7 @@ def route_of(ao, bo_nk, precision: str, grad: bool = False) -> str:
         else:  # 16-bit wgmma reads both in place, where _choose takes it
             aligned = (all(read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
                        and half_wgmma(ao, bo_nk, precision))
-    which = route(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad)
+    which = route(GemmProblem(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad))
     if which == VENDOR and not vendor_of(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which

@@ -4,6 +4,7 @@ import pytest
 
 import cupykern
 from cupykern.gemm_checks import reference
+from cupykern.gemm_route import GemmProblem
 
 torch = pytest.importorskip("torch")
 from support import assert_grad_close  # noqa: E402
@@ -796,56 +797,56 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
     assert gemm_kernels.gemm_kernel(a, b, "high", transposed_c=True).grid == (132,)  # 133 SMs
 
 
-# (M, N, K, dtype, precision, kind, compute capability, aligned[, grad]) -> route: the
+# GemmProblem(M, N, K, dtype, precision, kind, compute capability, aligned[, grad]) -> route: the
 # table's boundaries, pinned (cupykern.gemm_route.route gives each one's measurement).
 ROUTES = [
-    ((1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
-    ((1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
-    ((1024, 8192, 8192, "float16", "highest", "cupy", 90, True), "vendor"),
-    ((1, 4096, 4096, "float64", "highest", "cupy", 90, True), "vendor"),
-    ((4096, 4096, 4096, "float32", "highest", "torch", 75, True), "vendor"),
-    ((1024, 8192, 8192, "float32", "highest", "torch", 90, True), "ours"),
-    ((1024, 8192, 8192, "float32", "highest", "cupy", 80, False), "ours"),
-    ((1024, 8192, 8192, "float32", "highest", "torch", 90, False), "vendor"),  # off wgmma
-    ((64, 4096, 4096, "float32", "highest", "torch", 90, True), "ours"),
-    ((63, 4096, 4096, "float32", "highest", "torch", 90, True), "vendor"),
-    ((8192, 128, 2048, "float32", "highest", "torch", 90, True), "ours"),
-    ((8192, 127, 2048, "float32", "highest", "torch", 90, True), "vendor"),
-    ((65536, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
-    ((65536, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
-    ((1024, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**30
-    ((1024, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
-    ((256, 1024, 1024, "float32", "highest", "torch", 90, True), "vendor"),  # 2**28
-    ((256, 1024, 1024, "float32", "highest", "cupy", 90, True), "ours"),  # 2**28 (CuPy's)
-    ((256, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
-    ((1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
-    ((4097, 3001, 1000, "float32", "high", "torch", 90, True), "ours"),
-    ((4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),
-    ((4097, 3001, 1000, "float32", "high", "torch", 90, False), "vendor"),
-    ((4097, 3001, 1000, "float32", "high", "torch", 80, True), "vendor"),
-    ((1024, 1025, 1024, "float32", "high", "torch", 90, True), "ours"),  # 2**30
-    ((1024, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**30
-    ((512, 1024, 1024, "float32", "high", "torch", 90, True), "vendor"),
-    ((256, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**28
+    (GemmProblem(1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
+    (GemmProblem(1024, 8192, 8192, "float16", "highest", "cupy", 90, True), "vendor"),
+    (GemmProblem(1, 4096, 4096, "float64", "highest", "cupy", 90, True), "vendor"),
+    (GemmProblem(4096, 4096, 4096, "float32", "highest", "torch", 75, True), "vendor"),
+    (GemmProblem(1024, 8192, 8192, "float32", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(1024, 8192, 8192, "float32", "highest", "cupy", 80, False), "ours"),
+    (GemmProblem(1024, 8192, 8192, "float32", "highest", "torch", 90, False), "vendor"),  # off wgmma
+    (GemmProblem(64, 4096, 4096, "float32", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(63, 4096, 4096, "float32", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(8192, 128, 2048, "float32", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(8192, 127, 2048, "float32", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(65536, 128, 128, "float32", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(65536, 128, 127, "float32", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(1024, 1024, 1024, "float32", "highest", "torch", 90, True), "ours"),  # 2**30
+    (GemmProblem(1024, 1024, 1023, "float32", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(256, 1024, 1024, "float32", "highest", "torch", 90, True), "vendor"),  # 2**28
+    (GemmProblem(256, 1024, 1024, "float32", "highest", "cupy", 90, True), "ours"),  # 2**28 (CuPy's)
+    (GemmProblem(256, 1024, 1023, "float32", "highest", "cupy", 90, True), "vendor"),
+    (GemmProblem(1024, 8192, 8192, "float32", "high", "torch", 90, True), "vendor"),
+    (GemmProblem(4097, 3001, 1000, "float32", "high", "torch", 90, True), "ours"),
+    (GemmProblem(4097, 3001, 1000, "float32", "medium", "cupy", 90, True), "ours"),
+    (GemmProblem(4097, 3001, 1000, "float32", "high", "torch", 90, False), "vendor"),
+    (GemmProblem(4097, 3001, 1000, "float32", "high", "torch", 80, True), "vendor"),
+    (GemmProblem(1024, 1025, 1024, "float32", "high", "torch", 90, True), "ours"),  # 2**30
+    (GemmProblem(1024, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**30
+    (GemmProblem(512, 1024, 1024, "float32", "high", "torch", 90, True), "vendor"),
+    (GemmProblem(256, 1023, 1024, "float32", "high", "torch", 90, True), "vendor"),  # < 2**28
     # 16-bit, N % 8: ours on Hopper's wgmma from 2**30 (operands K-major in place)
-    ((1024, 1025, 1024, "float16", "highest", "torch", 90, True), "ours"),  # 2**30 + 2**20
-    ((1023, 1025, 1024, "float16", "highest", "torch", 90, True), "vendor"),
-    ((128, 1001, 1024, "bfloat16", "highest", "torch", 90, False), "vendor"),
-    ((128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
-    ((1100, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
-    ((128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
-    ((128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
-    ((128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
+    (GemmProblem(1024, 1025, 1024, "float16", "highest", "torch", 90, True), "ours"),  # 2**30 + 2**20
+    (GemmProblem(1023, 1025, 1024, "float16", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(128, 1001, 1024, "bfloat16", "highest", "torch", 90, False), "vendor"),
+    (GemmProblem(128, 1001, 1024, "bfloat16", "highest", "torch", 80, True), "vendor"),
+    (GemmProblem(1100, 1001, 1024, "float16", "highest", "cupy", 90, True), "ours"),
+    (GemmProblem(128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
+    (GemmProblem(128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
     # a call autograd records (grad): the misaligned-N rules from 2**33 only
-    ((2048, 1025, 4096, "bfloat16", "highest", "torch", 90, True, True), "ours"),  # > 2**33
-    ((2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, True), "vendor"),  # < 2**33
-    ((2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, False), "ours"),
-    ((4097, 3001, 1000, "float32", "high", "torch", 90, True, True), "ours"),
-    ((1024, 1025, 1024, "float32", "high", "torch", 90, True, True), "vendor"),
-    ((2048, 2048, 2048, "float32", "highest", "torch", 90, True, True), "ours"),  # 2**33
-    ((2048, 2047, 2048, "float32", "highest", "torch", 90, True, True), "vendor"),
-    ((2048, 2047, 2048, "float32", "highest", "torch", 90, True, False), "ours"),
-    ((2048, 2048, 1024, "float32", "highest", "torch", 90, True, True), "vendor"),  # 2**32
+    (GemmProblem(2048, 1025, 4096, "bfloat16", "highest", "torch", 90, True, True), "ours"),  # > 2**33
+    (GemmProblem(2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, True), "vendor"),  # < 2**33
+    (GemmProblem(2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, False), "ours"),
+    (GemmProblem(4097, 3001, 1000, "float32", "high", "torch", 90, True, True), "ours"),
+    (GemmProblem(1024, 1025, 1024, "float32", "high", "torch", 90, True, True), "vendor"),
+    (GemmProblem(2048, 2048, 2048, "float32", "highest", "torch", 90, True, True), "ours"),  # 2**33
+    (GemmProblem(2048, 2047, 2048, "float32", "highest", "torch", 90, True, True), "vendor"),
+    (GemmProblem(2048, 2047, 2048, "float32", "highest", "torch", 90, True, False), "ours"),
+    (GemmProblem(2048, 2048, 1024, "float32", "highest", "torch", 90, True, True), "vendor"),  # 2**32
 ]
 
 
@@ -853,14 +854,14 @@ ROUTES = [
 def test_route_table(args, want, dispatched):
     """GPU-free: the dispatcher's choice at each boundary of its table."""
     from cupykern import gemm, gemm_route
-    assert gemm_route.route(*args) == want
+    assert gemm_route.route(args) == want
 
 
 def test_forced_route(dispatched):
     from cupykern import gemm, gemm_route
     with gemm_route.forced_route("ours"):
-        assert gemm_route.route(1, 1, 1, "float64", "highest", "torch", 90) == "ours"
-    assert gemm_route.route(1, 1, 1, "float64", "highest", "torch", 90) == "vendor"
+        assert gemm_route.route(GemmProblem(1, 1, 1, "float64", "highest", "torch", 90)) == "ours"
+    assert gemm_route.route(GemmProblem(1, 1, 1, "float64", "highest", "torch", 90)) == "vendor"
     with pytest.raises(ValueError, match="which"):
         with gemm_route.forced_route("cublas"):
             pass

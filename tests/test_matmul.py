@@ -48,7 +48,7 @@ def test_gradcheck_cpu(sa, sb):
     (lambda a, b: cupykern.matmul(np.zeros((), np.float32), b), ValueError, "a: expected at least 1"),
     (lambda a, b: cupykern.matmul(np.zeros((2, 4, 5), np.float32), np.zeros((3, 5, 2), np.float32)),
      ValueError, "b: batch dimensions"),
-    (lambda a, b: cupykern.matmul(a, b.astype(np.float64)), TypeError, "b: dtype"),
+    (lambda a, b: cupykern.matmul(a, b.astype(np.int64)), TypeError, "b: unsupported dtype"),
     (lambda a, b: cupykern.matmul(a.astype(np.int32), b), TypeError, "a: unsupported dtype"),
     (lambda a, b: cupykern.matmul(a, torch.from_numpy(b)), TypeError, "do not mix"),
     (lambda a, b: cupykern.matmul(a, b, precision="low"), ValueError, "precision"),
@@ -223,3 +223,21 @@ def test_more_than_2_to_the_31_outputs(path, dtype):
     want = a.double() @ b[:, cols].double()
     assert (out[:, cols].double() - want).abs().max().item() <= bound * want.abs().max().item()
     del out
+
+
+@pytest.mark.parametrize("da, db", [("float32", "float64"), ("float64", "float32"),
+                                    ("float16", "float32")])
+def test_mixed_dtypes_promote_as_numpy_and_torch(da, db):
+    """float32 @ float64 is float64, as NumPy's, CuPy's and torch's promotion rules say
+    (torch.matmul itself refuses the mix); the values are those of the promoted product."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 7)).astype(da), rng.standard_normal((7, 3)).astype(db)
+    got = cupykern.matmul(a, b)
+    want = np.matmul(a, b)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    ta, tb = torch.from_numpy(a).requires_grad_(), torch.from_numpy(b).requires_grad_()
+    tgot = cupykern.matmul(ta, tb)
+    assert tgot.dtype == torch.promote_types(ta.dtype, tb.dtype)
+    tgot.sum().backward()
+    assert ta.grad.dtype == ta.dtype and tb.grad.dtype == tb.dtype

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._compat import GLOBAL_MODULE_HOOKS
+
 
 def require_tensor(x, name: str = "x") -> None:
     """TypeError naming ``name`` unless ``x`` is a dense torch.Tensor."""
@@ -29,7 +31,7 @@ def members(module: nn.Module, kind: type, names):
     """``[getattr(module, n) for n in names]``. For a module of exactly type ``kind`` (not a
     subclass, so no parametrization's property) its parameter, buffer and submodule
     dicts are read directly: nn.Module.__getattr__ costs about 0.5 us a name, and a
-    call reads about ten."""
+    call reads about ten. (The dicts: _compat.MODULE_STORES.)"""
     if type(module) is not kind:
         return [getattr(module, n) for n in names]
     d = module.__dict__
@@ -44,15 +46,15 @@ def members(module: nn.Module, kind: type, names):
     return found
 
 
-_MODULE = nn.modules.module  # where the global hooks live
+# register_module_forward_hook & co.'s dicts (see _compat)
+_G_FORWARD, _G_FORWARD_PRE, _G_BACKWARD, _G_BACKWARD_PRE = GLOBAL_MODULE_HOOKS
 
 
 def hooked(*modules: nn.Module) -> bool:
     """Whether calling these submodules would run hooks (their own or global ones): a
-    fused forward that never calls them would silently skip those."""
-    g = _MODULE
-    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-            or g._global_backward_pre_hooks):
+    fused forward that never calls them would silently skip those. (Each module's hook
+    dicts are read directly: _compat.MODULE_HOOKS.)"""
+    if _G_FORWARD or _G_FORWARD_PRE or _G_BACKWARD or _G_BACKWARD_PRE:
         return True
     for m in modules:  # (a loop, not any(generator): a call's fast path reads this)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:

@@ -18,31 +18,18 @@ microseconds a call, which small calls cannot afford.
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad
+
+from ._compat import (AFTER_AUTOGRAD_KEYSET, FUNCTION_APPLY, AutoDispatchBelowAutograd, DispatchKey,
+                      DispatchKeySet, ExcludeDispatchKeyGuard, TransformType,
+                      are_functorch_transforms_active, is_functional_schema, maybe_get_level,
+                      op_schema, retrieve_current_functorch_interpreter, tree_map)
+# Plain eager mode (whose tests are torch internals) and torch.func / forward AD; the
+# torch layer's modules import _eager from here.
+from ._compat import eager as _eager, transforming as _transforming
 
 NAMESPACE = "cupykern"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses: fake, functional, DTensor...
-
-
-def _eager(autocast_ok: bool = False) -> bool:
-    """Nothing is tracing or watching: no torch.compile/export, jit.trace, dispatch or
-    torch-function mode, functorch transform, forward-AD level or, unless
-    ``autocast_ok`` (an op that computes alike in an autocast region: no autocast
-    policy), autocast region."""
-    return (not torch.compiler.is_compiling()
-            and (autocast_ok or not torch._C._is_any_autocast_enabled())
-            and not torch._C._get_tracing_state()
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active()
-            and forward_ad._current_level < 0)
-
-
-def _transforming() -> bool:
-    """torch.func transforms, or forward-mode AD (``forward_ad.dual_level``: dual tensors
-    whose tangents a plain call would drop)."""
-    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def _plain(t) -> bool:
@@ -65,11 +52,6 @@ def _direct(tensors) -> bool:
     return _eager() and all(_plain(t) for t in tensors)
 
 
-# autograd.Function.apply without what only functorch transforms need (a pytree pass
-# over the arguments to unwrap dead wrappers), which _direct rules out: ~0.3 us an argument.
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
-
-
 def _function(name, forward, setup_context, backward, lead=False, trail=False):
     """An autograd.Function of ``forward`` with the op's own setup_context / backward.
     With ``lead``, the first argument (a dispatch keyset) is not the op's and gets no
@@ -90,7 +72,7 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
 
     cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd),
                                                   "backward": staticmethod(bwd)})
-    cls.apply_eager = _FUNCTION_APPLY.__get__(None, cls)
+    cls.apply_eager = FUNCTION_APPLY.__get__(None, cls)  # (see _compat)
     return cls
 
 
@@ -103,7 +85,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
     *args)`` where the batch dimension folds into the op's own (e.g. into its rows), else
     ``reference`` under vmap, which also raises what the reference model raises (e.g.
     BatchNorm's running statistics in training mode)."""
-    mutated, returns = _mutated(op), len(op._schema.returns)
+    mutated, returns = _mutated(op), len(op_schema(op).returns)
 
     def forward(*args):
         return op(*args)
@@ -129,7 +111,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
             return out[0] if isinstance(out, tuple) else out  # (the rest: non-differentiable)
 
         primals, moved = [args[i] for i in moving], [tangents[i] for i in moving]
-        if torch._C._are_functorch_transforms_active():
+        if are_functorch_transforms_active():
             jt = torch.func.jvp(f, tuple(primals), tuple(moved))[1]
         else:  # eager forward AD (cannot nest dual levels): J t = d/du <J^T u, t>
             with torch.enable_grad():
@@ -154,7 +136,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
             if res is not None:
                 return res
         out = torch.vmap(reference, in_dims=in_dims, randomness=info.randomness)(*args)
-        return out, torch.utils._pytree.tree_map(lambda _: 0, out)
+        return out, tree_map(lambda _: 0, out)
 
     return type(name, (torch.autograd.Function,), {
         "generate_vmap_rule": False, "forward": staticmethod(forward),
@@ -164,7 +146,7 @@ def _transformable(name, op, setup_context, backward, reference, fold):
 
 def _mutated(op) -> list:
     """The indices of the arguments ``op`` writes in place."""
-    return [i for i, a in enumerate(op._schema.arguments)
+    return [i for i, a in enumerate(op_schema(op).arguments)
             if a.alias_info is not None and a.alias_info.is_write]
 
 
@@ -173,9 +155,6 @@ def _check_captured(name, op, captured, args):
     in training mode) raise inside a grad or jvp transform when the tensor they would
     update is captured from outside it (not an input of the transformed function), for
     the arguments (indices ``captured``) the op's reference updates that way."""
-    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-    from torch._C._functorch import TransformType, maybe_get_level
-
     interpreter = retrieve_current_functorch_interpreter()
     if interpreter.key() not in (TransformType.Grad, TransformType.Jvp):
         return
@@ -184,7 +163,7 @@ def _check_captured(name, op, captured, args):
         if isinstance(t, torch.Tensor) and maybe_get_level(t) < interpreter.level():
             raise RuntimeError(
                 f"During a grad (vjp, jvp, grad, etc) transform, cupykern.{name} would update "
-                f"its argument {op._schema.arguments[i].name} in place, a tensor captured from "
+                f"its argument {op_schema(op).arguments[i].name} in place, a tensor captured from "
                 "outside the transform; pass it as an input of the transformed function "
                 "(e.g. the module's buffers through torch.func.functional_call), or use "
                 "torch.func.replace_all_batch_norm_modules_ or eval mode, as for BatchNorm")
@@ -193,8 +172,8 @@ def _check_captured(name, op, captured, args):
 def _below_autograd(op):
     """``op`` called again past the autograd keys, as the Autograd kernel's forward."""
     def forward(keyset, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        with AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args)
     return forward
 
 
@@ -203,7 +182,8 @@ def _run_planned(*args):
 
 
 def _autocast_key(device_type: str) -> str:
-    return "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    """The Autocast dispatch key of "cpu" / "cuda": AutocastCPU / AutocastCUDA."""
+    return "Autocast" + device_type.upper()
 
 
 def _autocast_args(args, device_type, policy):
@@ -221,11 +201,11 @@ def _autocast_args(args, device_type, policy):
 def _autocast_kernel(op, device_type, policy):
     """The op's Autocast kernel: :func:`_autocast_args`, then the op with autocast off, as
     PyTorch's own ops do."""
-    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _autocast_key(device_type)))
+    key = DispatchKeySet(getattr(DispatchKey, _autocast_key(device_type)))
 
     def kernel(keyset, *args):
         args = _autocast_args(args, device_type, policy)
-        with torch._C._ExcludeDispatchKeyGuard(key):
+        with ExcludeDispatchKeyGuard(key):
             return op(*args)
 
     return kernel
@@ -269,7 +249,7 @@ class Op:
                 _LIB.impl(self.name, _autocast_kernel(self.op, device_type, autocast),
                           _autocast_key(device_type), with_keyset=True)
         self.function = self.planned = self.transformable = None
-        schema_names = [a.name for a in self.op._schema.arguments]
+        schema_names = [a.name for a in op_schema(self.op).arguments]
         self.captured = [schema_names.index(n) for n in captured]
         if backward is None:
             return
@@ -279,7 +259,7 @@ class Op:
         self.transformable = _transformable(self.name, self.op, setup_context, backward,
                                             reference, fold)
         self.planned = _function(self.name, _run_planned, setup_context, backward, trail=True)
-        if torch._library.utils.is_functional_schema(self.op._schema):
+        if is_functional_schema(op_schema(self.op)):
             torch.library.register_autograd(qualname, backward, setup_context=setup_context,
                                             lib=_LIB)
         else:  # register_autograd takes functional ops only: its own recipe, by hand
@@ -299,7 +279,7 @@ class Op:
             self._no_backward()
         if not direct:
             if self.transformable is not None and _transforming():
-                if self.captured and torch._C._are_functorch_transforms_active():
+                if self.captured and are_functorch_transforms_active():
                     _check_captured(self.name, self.op, self.captured, args)
                 return self.transformable.apply(*args)
             if self.autocast is not None and torch.compiler.is_compiling():

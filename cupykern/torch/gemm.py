@@ -321,7 +321,11 @@ matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_im
 def matmul(a, b, *, precision=None, out=None):
     """:func:`cupykern.matmul` for torch tensors, through the custom op (as linear's). With ``out``
     (validated as the op's arguments are), the result is copied into it; as torch's own
-    ``out=`` it takes no gradient."""
+    ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
+    (the lower operand converted, differentiably)."""
+    if a.dtype != getattr(b, "dtype", a.dtype) and a.is_floating_point() and b.is_floating_point():
+        common = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(common), b.to(common)
     if out is None:
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
     prec = resolve_precision(precision)

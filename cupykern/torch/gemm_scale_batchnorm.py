@@ -24,6 +24,7 @@ from ..gemm_scale_batchnorm_backward import backward, grad_dz, grad_partials
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
+from ._compat import are_functorch_transforms_active, is_any_autocast_enabled
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
@@ -263,7 +264,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     save = (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() == 2 and x.shape[0] > 0
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0
             and wants_grad((x, weight, bias, scale, bn_weight, bn_bias))
-            and not torch._C._are_functorch_transforms_active())  # (its backward: PyTorch ops)
+            and not are_functorch_transforms_active())  # (its backward: PyTorch ops)
     if precision is None and _autocast_vendor(x, weight):
         check(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
             running_mean, running_var, num_batches_tracked, training, momentum, eps),
@@ -291,7 +292,7 @@ AUTOCAST_VENDOR_WORK = 2 ** 35
 def _autocast_vendor(x, weight) -> bool:
     """Whether a call on float32 CUDA ``x`` (B, K) and ``weight`` (N, K) in a 16-bit CUDA
     autocast region runs as the reference composition (AUTOCAST_VENDOR_WORK)."""
-    return (torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled("cuda")
+    return (is_any_autocast_enabled() and torch.is_autocast_enabled("cuda")
             and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.float32
             and x.dim() == 2 and isinstance(weight, torch.Tensor) and weight.dim() == 2
             and x.shape[0] * x.shape[1] * weight.shape[0] >= AUTOCAST_VENDOR_WORK
@@ -457,7 +458,7 @@ def synchronized(x, weight, bias, scale, bn_weight, bn_bias, running_mean=None,
     sums backward (torch.distributed must be initialized; any backend). A process may
     hold any number of rows, none included. The running statistics are updated with the
     statistics of all rows, identically on every rank."""
-    if torch._C._are_functorch_transforms_active():  # (its autograd.Function is eager-only)
+    if are_functorch_transforms_active():  # (its autograd.Function is eager-only)
         raise RuntimeError("synchronized batch statistics (SyncBatchNorm over several "
                            "processes) do not run under torch.func transforms")
     prec = resolve_precision(precision)
@@ -581,7 +582,7 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
                 or type(scale) not in _PLAIN or scale.dim() != 1 or hooked(gemm, bn)):
             return None
         weight = gemm.weight
-        if torch._C._is_any_autocast_enabled() and _autocast_vendor(x, weight):
+        if is_any_autocast_enabled() and _autocast_vendor(x, weight):
             # PyTorch's composition (AUTOCAST_VENDOR_WORK) from the plain submodules
             # themselves, the op's checks left out (H200, 1024x8192->8192, bf16 forward
             # against eager: 0.85x through the op's entry, which checks every argument;

@@ -32,6 +32,7 @@ from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan
                                               check_weights, check_x, planned_run)
 from .._array import UNPLANNED, operand, signature
 from ._checks import hooked, members, require_submodule, require_tensor
+from ._compat import are_functorch_transforms_active
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
 
 
@@ -157,7 +158,7 @@ def _detach(t):
 
 def _plan_of(weight, bias):
     """The plan tensor of these weights, off autograd, outside eager mode."""
-    if torch._C._are_functorch_transforms_active():
+    if are_functorch_transforms_active():
         return _plan_reference(_detach(weight), _detach(bias))
     return plan_op(_detach(weight), _detach(bias))
 
@@ -171,7 +172,7 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     if data is None:
         # x and the weights must agree before the weights are read (under torch.func the
         # op checks them, unwrapped: functorch's wrapped tensors have no data pointer)
-        if not torch._C._are_functorch_transforms_active():
+        if not are_functorch_transforms_active():
             check_x(operand(x, "x"), check_weights(weight, bias)[0], nd=True)
         if nd:
             return reference(x, weight, bias)
