@@ -187,6 +187,17 @@ def test_convert_a_linear_root_and_leaves_subclasses():
     assert type(m[0]) is Mine and type(m[1]) is nn.modules.linear.NonDynamicallyQuantizableLinear
 
 
+def test_convert_leaves_cupykerns_fused_modules_alone():
+    """GemmScaleBatchNorm and MatmulSumMaxMeanLogSumExp run their own kernels on a plain
+    nn.Linear they require: convert leaves them (and it) as they are."""
+    from cupykern.torch import GemmScaleBatchNorm, MatmulSumMaxMeanLogSumExp
+
+    model = nn.Sequential(GemmScaleBatchNorm(4, 4, (4,)), MatmulSumMaxMeanLogSumExp(4, 3))
+    out = convert(model)
+    assert out is model and type(model[0].gemm) is nn.Linear
+    assert type(model[1].linear) is nn.Linear
+
+
 def _mlp(bn=lambda n: nn.BatchNorm1d(n)):
     return nn.Sequential(nn.Linear(6, 8), bn(8), nn.ReLU(),
                          nn.Sequential(nn.Linear(8, 8), bn(8)), nn.Linear(8, 3))

@@ -25,6 +25,9 @@ How a converted model keeps PyTorch's behaviour:
   returns the region's 16-bit dtype, the fused op float32), hooks on either module (or
   global ones), a training batch of one row (BatchNorm's own error), mixed dtypes or
   devices, or modules replaced after conversion by other types.
+* Only pairs adjacent in an ``nn.Sequential`` fuse: a custom forward's
+  ``self.bn(self.fc(x))`` is data flow that convert does not see (its Linear is still
+  converted). nn.SyncBatchNorm and BatchNorm1d subclasses are not fused.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from torch import nn
 from ._checks import hooked
 from ._op import _PLAIN
 from .gemm import linear as _linear
-from .gemm_scale_batchnorm import _arguments, gemm_scale_batchnorm
+from .gemm_scale_batchnorm import GemmScaleBatchNorm, _arguments, gemm_scale_batchnorm
+from .matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp
 
 __all__ = ["Linear", "FusedSequential", "convert", "unconvert"]
 
@@ -198,6 +202,9 @@ def convert(module: nn.Module, *, fuse_batchnorm: bool = True) -> nn.Module:
     (see :meth:`Linear.from_linear`), recursively through all children (Sequential,
     ModuleList, ModuleDict, custom modules).
 
+    cupykern's own fused modules (GemmScaleBatchNorm, MatmulSumMaxMeanLogSumExp) are
+    left as they are: their kernels already compute their nn.Linear.
+
     With ``fuse_batchnorm``, each ``nn.Sequential`` (exact type) holding an nn.Linear
     directly followed by an ``nn.BatchNorm1d`` of its out_features becomes a
     :class:`FusedSequential` with the same children, which runs the pair as one fused
@@ -214,7 +221,12 @@ def convert(module: nn.Module, *, fuse_batchnorm: bool = True) -> nn.Module:
 
         model = cupykern.torch.convert(model)   # before making the optimizer, or after
     """
-    return _walk(module, lambda m: _convert_one(m, fuse_batchnorm), {})
+    return _walk(module, lambda m: _convert_one(m, fuse_batchnorm), {}, _FUSED_ALREADY)
+
+
+# cupykern's own fused modules: their kernels read their nn.Linear's parameters
+# themselves, and they require it to stay a plain nn.Linear (left alone, children too).
+_FUSED_ALREADY = (GemmScaleBatchNorm, MatmulSumMaxMeanLogSumExp)
 
 
 def unconvert(module: nn.Module) -> nn.Module:
@@ -225,14 +237,18 @@ def unconvert(module: nn.Module) -> nn.Module:
     return _walk(module, _unconvert_one, {})
 
 
-def _walk(module, one, memo):
-    """``one`` applied bottom-up: each child replaced in its parent by what it becomes."""
+def _walk(module, one, memo, skip=()):
+    """``one`` applied bottom-up: each child replaced in its parent by what it becomes
+    (modules of the types ``skip`` left as they are, children included)."""
     key = id(module)
     if key in memo:
         return memo[key]
+    if isinstance(module, skip):
+        memo[key] = module
+        return module
     for name, child in list(module._modules.items()):
         if child is not None:
-            new = _walk(child, one, memo)
+            new = _walk(child, one, memo, skip)
             if new is not child:
                 module._modules[name] = new
     out = one(module)
