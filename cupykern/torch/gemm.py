@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import gemm as core, gemm_checks as checks, gemm_operands as operands, gemm_route as route
+from ._compat import get_cublas_allow_tf32, is_any_autocast_enabled
 from ._op import Op, _eager, lower_precision, wants_grad
 
 
@@ -46,7 +47,7 @@ def resolve_precision(precision) -> str:
     if torch.is_autocast_enabled("cuda"):
         return "high"
     if torch.compiler.is_compiling():
-        return "high" if torch._C._get_cublas_allow_tf32() else "highest"
+        return "high" if get_cublas_allow_tf32() else "highest"
     return torch.get_float32_matmul_precision()
 
 
@@ -61,9 +62,9 @@ class Vendor:
 
     @staticmethod
     def state():
-        return torch._C._get_cublas_allow_tf32()
+        return get_cublas_allow_tf32()
 
-    autocasting = staticmethod(torch._C._is_any_autocast_enabled)  # (where the forms don't hold)
+    autocasting = staticmethod(is_any_autocast_enabled)  # (where the forms don't hold)
     capturing = staticmethod(torch.cuda.is_current_stream_capturing)
 
     @staticmethod
