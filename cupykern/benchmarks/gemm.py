@@ -288,7 +288,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
     """One row: ours (the dispatcher's choice), PyTorch eager and torch.compile at the same
     precision, host time included; the ceiling; each one's max error against float64
     over max |reference|; with ``paths`` (float32) also our kernel forced (ours_ms)."""
-    from cupykern import gemm
+    from cupykern import gemm_route
 
     args, theirs, ref, (M, K, N, B) = _operands(op, shape, dtype)
     fn = getattr(cupykern, op)
@@ -308,7 +308,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
                (("err_ours", ours), ("err_torch", eager))}
         extra = {}
         if paths and dtype == "float32":
-            with gemm.forced_route(gemm.OURS):
+            with gemm_route.forced_route(gemm_route.OURS):
                 extra["ours_ms"] = time_ms(ours, iters=iters)
                 extra["err_ours_kernel"] = (ours().double() - ref).abs().max().item() / scale
         if prec == "highest":
@@ -404,26 +404,26 @@ def _gsbn_route(x, w, prec, region, grad):
     """How ours ran: "fused" (our GEMM and epilogue), "vendor+bn" (the vendor's GEMM, our
     BatchNorm passes) or "torch" (PyTorch's composition: big products under autocast), for
     the forward of a training step if ``grad``."""
-    from cupykern import gemm
+    from cupykern import gemm_checks, gemm_route
     from cupykern._array import operand
     from cupykern.torch import gemm_scale_batchnorm as tgsbn
 
     with region():
         if tgsbn._autocast_vendor(x, w):
             return "torch"
-    precision = prec if prec in gemm.PRECISIONS else "high"
-    vendor = gemm.fused_vendor(operand(x, "x"), operand(w, "w"), precision, grad=grad)
+    precision = prec if prec in gemm_checks.PRECISIONS else "high"
+    vendor = gemm_route.fused_vendor(operand(x, "x"), operand(w, "w"), precision, grad=grad)
     return "vendor+bn" if vendor else "fused"
 
 
 def _route_name(op, args, prec):
     """The dispatcher's choice for this call (first matrix of a stack)."""
-    from cupykern import gemm
+    from cupykern import gemm, gemm_route
     from cupykern._array import operand
 
     a, b = args[0], args[1]
     if op == "linear":
-        return gemm._route_of(operand(a, "x"), operand(b, "w"), prec or "highest")
+        return gemm_route.route_of(operand(a, "x"), operand(b, "w"), prec or "highest")
     return gemm._matmul_route(operand(a, "a"), operand(b, "b"), prec or "highest")
 
 
@@ -501,7 +501,7 @@ def survey(seed: int, below: float = 0.97) -> None:
     the sweep's figures include host time.)"""
     import torch.nn.functional as F
 
-    from cupykern import gemm
+    from cupykern import gemm_route
     from cupykern._array import operand
     from cupykern.models import gemm_scale_batchnorm as model3
 
@@ -524,7 +524,7 @@ def survey(seed: int, below: float = 0.97) -> None:
                            graph_us(lambda: F.linear(x, w, b)))
             ratios.append(eager / ours)
             if ratios[-1] < below:
-                route = gemm._route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
+                route = gemm_route.route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
                 print(f"linear {M}x{K}x{N} {dt} {prec}: ours {ours:.1f} eager {eager:.1f} us "
                       f"({ratios[-1]:.2f}x) route {route}", flush=True)
         report(f"linear {dt} {prec}", ratios)
