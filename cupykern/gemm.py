@@ -1,5 +1,5 @@
 """``linear`` (``x @ weight.T + bias``) and ``matmul`` (NumPy's ``a @ b``): our own
-tensor-core GEMM (kernels_cu/gemm*.cu) or, where the dispatcher (:func:`route`, one table,
+tensor-core GEMM (kernels_cu/gemm*.cu) or, where the dispatcher (:func:`~cupykern.gemm_route.route`, one table,
 each boundary with its measurement) finds that no kernel of ours beats it for a plain
 product, cuBLAS through torch or CuPy. The fused ops (GemmScaleBatchNorm, M4) keep our
 kernels; ``mm`` is our GEMM for their backward passes.
@@ -57,7 +57,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
 
     Returns an array of x's kind (torch in -> torch out, on torch's current stream,
     through the custom op ``torch.ops.cupykern.linear``, with autograd). The product runs
-    on our kernels or cuBLAS as :func:`route` says (float32 on cuBLAS only where the
+    on our kernels or cuBLAS as :func:`~cupykern.gemm_route.route` says (float32 on cuBLAS only where the
     library's own TF32 setting gives ``precision``: torch's TF32 switch, CuPy's compute
     type), decided once per argument signature. A Dask array x
     (CuPy or NumPy chunks; weight and bias concrete arrays of that kind) gives a Dask
@@ -170,7 +170,7 @@ def eager_plan(x, weight, bias, precision, state, grad=False):
     lookup), or None until a first call has planned them or where the general path
     computes them. (Arguments that :func:`signature` does not describe, such as tensor
     subclasses, have no plan.) ``grad``: a call that autograd records, which also takes
-    the vendor's form where :func:`route` with ``grad`` gives it the product, planned on
+    the vendor's form where :func:`~cupykern.gemm_route.route` with ``grad`` gives it the product, planned on
     its first call (which, where ours computes it, validates again in the op)."""
     key = _linear_key(x, weight, bias, precision, state)
     return _eager_plan(_plans, _grad_plans, key, grad, check, _fresh,
@@ -216,7 +216,7 @@ def matmul(a, b, *, precision=None, out=None):
             with ``a`` or ``b``).
 
     Returns an array of a's kind (torch: through ``torch.ops.cupykern.matmul``, with
-    autograd). Each matrix product goes where :func:`route` says: our tensor-core GEMM, or
+    autograd). Each matrix product goes where :func:`~cupykern.gemm_route.route` says: our tensor-core GEMM, or
     cuBLAS through torch / CuPy (batched there, except float32 "highest" that ours takes:
     a loop of our 2-D kernel, and CuPy bfloat16, ours). NumPy arrays use NumPy.
     """
@@ -262,7 +262,7 @@ def _as_matrices(ao, bo):
 
 
 def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
-    """:func:`route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
+    """:func:`~cupykern.gemm_route.route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
@@ -328,7 +328,7 @@ def _broadcast_to(t, shape):
 
 def _matmul_fresh(checked, a, b, precision, out, grad=False):
     """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
-    planned once: the vendor's call, or our planned 2-D GEMM (:func:`mm_plan`); None where
+    planned once: the vendor's call, or our planned 2-D GEMM (:func:`~cupykern.gemm_operands.mm_plan`); None where
     the call needs the general path (CPU, empty, a stack on ours, an operand copied
     otherwise). With ``grad``, as :func:`_fresh`'s."""
     ao, bo, prec, shape, _ = checked

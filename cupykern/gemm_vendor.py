@@ -40,7 +40,7 @@ def vendor_of(kind: str):
 
 
 def vendor_state(x):
-    """The float32 setting of ``x``'s library that :func:`route_of` read (None for
+    """The float32 setting of ``x``'s library that :func:`~cupykern.gemm_route.route_of` read (None for
     anything else): calls under another setting plan again."""
     if is_torch(x):
         return vendor_of("torch").state()
@@ -50,7 +50,7 @@ def vendor_state(x):
 def float64_capture(x) -> bool:
     """Whether ``x`` is of 8-byte elements (float64, once checked) and the current stream of
     its library (torch or CuPy) is capturing a CUDA graph: where a fused op's float64
-    products follow :func:`route` (``captured``, see :func:`fused_vendor`); part of its
+    products follow :func:`~cupykern.gemm_route.route` (``captured``, see :func:`~cupykern.gemm_route.fused_vendor`); part of its
     plans' keys (other dtypes' plans do not depend on capture)."""
     if getattr(x, "itemsize", 0) != 8:
         return False
@@ -145,7 +145,7 @@ class _CupyVendor:
 
 
 class VendorPlan:
-    """A plan where :func:`route` chose the vendor: ``run(*arrays) = impl(*arrays,
+    """A plan where :func:`~cupykern.gemm_route.route` chose the vendor: ``run(*arrays) = impl(*arrays,
     precision)`` (linear's ``(x, weight, bias)``, matmul's ``(a, b)``); ``eager``: the
     same product as the vendor's library computes it outside autocast and tracing, with
     what ``impl`` decides per call decided (``eager(*arrays)``), or None (CuPy's). A run
