@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import hooked
+from ._compat import are_functorch_transforms_active, is_any_autocast_enabled
 from ._op import _PLAIN
 from .gemm import linear as _linear
 from .gemm_scale_batchnorm import GemmScaleBatchNorm, _arguments, gemm_scale_batchnorm
@@ -124,7 +125,7 @@ def _ones(proto: torch.Tensor, n: int) -> torch.Tensor:
     pair. On CUDA in eager mode a slice of a vector kept for the process (no fill kernel
     a call); elsewhere (CPU, tracing, graph capture before one exists) made anew."""
     if (not proto.is_cuda or type(proto) not in _PLAIN or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()):
+            or are_functorch_transforms_active()):
         return proto.new_ones(n)
     key = (proto.device, proto.dtype)
     t = _ONES.get(key)
@@ -146,7 +147,7 @@ def fused_linear_batchnorm(linear: nn.Linear, bn: nn.BatchNorm1d, x):
     module docstring): then the caller runs the modules."""
     if not (isinstance(x, torch.Tensor) and x.dim() == 2) or not _pair(linear, bn):
         return None
-    if torch._C._is_any_autocast_enabled() or hooked(linear, bn):
+    if is_any_autocast_enabled() or hooked(linear, bn):
         return None
     weight = linear.weight
     dt, dev = x.dtype, x.device
