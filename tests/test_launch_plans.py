@@ -14,7 +14,7 @@ from cupykern import _array, _loader, _tma
 
 MODULES = [_array] + [sys.modules[f"cupykern.{m}"] for m in (
     "normalize", "gemm", "gemm_checks", "gemm_kernels", "gemm_operands", "gemm_route", "gemm_vendor",
-    "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp",
+    "gemm_scale_batchnorm", "gemm_scale_batchnorm_backward", "matmul_sum_max_mean_logsumexp",
     "torch.matmul_sum_max_mean_logsumexp")]
 
 
@@ -123,6 +123,7 @@ def _calls():
     """(label, fn(arrays), make_arrays(), plans it caches) for each op; arrays of one
     geometry."""
     gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    gsb = sys.modules["cupykern.gemm_scale_batchnorm_backward"]
     m4 = sys.modules["cupykern.matmul_sum_max_mean_logsumexp"]
     r = torch.randn
     nz = cupykern.normalize
@@ -160,11 +161,11 @@ def _calls():
     # the fused backward, its dx and dW GEMMs planned within it
     for training in (True, False):
         yield (f"gemm_scale_batchnorm backward training={training}",
-               lambda a, t=training: gs.backward(*a, t, 1e-5, "highest"),
+               lambda a, t=training: gsb.backward(*a, t, 1e-5, "highest"),
                lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), r(8), r(8), r(8),
                         r(8)], 1)
     yield ("gemm_scale_batchnorm backward, no bias or bn_weight, dW only",
-           lambda a: gs.backward(*a, None, True, 1e-5, "high", False, True),
+           lambda a: gsb.backward(*a, None, True, 1e-5, "high", False, True),
            lambda: [r(9, 8), r(9, 8), r(4, 8).abs(), r(9, 24), r(8, 24), None, r(8), None], 1)
 
     def m4_call(a):
@@ -305,7 +306,7 @@ def test_backward_copies_once_a_call(launches, monkeypatch, g):
     """A backward call whose g must be copied (rows not contiguous: a transposed view, or
     the stride-0 gradient of ``out.sum()``) copies it once: on the first call, which
     validates and plans, as on every later one, which takes the plan without validating."""
-    gs = sys.modules["cupykern.gemm_scale_batchnorm"]
+    gs = sys.modules["cupykern.gemm_scale_batchnorm_backward"]
     copies, fake, checks, check = [], _array.contiguous, [], gs._check_backward
 
     def counting(a, copy=False):
