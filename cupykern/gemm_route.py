@@ -283,6 +283,14 @@ def route(p: GemmProblem) -> str:
     return VENDOR
 
 
+def vendor_any_layout(p: GemmProblem) -> bool:
+    """Whether :func:`route` gives ``p`` to the vendor whatever its operands' layout and
+    alignment and whether autograd records the call (``grad`` only ever moves a product
+    to the vendor): a plan of such a product holds for any call of its shapes, dtype and
+    precision (the torch layer's shape-keyed plans, which read no strides)."""
+    return all(route(p._replace(aligned=a, grad=False)) == VENDOR for a in (True, False))
+
+
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
     multiple of 8 in a product of at least 2**30 multiply-adds where cuBLAS runs slow

@@ -27,7 +27,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import gemm as core, gemm_checks as checks, gemm_operands as operands, gemm_route as route
+from .. import _loader, gemm as core, gemm_checks as checks, gemm_operands as operands, gemm_route as route
+from .._array import cached
+from ..gemm_route import GemmProblem
 from ._compat import get_cublas_allow_tf32, is_any_autocast_enabled
 from ._op import Op, _eager, lower_precision, wants_grad
 
@@ -251,28 +253,92 @@ def _eager_precision(precision):
     return prec if type(prec) is str else None
 
 
-def _call(op, eager_plan, args, precision):
+def _call(op, eager_plan, args, precision, remember=None):
     """``op(*args, precision)``; in plain eager mode, once a call has planned these
     arguments (:func:`cupykern.gemm.eager_plan`), the plan itself: the vendor's as torch's
     own op, ours through :meth:`Op.call_planned` (the op's autograd, without its second
-    key, mode checks and lookup: the host time of a call that ours computes)."""
+    key, mode checks and lookup: the host time of a call that ours computes).
+    ``remember(run, precision)`` is told the vendor's plans (:func:`_remember`)."""
     if _eager():
         prec = _eager_precision(precision)
         if prec:
             grad = wants_grad(args)
             run, vendor = eager_plan(*args, prec, Vendor.state(), grad)
             if vendor:
+                if remember is not None:
+                    remember(run, prec)
                 return run(*args)
             if run is not None:
                 return op.call_planned(run, grad, *args, prec)
     return op(*args, resolve_precision(precision))
 
 
+# Shape-keyed plans, the host time of a small call. Where route gives a product to the
+# vendor whatever its layout, alignment and grad (cupykern.gemm_route.vendor_any_layout)
+# and the vendor's form is torch's own op, an eager call is planned by its shapes, dtype,
+# device, precision (and for float32 the TF32 switch) alone: no strides, pointers or grad
+# state to read. A call that torch's op refuses (operands on two devices or of two dtypes,
+# which the key does not tell apart) goes on to the full path, whose checks name the
+# argument. Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
+# precision, float32 part); matmul (a.shape, a.dtype, a's device, b.shape, precision,
+# float32 part).
+_SHAPE_PLANS = {"linear": {}, "matmul": {}}
+route.register_plans(*_SHAPE_PLANS.values())  # (dropped with the routed plans)
+
+
+def _float32_part(dtype, precision):
+    """What a float32 product's plan also depends on: the precision it resolves to and
+    torch's TF32 switch (the vendor takes float32 only where they agree)."""
+    if dtype is not torch.float32:
+        return None
+    return (torch.get_float32_matmul_precision() if precision is None else precision,
+            Vendor.state())
+
+
+def _remember(op_name, key, form, problem):
+    """``remember`` for :func:`_call`: stores the vendor's plan ``run`` under ``key`` in
+    the shape-keyed plans where it is torch's own op ``form`` and ``problem(precision)``
+    (a GemmProblem) goes to the vendor whatever its layout."""
+    def remember(run, prec):
+        if run is form and route.vendor_any_layout(problem(prec)):
+            cached(_SHAPE_PLANS[op_name], key, lambda: run)
+    return remember
+
+
+def _shape_planned(op_name, key, args):
+    """The call through its shape-keyed plan, or None (none stored, or torch's op refused
+    the arguments: the full path then says why)."""
+    run = _SHAPE_PLANS[op_name].get(key)
+    if run is not None:
+        try:
+            return run(*args)
+        except RuntimeError:
+            pass
+    return None
+
+
 def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
     mode their cached plan, :func:`_call`)."""
     if out is None:
-        return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
+        if type(x) is not torch.Tensor or not _eager():
+            return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
+        try:
+            dtype = x.dtype
+            key = (x.shape, dtype, x.get_device(), weight.shape,
+                   None if bias is None else bias.shape, precision, _float32_part(dtype, precision))
+            res = _shape_planned("linear", key, (x, weight, bias))
+        except (AttributeError, TypeError):  # (not tensors, an unhashable precision: checked below)
+            return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
+        if res is not None:
+            return res
+
+        def problem(prec):
+            N, K = weight.shape
+            return GemmProblem(x.numel() // K if K else 0, N, K, _name(dtype), prec, "torch",
+                               _loader.device_cc(x.get_device()))
+        return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
+                     _remember("linear", key, F.linear, problem))
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
@@ -328,7 +394,24 @@ def matmul(a, b, *, precision=None, out=None):
         common = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(common), b.to(common)
     if out is None:
-        return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
+        if not _eager():
+            return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
+        try:
+            dtype = a.dtype
+            key = (a.shape, dtype, a.get_device(), b.shape, precision, _float32_part(dtype, precision))
+            res = _shape_planned("matmul", key, (a, b))
+        except (AttributeError, TypeError):
+            return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
+        if res is not None:
+            return res
+
+        def problem(prec):  # (one matrix product, as the route of a stack reads it)
+            K = a.shape[-1]
+            M = a.shape[-2] if a.dim() > 1 else 1
+            N = b.shape[-1] if b.dim() > 1 else 1
+            return GemmProblem(M, N, K, _name(dtype), prec, "torch", _loader.device_cc(a.get_device()))
+        return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
+                     _remember("matmul", key, torch.matmul, problem))
     prec = resolve_precision(precision)
     checks.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
