@@ -414,8 +414,6 @@ def _compat_private_attributes() -> set:
 # matched there; delete an entry once its file imports from _compat.
 NOT_YET_MOVED = {
     "benchmarks/gemm.py": {"torch._dynamo"},  # (torch.compiler.reset() is the public reset)
-    "torch/linear.py": {"torch._C", "_C", "_are_functorch_transforms_active",
-                        "_is_any_autocast_enabled"},
     "torch/_pool.py": {"torch._C", "_C", "_cuda_cudaCachingAllocator_raw_alloc",
                        "_cuda_cudaCachingAllocator_raw_delete", "_cuda_getDevice"},
 }
