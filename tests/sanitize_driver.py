@@ -397,7 +397,9 @@ def run_gemm_scale_batchnorm():
     # million rows), here past 2 rows of blocks: bn_column_stats and bn_apply (the vendor's
     # narrow product), bn_grad_partials and bn_grad_dz (three launches), bn_train_apply.
     core = sys.modules["cupykern.gemm_scale_batchnorm"]
+    back = sys.modules["cupykern.gemm_scale_batchnorm_backward"]
     with fresh_plans(core, mock.patch.object(core, "grid_rows", lambda tiles: min(tiles, 2)),
+                     mock.patch.object(back, "grid_rows", lambda tiles: min(tiles, 2)),
                      mock.patch.object(core, "_ROW_STATS_FROM", 0),
                      mock.patch.dict(core._GRAD_FUSED, ROWS=0)):
         check_bn_backward([((2100, 40, 14), True, f32), ((2100, 40, 14), False, f32),
@@ -419,13 +421,14 @@ def fresh_plans(core, *patches):
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
+        back = sys.modules["cupykern.gemm_scale_batchnorm_backward"]
         core._plans.clear()
-        core._backward_plans.clear()
+        back._backward_plans.clear()
         try:
             yield
         finally:
             core._plans.clear()
-            core._backward_plans.clear()
+            back._backward_plans.clear()
 
 
 def check_bn_backward(cases, tag=""):

@@ -39,7 +39,8 @@ def _operands(M=64, K=512, N=512, dtype=torch.float32, bias=True):
 def test_repeat_calls_run_torchs_op(plans, dtype):
     """A small product: planned once by its shapes, then torch's own F.linear, bit for bit."""
     x, w, b = _operands(dtype=dtype)
-    cupykern.linear(x, w, b)
+    for _ in range(2):  # (the first call plans the op; the second finds it torch's)
+        cupykern.linear(x, w, b)
     assert len(plans["linear"]) == 1
     for _ in range(3):
         x = torch.randn_like(x)
@@ -89,8 +90,9 @@ def test_precision_and_tf32_switch_plan_again(plans):
     try:
         for setting in ("highest", "high", "highest"):
             torch.set_float32_matmul_precision(setting)
-            got = cupykern.linear(x, w, b)
-            assert torch.equal(got, F.linear(x, w, b)), setting
+            for _ in range(2):
+                got = cupykern.linear(x, w, b)
+                assert torch.equal(got, F.linear(x, w, b)), setting
         assert len(plans["linear"]) == 2
     finally:
         torch.set_float32_matmul_precision(old)

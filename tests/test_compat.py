@@ -412,11 +412,7 @@ def _compat_private_attributes() -> set:
 
 # Uses still to move to _compat (which binds each of them already): file -> the names
 # matched there; delete an entry once its file imports from _compat.
-NOT_YET_MOVED = {
-    "benchmarks/gemm.py": {"torch._dynamo"},  # (torch.compiler.reset() is the public reset)
-    "torch/_pool.py": {"torch._C", "_C", "_cuda_cudaCachingAllocator_raw_alloc",
-                       "_cuda_cudaCachingAllocator_raw_delete", "_cuda_getDevice"},
-}
+NOT_YET_MOVED: dict = {}  # file -> private names still to move into _compat (none)
 
 
 def test_no_private_torch_name_outside_compat():

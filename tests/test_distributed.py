@@ -153,7 +153,8 @@ def _check_case(rank, world, device, sizes, momentum, how):
 
 # (backend, device of each rank): CPU ranks; two ranks sharing one GPU (gloo moves
 # CUDA tensors); a rank per GPU over NCCL.
-RUNS = [pytest.param("gloo", "cpu", id="cpu-gloo"),
+# All are long (process groups, compiled DDP/FSDP: minutes); CI runs the CPU ranks.
+RUNS = [pytest.param("gloo", "cpu", id="cpu-gloo", marks=pytest.mark.long),
         pytest.param("gloo", "cuda:0", id="one-gpu-gloo",
                      marks=[pytest.mark.gpu, pytest.mark.long]),
         pytest.param("nccl", "cuda:rank", id="nccl", marks=[

@@ -653,15 +653,20 @@ def test_function_nd_gpu_torch_and_cupy():
     assert_same(cupykern.matmul_sum_max_mean_logsumexp(x, w, b), want, 1e-4)
     plan = cupykern.prepare_matmul_sum(w, b)
     assert_same(plan(x), want, 1e-4)
-    for dt, tol in ((cupy.float32, 1e-4), (cupy.float64, 1e-10), (cupy.float16, 1e-2)):
+    for dt, tol in ((cupy.float32, 1e-4), (cupy.float64, 1e-10), (cupy.float16, None)):
         xc, wc, bc = (cupy.asarray(t.cpu().numpy()).astype(dt) for t in (x, w, b))
         tdt = getattr(torch, cupy.dtype(dt).name)
         want = chain(*(torch.from_dlpack(a).to(tdt) for a in (xc, wc, bc)))
+        exact = chain(*(torch.from_dlpack(a).double() for a in (xc, wc, bc)))
         got = cupykern.matmul_sum_max_mean_logsumexp(xc, wc, bc)
         assert isinstance(got, cupy.ndarray) and got.shape == (4, 1, 70) and got.dtype == dt
-        assert_same(torch.from_dlpack(got), want, tol)
-        got = cupykern.prepare_matmul_sum(wc, bc)(xc)
-        assert_same(torch.from_dlpack(got), want, tol)
+        for got in (got, cupykern.prepare_matmul_sum(wc, bc)(xc)):
+            got = torch.from_dlpack(got)
+            if tol is not None:
+                assert_same(got, want, tol)
+            else:  # float16: a sum of 6 rounded rows; judged against float64 with torch's own error
+                ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, want))
+                assert ours <= 2 * theirs + 1e-3 * exact.abs().max().item(), (ours, theirs)
 
 
 @gpu

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +80,11 @@ def test_editable_install_imports_from_beside_the_clone(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
                     str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    # numpy from wherever this interpreter has it (another virtual environment, say: the
+    # venv's system site is the base interpreter's); a name that sorts after the install's
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (pathlib.Path(site) / "zz_numpy.pth").write_text(str(pathlib.Path(np.__file__).parents[1]) + "\n")
     r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--no-index", "-e", str(clone)], cwd=tmp_path, capture_output=True,
                        text=True)

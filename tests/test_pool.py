@@ -151,11 +151,11 @@ def test_the_allocators_calls(monkeypatch):
     torch.cuda.device only when torch's current device is another; CUDA set up once;
     free: torch's raw delete."""
     calls = []
-    fake_c = types.SimpleNamespace(
-        _cuda_cudaCachingAllocator_raw_alloc=lambda size, stream: calls.append(
-            ("alloc", size, stream)) or 4096,
-        _cuda_cudaCachingAllocator_raw_delete=lambda ptr: calls.append(("delete", ptr)),
-        _cuda_getDevice=lambda: 0)
+    from cupykern.torch import _compat
+    monkeypatch.setattr(_compat, "cuda_raw_alloc", lambda size, stream: calls.append(
+        ("alloc", size, stream)) or 4096)
+    monkeypatch.setattr(_compat, "cuda_raw_delete", lambda ptr: calls.append(("delete", ptr)))
+    monkeypatch.setattr(_compat, "cuda_get_device", lambda: 0)
 
     class Device:
         def __init__(self, index):
@@ -168,7 +168,7 @@ def test_the_allocators_calls(monkeypatch):
             calls.append(("device exit",))
 
     fake_torch = types.SimpleNamespace(
-        _C=fake_c, cuda=types.SimpleNamespace(init=lambda: calls.append(("init",)), device=Device))
+        cuda=types.SimpleNamespace(init=lambda: calls.append(("init",)), device=Device))
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         stream=types.SimpleNamespace(get_current_stream_ptr=lambda: 77),
         memory=types.SimpleNamespace(PythonFunctionAllocator=_FakeFunctionAllocator)))

@@ -297,7 +297,7 @@ def _sweep_point(op, shape, dtype, prec, peaks, bw, iters, compile_, paths):
         eager = lambda: theirs(*args)  # noqa: E731
         fns = [ours, eager]
         if compile_:  # (timed in the same rounds: a big product's clocks drift by ~10%)
-            torch._dynamo.reset()  # (one code object for every point: under the recompile limit)
+            torch.compiler.reset()  # (one code object for every point: under the recompile limit)
             comp = compiled(lambda *a: theirs(*a))
             comp(*args)
             fns.append(lambda: comp(*args))

@@ -65,9 +65,8 @@ def _make_allocator(cupy, torch):
     allocator's raw calls, bound once (default arguments: they also outlive the module's
     globals at interpreter exit). PyTorch's CUDA state is set up at the first allocation,
     not before (importing cupykern.torch creates no CUDA context)."""
-    raw_alloc = torch._C._cuda_cudaCachingAllocator_raw_alloc
-    raw_delete = torch._C._cuda_cudaCachingAllocator_raw_delete
-    get_device = torch._C._cuda_getDevice
+    from ._compat import cuda_get_device as get_device, cuda_raw_alloc as raw_alloc
+    from ._compat import cuda_raw_delete as raw_delete
     with_device = torch.cuda.device
     stream_ptr = getattr(cupy.cuda.stream, "get_current_stream_ptr", None)
     if not callable(stream_ptr):
