@@ -15,7 +15,9 @@ GemmScaleBatchNorm training at 128x1024->512 >= 1.0x eager.
 The plain products below 2**30 multiply-adds (linear / matmul on the vendor's route:
 PyTorch's or CuPy's own call behind our wrapper) show the wrapper's own host time: a
 forward, a recorded forward and a training step on torch tensors, and CuPy calls against
-CuPy's ``@``.
+CuPy's ``@``; ``extra`` is ours minus the baseline. The first two rows are the floors
+any Python wrapper pays, and the last one a CuPy allocation through PyTorch's caching
+allocator (cupykern's one memory pool) against CuPy's own pool.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def rows():
     import cupykern
     from cupykern import torch as ct
 
+    yield from _floors()
     x = torch.randn(16, 16384, device="cuda")
     l1, l2 = ct.L1Norm(), ct.L2Norm()
     yield "L1Norm 16x16384", lambda: l1(x), "eager", lambda: x / x.abs().mean(1, keepdim=True)
@@ -86,6 +89,73 @@ def rows():
     yield ("linear 128x1024->512", lambda: cupykern.linear(xg, w), "F.linear",
            lambda: nn.functional.linear(xg, w))
     yield from _plain_products()
+
+
+def _floors():
+    """What any Python wrapper costs: a function around torch.add, and an
+    autograd.Function around a view (what a recorded call of ours needs at least)."""
+    import torch
+
+    a, b = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+
+    def add(x, y):
+        return torch.add(x, y)
+
+    class View(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    c = a.clone().requires_grad_()
+    yield "floor: Python function around torch.add", lambda: add(a, b), "torch.add", lambda: torch.add(a, b)
+    yield ("floor: autograd.Function around a view", lambda: View.apply(c), "view",
+           lambda: c.view_as(c))
+
+
+def _small_linears():
+    """The vendor-route linear calls at small shapes, each dtype, and a training step."""
+    import torch
+    from torch import nn
+
+    import cupykern
+
+    def operands(m, k, n, dtype, grad=False):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype, requires_grad=grad)
+        b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=grad)
+        return x, w, b
+
+    for (m, k, n), dtype in (((64, 1024, 1024), torch.bfloat16), ((64, 512, 512), torch.float32),
+                             ((2 * 74, 2542, 2542), torch.float32), ((643, 31, 655), torch.float64)):
+        x, w, b = operands(m, k, n, dtype)
+        name = str(dtype).removeprefix("torch.")
+        yield (f"linear {name} {m}x{k}->{n}", lambda x=x, w=w, b=b: cupykern.linear(x, w, b),
+               "F.linear", lambda x=x, w=w, b=b: nn.functional.linear(x, w, b))
+    x, w, b = operands(64, 512, 512, torch.float32, grad=True)
+    g = torch.randn(64, 512, device="cuda")
+    yield ("linear float32 64x512->512 training step",
+           lambda: cupykern.linear(x, w, b).backward(g), "eager step",
+           lambda: nn.functional.linear(x, w, b).backward(g))
+
+
+def _pool_rows():
+    """A CuPy allocation through PyTorch's caching allocator (the one memory pool, once
+    cupykern.torch is imported) against CuPy's own pool, in the same run."""
+    import cupy
+
+    from cupykern import torch as ct
+
+    if ct.pool_in_use() != "torch":
+        return
+    set_allocator, theirs = cupy.cuda.set_allocator, cupy.get_default_memory_pool().malloc
+    ours = cupy.cuda.get_allocator()  # (both rows pay the same switch, a thread-local)
+    yield ("CuPy empty 1 MiB (the torch pool)",
+           lambda: (set_allocator(ours), cupy.empty((256, 1024), cupy.float32)),
+           "CuPy's pool", lambda: (set_allocator(theirs), cupy.empty((256, 1024), cupy.float32)))
 
 
 def _plain_products():
@@ -119,6 +189,8 @@ def _plain_products():
     ac, bc = cupy.asarray(a.detach()), cupy.asarray(b)
     yield ("CuPy matmul float32 333x777x555", lambda: cupykern.matmul(ac, bc), "CuPy a @ b",
            lambda: ac @ bc)
+    yield from _small_linears()
+    yield from _pool_rows()  # (last: it leaves whichever pool its baseline ran last)
 
 
 def main(argv=None) -> int:
@@ -130,10 +202,11 @@ def main(argv=None) -> int:
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'call':<50} {'ours us':>8} {'baseline':>16} {'us':>8} {'ratio':>6}")
+    print(f"{'call':<50} {'ours us':>8} {'baseline':>16} {'us':>8} {'extra':>6} {'ratio':>6}")
     for label, ours, base_name, base in rows():
         t_o, t_b = paired_us(ours, base, args.calls)
-        print(f"{label:<50} {t_o:>8.1f} {base_name:>16} {t_b:>8.1f} {t_b / t_o:>5.2f}x", flush=True)
+        print(f"{label:<50} {t_o:>8.1f} {base_name:>16} {t_b:>8.1f} {t_o - t_b:>+6.1f} "
+              f"{t_b / t_o:>5.2f}x", flush=True)
     return 0
 
 
