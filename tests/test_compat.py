@@ -249,6 +249,17 @@ def test_cublas_allow_tf32_is_the_public_flag():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+@checks("get_float32_matmul_precision")
+def test_float32_matmul_precision_is_the_public_one():
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting in ("highest", "high", "medium"):
+            torch.set_float32_matmul_precision(setting)
+            assert _compat.get_float32_matmul_precision() == setting
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 @checks("current_raw_stream")
 def test_current_raw_stream():
     """Present in every CUDA build of torch; the current stream's handle."""

@@ -93,11 +93,12 @@ def test_editable_install_imports_from_beside_the_clone(tmp_path):
     script.write_text("import numpy as np, cupykern\n"
                       "print(cupykern.__file__)\n"
                       "print(cupykern.l1_normalize(np.ones((2, 3), np.float32)).sum())\n")
-    r = subprocess.run([python, str(script)], cwd=tmp_path, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (the install alone)
+    r = subprocess.run([python, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(clone / "cupykern" / "__init__.py"), "6.0"], r.stdout
     # an edit in the clone is seen without reinstalling (the point of an editable install)
     (clone / "cupykern" / "_probe.py").write_text("VALUE = 42\n")
-    r = subprocess.run([python, "-c", "import cupykern._probe as p; print(p.VALUE)"], cwd=tmp_path,
+    r = subprocess.run([python, "-c", "import cupykern._probe as p; print(p.VALUE)"], cwd=tmp_path, env=env,
                        capture_output=True, text=True)
     assert r.stdout.strip() == "42", r.stderr

@@ -127,6 +127,9 @@ ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 # torch.backends.cuda.matmul.allow_tf32 reads it through a Python __getattr__; this C
 # function is what torch.compile folds and guards on.
 get_cublas_allow_tf32 = torch._C._get_cublas_allow_tf32
+# torch.get_float32_matmul_precision() without its Python frame: read on every eager
+# float32 linear / matmul call (the shape-keyed plans' key).
+get_float32_matmul_precision = torch._C._get_float32_matmul_precision
 
 # torch's current CUDA stream on a device as a raw handle (int), what our launches go on:
 # torch.cuda.current_stream(device).cuda_stream builds a Stream object first (several
@@ -160,6 +163,6 @@ __all__ = ["is_any_autocast_enabled", "get_tracing_state", "len_torch_dispatch_s
            "transforming", "FUNCTION_APPLY", "tree_map", "retrieve_current_functorch_interpreter",
            "TransformType", "maybe_get_level", "op_schema", "is_functional_schema",
            "AutoDispatchBelowAutograd", "AFTER_AUTOGRAD_KEYSET", "DispatchKey",
-           "DispatchKeySet", "ExcludeDispatchKeyGuard", "get_cublas_allow_tf32",
+           "DispatchKeySet", "ExcludeDispatchKeyGuard", "get_cublas_allow_tf32", "get_float32_matmul_precision",
            "current_raw_stream", "cuda_raw_alloc", "cuda_raw_delete", "cuda_get_device",
            "GLOBAL_MODULE_HOOKS", "MODULE_STORES", "MODULE_HOOKS"]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import _loader, gemm as core, gemm_checks as checks, gemm_operands as operands, gemm_route as route
 from .._array import cached
 from ..gemm_route import GemmProblem
-from ._compat import get_cublas_allow_tf32, is_any_autocast_enabled
+from ._compat import get_cublas_allow_tf32, get_float32_matmul_precision, is_any_autocast_enabled
 from ._op import Op, _eager, lower_precision, wants_grad
 
 
@@ -282,17 +282,13 @@ def _call(op, eager_plan, args, precision, remember=None):
 # argument. Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
 # precision, float32 part); matmul (a.shape, a.dtype, a's device, b.shape, precision,
 # float32 part).
-_SHAPE_PLANS = {"linear": {}, "matmul": {}}
-route.register_plans(*_SHAPE_PLANS.values())  # (dropped with the routed plans)
-
-
-def _float32_part(dtype, precision):
-    """What a float32 product's plan also depends on: the precision it resolves to and
-    torch's TF32 switch (the vendor takes float32 only where they agree)."""
-    if dtype is not torch.float32:
-        return None
-    return (torch.get_float32_matmul_precision() if precision is None else precision,
-            Vendor.state())
+# The key's last part is float32's own: the precision it resolves to and torch's TF32
+# switch (the vendor takes float32 only where they agree); None for other dtypes.
+_LINEAR_PLANS: dict = {}
+_MATMUL_PLANS: dict = {}
+_SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
+route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
+_FLOAT32 = torch.float32
 
 
 def _remember(op_name, key, form, problem):
@@ -305,33 +301,26 @@ def _remember(op_name, key, form, problem):
     return remember
 
 
-def _shape_planned(op_name, key, args):
-    """The call through its shape-keyed plan, or None (none stored, or torch's op refused
-    the arguments: the full path then says why)."""
-    run = _SHAPE_PLANS[op_name].get(key)
-    if run is not None:
-        try:
-            return run(*args)
-        except RuntimeError:
-            pass
-    return None
-
-
 def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
     mode their cached plan, :func:`_call`)."""
     if out is None:
         if type(x) is not torch.Tensor or not _eager():
             return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
-        try:
+        try:  # (the shape-keyed plan: inline, a small call's host time)
             dtype = x.dtype
             key = (x.shape, dtype, x.get_device(), weight.shape,
-                   None if bias is None else bias.shape, precision, _float32_part(dtype, precision))
-            res = _shape_planned("linear", key, (x, weight, bias))
+                   None if bias is None else bias.shape, precision,
+                   (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
+                   if dtype is _FLOAT32 else None)
+            run = _LINEAR_PLANS.get(key)
         except (AttributeError, TypeError):  # (not tensors, an unhashable precision: checked below)
             return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
-        if res is not None:
-            return res
+        if run is not None:
+            try:
+                return run(x, weight, bias)
+            except RuntimeError:  # (what torch's op refuses: the full path names the argument)
+                pass
 
         def problem(prec):
             N, K = weight.shape
@@ -398,12 +387,17 @@ def matmul(a, b, *, precision=None, out=None):
             return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
         try:
             dtype = a.dtype
-            key = (a.shape, dtype, a.get_device(), b.shape, precision, _float32_part(dtype, precision))
-            res = _shape_planned("matmul", key, (a, b))
+            key = (a.shape, dtype, a.get_device(), b.shape, precision,
+                   (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
+                   if dtype is _FLOAT32 else None)
+            run = _MATMUL_PLANS.get(key)
         except (AttributeError, TypeError):
             return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
-        if res is not None:
-            return res
+        if run is not None:
+            try:
+                return run(a, b)
+            except RuntimeError:
+                pass
 
         def problem(prec):  # (one matrix product, as the route of a stack reads it)
             K = a.shape[-1]
