@@ -261,8 +261,22 @@ def _as_matrices(ao, bo):
     return a, b
 
 
+def _folded(ao, bo):
+    """``a`` (..., M, K) as one (batch * M, K) view where ``b`` is a matrix and a's leading
+    dims fold into its rows (C-contiguous): NumPy's matmul broadcasts b over a's batch,
+    so the stack is one GEMM of all its rows (ours or the vendor's), not a launch per
+    matrix; else None."""
+    if ao.ndim <= 2 or bo.ndim != 2 or row_view_stride(ao) is None:
+        return None
+    return ao.obj.reshape(ao.size // ao.shape[-1], ao.shape[-1])
+
+
 def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
-    """:func:`~cupykern.gemm_route.route` of one matrix product of ``a @ b`` (2-D views of the operands)."""
+    """:func:`~cupykern.gemm_route.route` of one matrix product of ``a @ b`` (2-D views of
+    the operands; a folded stack's one product, :func:`_folded`)."""
+    flat = _folded(ao, bo)
+    if flat is not None:
+        return route_of(operand(flat, "a"), operand(bo.obj.T, "b"), prec, grad)
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
@@ -274,6 +288,9 @@ def _matmul_gpu(ao, bo, prec, shape):
     a, b = _as_matrices(ao, bo)
     if _matmul_route(ao, bo, prec) == VENDOR:
         return vendor_of(ao.kind).matmul(a, b, prec).reshape(shape)
+    flat = _folded(ao, bo)
+    if flat is not None:
+        a = flat
     if a.ndim == 2 and b.ndim == 2:
         return mm(a, b, prec).reshape(shape)
     return _stack_on_ours(ao, a, b, prec).reshape(shape)
@@ -328,9 +345,10 @@ def _broadcast_to(t, shape):
 
 def _matmul_fresh(checked, a, b, precision, out, grad=False):
     """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
-    planned once: the vendor's call, or our planned 2-D GEMM (:func:`~cupykern.gemm_operands.mm_plan`); None where
-    the call needs the general path (CPU, empty, a stack on ours, an operand copied
-    otherwise). With ``grad``, as :func:`_fresh`'s."""
+    planned once: the vendor's call, or our planned 2-D GEMM
+    (:func:`~cupykern.gemm_operands.mm_plan`, a folded stack's too); None where the call
+    needs the general path (CPU, empty, a stack on ours, an operand copied otherwise).
+    With ``grad``, as :func:`_fresh`'s."""
     ao, bo, prec, shape, _ = checked
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
@@ -338,9 +356,16 @@ def _matmul_fresh(checked, a, b, precision, out, grad=False):
         K = ao.shape[-1]
         N = bo.shape[-1] if bo.ndim > 1 else 1
         return vendor_matmul(ao.kind, prec, (ao.size // K, N, K, ao.dtype, bo.ndim > 1))
-    if grad or ao.ndim != 2 or bo.ndim != 2:
+    if grad or bo.ndim != 2:
         return None
-    return on_arrays(mm_plan(ao, bo, prec))
+    if ao.ndim == 2:
+        return on_arrays(mm_plan(ao, bo, prec))
+    flat = _folded(ao, bo)
+    plan = None if flat is None else mm_plan(operand(flat, "a"), bo, prec)
+    if plan is None:
+        return None
+    ptr = plan.place.ptr  # (the folded view starts where a does)
+    return lambda a, b, *_: plan(ptr(a), ptr(b), 0).reshape(shape)
 
 
 def eager_plan_matmul(a, b, precision, state, grad=False):

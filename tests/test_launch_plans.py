@@ -146,6 +146,8 @@ def _calls():
     # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
     yield ("matmul stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
            lambda: [r(3, 1, 5, 24), r(2, 24, 8)], 1)
+    yield ("matmul folded stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
+           lambda: [r(3, 5, 24), r(24, 8)], 1)
     yield ("mm transposed a", lambda a: cupykern.gemm_operands.mm(*a, "highest"),
            lambda: [r(24, 5).t(), r(24, 130)], 1)
     # dx = dy @ W where W's transposed copy pays: on Hopper "high" read in place (below)

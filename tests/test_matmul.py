@@ -241,3 +241,26 @@ def test_mixed_dtypes_promote_as_numpy_and_torch(da, db):
     assert tgot.dtype == torch.promote_types(ta.dtype, tb.dtype)
     tgot.sum().backward()
     assert ta.grad.dtype == ta.dtype and tb.grad.dtype == tb.dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_shape", [(4, 64, 256), (2, 3, 40, 256)])
+def test_stack_times_a_matrix_is_one_product(a_shape):
+    """A stack times a matrix (b 2-D): a's rows fold into one product on ours, with both
+    gradients (db one product over every row too), against float64."""
+    from cupykern import gemm, gemm_route
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(a_shape, device="cuda", generator=g, requires_grad=True)
+    b = torch.randn(256, 96, device="cuda", generator=g, requires_grad=True)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    with gemm_route.forced_route(gemm_route.OURS):
+        assert gemm._folded(*(cupykern._array.operand(t.detach(), n) for t, n in ((a, "a"), (b, "b")))) is not None
+        y = cupykern.matmul(a, b, precision="highest")
+        y64 = a64 @ b64
+        torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-4)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+    y64.backward(gy.double())
+    for got, want in ((a.grad, a64.grad), (b.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4 * want.abs().max().item(), rtol=0)

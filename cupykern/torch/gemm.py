@@ -365,7 +365,10 @@ def _matmul_backward(ctx, g):
     if ctx.needs_input_grad[0]:
         da = mm(g2, b2.mT).sum_to_size(a2.shape).reshape(a.shape)
     if ctx.needs_input_grad[1]:
-        db = mm(a2.mT, g2).sum_to_size(b2.shape).reshape(b.shape)
+        if b.dim() == 2 and a2.dim() > 2:  # b broadcast over a's batch: one product of all rows
+            db = mm(a2.reshape(-1, a2.shape[-1]).mT, g2.reshape(-1, g2.shape[-1]))
+        else:
+            db = mm(a2.mT, g2).sum_to_size(b2.shape).reshape(b.shape)
     return da, db, None
 
 
@@ -399,9 +402,9 @@ def matmul(a, b, *, precision=None, out=None):
             except RuntimeError:
                 pass
 
-        def problem(prec):  # (one matrix product, as the route of a stack reads it)
+        def problem(prec):  # (as the route of a stack reads it: one matrix, or all rows folded)
             K = a.shape[-1]
-            M = a.shape[-2] if a.dim() > 1 else 1
+            M = (a.numel() // K if K else 0) if b.dim() == 2 else a.shape[-2] if a.dim() > 1 else 1
             N = b.shape[-1] if b.dim() > 1 else 1
             return GemmProblem(M, N, K, _name(dtype), prec, "torch", _loader.device_cc(a.get_device()))
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
