@@ -181,8 +181,8 @@ def route(p: GemmProblem) -> str:
     # has Turing's fp16 tensor cores and tuned tiles (not measured: no sm_75 machine).
     if cc < 80:
         return VENDOR
-    # float64: ours was a CUDA-core kernel (1x4096x4096 440 us against 35, 0.08x, the
-    # issue's figure). On DMMA it still never wins against cuBLAS's DGEMM (mm, H200, one
+    # float64: ours was a CUDA-core kernel (1x4096x4096 440 us against 35, 0.08x, a
+    # matrix-vector product). On DMMA it still never wins against cuBLAS's DGEMM (mm, H200, one
     # run: 1x4096x4096 125 us against 41, 256x1024x1024 44.6 / 20.9, 2048^3 433 / 293,
     # 4096^3 3232 / 2319, 8192^3 26.2 / 18.1 ms; 40-42 TFLOP/s against 59-61), nor
     # against F.linear's addmm once its bias is added apart (bias_apart: 2048^3 418 us

@@ -26,7 +26,7 @@ P = {"l1": 1, "l2": 2}
 # ---- The dispatcher: which kernel family a geometry gets (_route), in this order.
 # 1. Short rows (normalize_short.cu): rows of at most SHORT_MAX_VECTORS 16-byte vectors
 #    (4 KB) go to a group of G lanes per row, many rows per warp. H200, same run, float32
-#    L2, host included (issue 38): with one CTA per row 262144x7 took 342 us against
+#    L2, host included (the envelope grid): with one CTA per row 262144x7 took 342 us against
 #    eager's 20, 1048576x32 1286 us against 335. GPU time (graph replay), H200: 8192x768
 #    float32 13.9 us with (32, 8, 1) against 15.0 for a 128-thread CTA per row; 16384x1024
 #    36.5 us against 37.0 (the boundary: past 4 KB the CTA kernel holds the row).
@@ -34,7 +34,7 @@ P = {"l1": 1, "l2": 2}
 #    Also for few such rows: 2x65535 float32 4.5 us GPU time either way and 6.9 us host
 #    included against 8.7 chunked; 16x65535 4.9 us against 6.0-8.6 chunked.
 # 3. Rows longer than the largest cluster holds: chunks of every row over all SMs
-#    (normalize_long.cu, two passes). H200 (issue 38): 1 x 1048576 float32 took 90 us on
+#    (normalize_long.cu, two passes). H200 (the envelope grid): 1 x 1048576 float32 took 90 us on
 #    a 16-CTA two-pass launch against eager's 22; chunked, 5.7 us GPU time with chunks of
 #    1024 vectors (6.4 us at 512, 8.7 at 256). x is read twice: 1x4194304 float32 12.8 us
 #    (torch.compile 10.8 us, copy 5.9); 8x4194304 float32 (x > L2) 111.2 us, 1.72x copy
