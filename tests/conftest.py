@@ -172,3 +172,38 @@ def as_sm75(monkeypatch):
     monkeypatch.setattr(_loader, "device_cc", lambda device: 75)
     for stem in ("normalize", "gemm", "gemm_scale_batchnorm", "matmul_sum_max_mean_logsumexp"):
         monkeypatch.setattr(sys.modules[f"cupykern.{stem}"], "_plans", {})
+
+
+@pytest.fixture
+def our_kernels(request):
+    """Our GEMM kernels at every shape (the dispatcher gives many small products to the
+    vendor), for the GEMM test files (``pytestmark = usefixtures("our_kernels")``); a test
+    of the dispatcher itself takes ``dispatched`` instead."""
+    from cupykern import gemm_route
+    if "dispatched" in request.fixturenames:
+        yield
+        return
+    with gemm_route.forced_route(gemm_route.OURS):
+        yield
+
+
+@pytest.fixture
+def dispatched():
+    """Products go where cupykern.gemm_route.route says (see ``our_kernels``)."""
+
+
+@pytest.fixture
+def grad_bounds():
+    """``set(bound)``: route's work bounds for calls that autograd records (both) set to
+    ``bound``, every plan dropped (they hold routes); the bounds restored, and the plans
+    dropped, after the test."""
+    from cupykern import gemm_route
+    keys = ("MISALIGNED_GRAD_MIN_WORK", "HIGHEST_GRAD_MIN_WORK")
+    old = {k: gemm_route._ROUTE[k] for k in keys}
+
+    def set_bound(bound):
+        gemm_route._ROUTE.update(dict.fromkeys(keys, bound))
+        gemm_route._drop_plans()
+    yield set_bound
+    gemm_route._ROUTE.update(old)
+    gemm_route._drop_plans()

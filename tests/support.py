@@ -428,3 +428,41 @@ def model_pair(ref_cls, ours_cls, init=(), device="cpu"):
     for a, b in zip(ref.state_dict().values(), ours.state_dict().values()):
         assert torch.equal(a, b)
     return ref, ours
+
+
+# ---- GEMM tests (test_gemm.py, test_gemm_route.py)
+
+def gemm_data(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) / k ** 0.5
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+def gemm_errors(out, x, w, b):
+    """(max |out - ref64|, max of |x| @ |w|.T + |b|) on the float64 reference."""
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    return (out.double() - ref).abs().max().item(), mag.max().item()
+
+
+def col_major(t):
+    """The same values as ``t`` (2-D), stored column by column."""
+    return t.t().contiguous().t()
+
+
+def hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def check_mm(a, b, precision, bound):
+    from cupykern.torch.gemm import mm_op as mm
+    ref = a.double() @ b.double()
+    mag = (a.double().abs() @ b.double().abs()).max().item()
+    for av in (a, col_major(a)):
+        for bv in (b, col_major(b)):
+            out = mm(av, bv, precision or "highest")
+            assert out.shape == ref.shape and out.dtype == a.dtype and out.is_contiguous()
+            err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+            assert err <= bound * mag, (av.stride(), bv.stride(), err, mag)

@@ -53,7 +53,7 @@ def test_a_wrong_launch_constant_does_not_compile():
     """Shared-memory bytes named in Python are static_asserted by the kernel."""
     import re
 
-    from cupykern import gemm, gemm_kernels
+    from cupykern import gemm_kernels
 
     expr = gemm_kernels._mma_expr("float32", 0, True)
     wrong = re.sub(r"(\d+)>$", lambda m: f"{int(m.group(1)) + 16}>", expr)

@@ -256,7 +256,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     tiles pair up, K split into whole 64-element slices (float slabs) where the tiles
     fill at most a quarter of the SMs, or half of them with K >= 2048. Misaligned or transposed operands, and other GPUs,
     keep gemm_mma's 16-bit mode (never split)."""
-    from cupykern import gemm, gemm_kernels
+    from cupykern import gemm_kernels
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)

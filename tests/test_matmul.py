@@ -102,7 +102,7 @@ def _sgemm(a, b):
 @pytest.fixture(params=["ours", "dispatched"])
 def path(request):
     """Every GPU check twice: our kernels forced, then where the dispatcher sends it."""
-    from cupykern import gemm, gemm_route
+    from cupykern import gemm_route
     if request.param == "dispatched":
         yield request.param
         return
