@@ -266,10 +266,6 @@ def test_stack_times_a_matrix_is_one_product(a_shape):
         torch.testing.assert_close(got.double(), want, atol=1e-4 * want.abs().max().item(), rtol=0)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="known defect: the torch layer's dtype promotion calls "
-                          "b.is_floating_point() before the checks, so a NumPy b gives an "
-                          "AttributeError instead of the TypeError naming b")
 def test_torch_a_with_numpy_b_names_b():
     with pytest.raises(TypeError, match="^b: .*do not mix"):
         cupykern.matmul(torch.ones(2, 2), np.ones((2, 2), np.float32))

@@ -382,7 +382,8 @@ def matmul(a, b, *, precision=None, out=None):
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
     (the lower operand converted, differentiably)."""
-    if a.dtype != getattr(b, "dtype", a.dtype) and a.is_floating_point() and b.is_floating_point():
+    if (isinstance(b, torch.Tensor) and a.dtype != b.dtype and a.is_floating_point()
+            and b.is_floating_point()):
         common = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(common), b.to(common)
     if out is None:
