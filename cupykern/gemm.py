@@ -29,6 +29,8 @@ float32 (float64 for float64): fp32-accurate at every precision, but without ten
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _dask, _loader
@@ -36,9 +38,9 @@ from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
-from .gemm_kernels import gemm, gemm_call, gemm_kernel, workspace
+from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, workspace
 from .gemm_operands import fresh_like, matrix, mm, mm_plan, on_arrays, planned_gemm
-from .gemm_route import VENDOR, register_plans, route_of
+from .gemm_route import OURS, VENDOR, register_plans, route_of
 from .gemm_vendor import VendorPlan, vendor_linear, vendor_matmul, vendor_of, vendor_state
 
 def linear(x, weight, bias=None, *, precision=None, out=None):
@@ -103,7 +105,7 @@ def linear_core(x, weight, bias=None, precision=None, out=None):
     N = shape[-1]
     if N == 0 or int(np.prod(shape[:-1])) == 0:  # nothing to compute (K == 0 is not this)
         return empty(xo, shape) if o is None else out
-    if route_of(_rows_planned(xo), wo, prec) == VENDOR:
+    if _linear_route(xo, wo, bo, prec) == VENDOR:
         res = vendor_of(xo.kind).linear(x, weight, bias, prec)
         if o is None:
             return res
@@ -131,7 +133,7 @@ def _fresh(checked, x, weight, bias, precision, out, grad=False):
     xo, wo, bo, _, prec, shape = checked
     if xo.kind == "cpu" or 0 in shape:
         return None
-    if route_of(_rows_planned(xo), wo, prec, grad) == VENDOR:
+    if _linear_route(xo, wo, bo, prec, grad) == VENDOR:
         M, N = int(np.prod(shape[:-1])), shape[-1]
         return vendor_linear(xo.kind, prec, (M, N, xo.shape[-1], xo.dtype))
     if grad:
@@ -148,6 +150,20 @@ def _fresh(checked, x, weight, bias, precision, out, grad=False):
         return None
     ptr = run.place.ptr  # (*_: the op's precision, from the torch layer's Op.call_planned)
     return lambda x, weight, bias, *_: run(ptr(x), ptr(weight), ptr(bias))
+
+
+def _linear_route(xo, wo, bo, prec, grad: bool = False) -> str:
+    """:func:`~cupykern.gemm_route.route_of` of linear's product (x's rows as ours reads
+    them), the one place :func:`linear_core` and :func:`_fresh` decide it: CuPy float16 with
+    a bias is ours. CuPy's cuBLAS call (``cupy.matmul``) stores the float16 product and the
+    vendor path adds the bias to it after, so each output rounds twice (up to half an ulp of
+    x @ W.T: many of the result's own where the bias cancels most of it); our kernels add
+    the bias to the float32 sum and round once, as cuBLAS's GEMM with its bias (torch's
+    addmm) does. (torch's vendor form rounds once itself: the torch layer's _linear_once.)"""
+    which = route_of(_rows_planned(xo), wo, prec, grad)
+    if which == VENDOR and bo is not None and xo.kind == "cupy" and xo.dtype == "float16":
+        return OURS
+    return which
 
 
 def _rows_planned(xo):
@@ -280,7 +296,45 @@ def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    return route_of(a2, operand(b2.obj.T, "b"), prec, grad)
+    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b))
+
+
+def _one_launch(ao, a, b) -> int:
+    """How many products of the stack ``a @ b`` (matrices) :func:`_stack_on_ours` would
+    run on one launch: all of them on Hopper where each operand's matrices, as it reads
+    them, lie one stride apart (:func:`_stack_stride`); else 1 (a launch each)."""
+    if a.ndim == b.ndim == 2 or _loader.device_cc(ao.device) != 90:
+        return 1
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if any(_stack_stride(batch, _read_strides(t, batch)) is None for t in (a, _swap_last(b))):
+        return 1
+    return math.prod(batch)
+
+
+def _read_strides(t, batch):
+    """The element strides over ``batch`` (broadcast) of the matrices of ``t`` (..., rows,
+    K) as :func:`_stack_on_ours` reads them: ``t``'s own where its K dim is contiguous,
+    else those of its C-contiguous copy (:func:`_k_major`)."""
+    o = operand(t, "b")
+    strides = o.strides[:-2]
+    if not (o.strides[-1] == 1 or o.shape[-1] == 1):
+        strides = tuple(math.prod(o.shape[i + 1:]) for i in range(o.ndim - 2))
+    strides = tuple(0 if n == 1 else s for n, s in zip(o.shape[:-2], strides))
+    return (0,) * (len(batch) - len(strides)) + strides
+
+
+def _stack_stride(batch, strides):
+    """The one element stride from each matrix of a stack (``batch`` dims in C order, the
+    operand's ``strides`` over them) to the next, or None where no single stride walks
+    it (0: one matrix, broadcast)."""
+    dims = [(n, s) for n, s in zip(batch, strides) if n > 1]
+    step = dims[-1][1] if dims else 0
+    expect = step
+    for n, s in reversed(dims):
+        if s != expect:
+            return None
+        expect = s * n
+    return step
 
 
 def _matmul_gpu(ao, bo, prec, shape):
@@ -297,10 +351,12 @@ def _matmul_gpu(ao, bo, prec, shape):
 
 
 def _stack_on_ours(ao, a, b, prec):
-    """A stack of products (batch dims broadcast) on our 2-D GEMM, planned once for the
-    first matrix and launched per matrix with its offsets in one batch: each operand is
-    first made K-major in one copy where it is not (b: its transpose), so that every
-    matrix reads alike (float32 "highest" 3xTF32, CuPy bfloat16)."""
+    """A stack of products (batch dims broadcast) on our 2-D GEMM (float32 "highest"
+    3xTF32, CuPy bfloat16): each operand is first made K-major in one copy where it is
+    not (b: its transpose), so that every matrix reads alike; then one launch with the
+    matrix in the grid (Hopper's wgmma, :func:`~cupykern.gemm_kernels.batched_call`, where
+    each operand's matrices lie one stride apart), else the kernel planned once for the
+    first matrix and launched per matrix with its offsets, in one batch."""
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
@@ -314,8 +370,14 @@ def _stack_on_ours(ao, a, b, prec):
         for i in np.ndindex(*batch):
             gemm(operand(at.obj[i], "a"), operand(bt.obj[i], "b"), operand(c[i], "out"), prec)
         return c
+    place = Place(ao)
+    steps = [_stack_stride(batch, o.strides[:-2]) for o in (at, bt)]
+    stack = None if None in steps else batched_call(a0, b0, prec, math.prod(batch), *steps)
+    if stack is not None:
+        launch_all(place, stack(a0.ptr, b0.ptr, place.ptr(c)))
+        return c
     kernel = gemm_kernel(a0, b0, prec)
-    call, place = gemm_call(kernel, a0, b0, N), Place(ao)
+    call = gemm_call(kernel, a0, b0, N)
     ws = workspace(place, kernel)
     wsp, cp = (data_ptr(ws) if ws is not None else 0), place.ptr(c)
     launches = []

@@ -11,8 +11,8 @@ from typing import NamedTuple
 from . import _loader
 from ._array import ITEMSIZE, Operand
 from ._geometry import cdiv, vector_aligned
-from .gemm_kernels import half_wgmma, layout, tile_config
-from .gemm_operands import mm_plan, on_arrays, read_mode
+from .gemm_kernels import _choose, half_wgmma, layout, tile_config
+from .gemm_operands import mm_plan, on_arrays, planned_operand, read_mode
 from .gemm_vendor import vendor_matmul, vendor_of
 
 # A fused op's backward GEMMs (plain products) follow the dispatcher below this batch
@@ -73,19 +73,21 @@ def fused_vendor(a, b_nk, precision: str, batch: int | None = None, grad: bool =
     cores, then, against the FP64 tensor cores) 256x4096->4096 0.44x / 0.89x, 2048^3
     0.50x / 0.36x; 16-bit on mma.sync against cuBLAS's wgmma 1024x8192->8192 0.32-0.37x /
     0.35-0.44x."""
-    if _narrow(a, b_nk, precision, batch is None):
-        return route_of(a, b_nk, precision) == VENDOR
+    forward = batch is None  # (read in place: _ZProduct; a backward product's copies: mm_plan)
+    if _narrow(a, b_nk, precision, forward):
+        return route_of(a, b_nk, precision, in_place=forward) == VENDOR
     if a.dtype == "float64":
         role = "backward" if batch is not None else "forward with grad" if grad else "forward"
         if not captured and a.shape[0] * a.shape[1] * b_nk.shape[0] <= FUSED_F64_WORK[role]:
             return False
         return route_of(a, b_nk, precision) == VENDOR
     if (a.dtype == "float32" and (batch is None or batch >= FUSED_VENDOR_BATCH)
-            and not _off_wgmma(a, b_nk) and not (batch is not None and _transposed_b(a, b_nk))):
+            and not _off_wgmma(a, b_nk, precision, forward)
+            and not (batch is not None and _transposed_b(a, b_nk))):
         return False
     if batch is None and half_wgmma(a, b_nk, precision):
         return False
-    return route_of(a, b_nk, precision) == VENDOR
+    return route_of(a, b_nk, precision, in_place=forward) == VENDOR
 
 
 def _narrow(a, b_nk, precision: str, forward: bool) -> bool:
@@ -154,8 +156,11 @@ class GemmProblem(NamedTuple):
     """A plain product (M x K) @ (K x N) as the routing table reads it: ``dtype``, a
     checked ``precision`` (read for float32 only), the arrays' ``kind`` ("torch" /
     "cupy"), the GPU's compute capability ``cc``, ``aligned`` (Hopper would run ours on
-    wgmma: :func:`route_of`) and ``grad`` (a torch call that autograd records, in plain
-    eager mode: the vendor's is then torch's own op and backward)."""
+    wgmma: :func:`route_of`), ``grad`` (a torch call that autograd records, in plain
+    eager mode: the vendor's is then torch's own op and backward) and ``count`` (the
+    products of a stack that ours runs on one launch: the bounds on work, which are the
+    host's, count them all; those on M, N and K, the tiles', one product).
+    """
     M: int
     N: int
     K: int
@@ -165,6 +170,7 @@ class GemmProblem(NamedTuple):
     cc: int
     aligned: bool = True
     grad: bool = False
+    count: int = 1
 
 
 def route(p: GemmProblem) -> str:
@@ -174,7 +180,7 @@ def route(p: GemmProblem) -> str:
     N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
-    M, N, K, dtype, precision, kind, cc, aligned, grad = p
+    M, N, K, dtype, precision, kind, cc, aligned, grad, count = p
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
         return OURS  # (CuPy bfloat16)
     # Below sm_80 ours runs on CUDA cores only, as cuBLAS's SGEMM/DGEMM do, while cuBLAS
@@ -219,7 +225,7 @@ def route(p: GemmProblem) -> str:
     # eager: bf16 linear 256x1024x1025 0.60x, 1024x1024x1025 0.64x, 2048x2048x2047 (just
     # under 2**33) 0.90-1.23x, 4096x2048x2047 1.07-1.41x; matmul 0.34-0.79x, then
     # 1.34-1.57x; TF32 linear 0.59-0.86x, then 1.01-1.19x; the vendor route 0.98-1.01x from 2**32).
-    c, work = _ROUTE, M * N * K
+    c, work = _ROUTE, M * N * K * count
     misaligned_ours = work >= c["MISALIGNED_MIN_WORK"] and (
         not grad or work >= c["MISALIGNED_GRAD_MIN_WORK"])
     if dtype != "float32":
@@ -250,10 +256,17 @@ def route(p: GemmProblem) -> str:
         #    0.63-0.64 / 0.68-0.73x).
         # Ours elsewhere: 2048^3 2.35x, 6144^3 2.52x, 3000x5000x700 1.33x, 256x12288x4096
         # 1.76x (matmul 1.35x), 8192x1024x50257 2.30x, 128x4096x4096 3.84x.
-        # On Hopper, rows that wgmma cannot read (K % 4: no copy aligns them) leave ours on
-        # mma.sync's element loads, slower than SGEMM (H200, linear, GPU time from CUDA
-        # graphs, ours / SGEMM: 231x3650x4130 676 / 209 us, 296x305x6324 102 / 33,
-        # 4099x5583x297 937 / 439, 748x1602x632 73 / 53): the vendor's.
+        # On Hopper, rows that wgmma cannot read leave ours on mma.sync's element loads,
+        # slower than SGEMM (H200, linear, GPU time from CUDA graphs, ours / SGEMM, K % 4
+        # rows read in place: 231x3650x4130 676 / 209 us, 296x305x6324 102 / 33,
+        # 4099x5583x297 937 / 439, 748x1602x632 73 / 53): the vendor's (``aligned``
+        # False). Rows of K % 4 (or off 16-byte boundaries) are copied first where copying
+        # pays (gemm_operands._COPY_WORK: N >= 128 for x, M >= 128 for W) into 16-byte rows
+        # of K rounded up to 4 (gemm_operands.padded_ld, the tiled copy kernel; a
+        # transposed operand's copy too), and count as aligned where the kernel choice
+        # then takes them on wgmma (route_of, _on_wgmma): those products follow the bounds
+        # above as aligned ones do. That boundary's measurement (ours with the copies
+        # against SGEMM at the shapes above and 8205x2949x5921) is pending.
         # A call that autograd records, below HIGHEST_GRAD_MIN_WORK: the vendor's (its
         # backward's two products on ours each pay the op's host time). H200, training
         # steps back to back, ours / the vendor route x eager: linear 256x1024x1025 0.49x,
@@ -278,6 +291,8 @@ def route(p: GemmProblem) -> str:
     # 2.71x (matmul 2.42x): ours there, for products of MISALIGNED_MIN_WORK as above
     # (linear 256x1024x1025 0.46 / 0.84x, 512x1024x1025 0.89 / 1.00x, 1024x512x1025 0.65 /
     # 0.93x, 1024x1024x1025 1.45x; matmul 0.57-0.91x through 2**29, 1024x1024x1025 1.18x).
+    # (K % 4 rows count as aligned after their padded copy, as for "highest" above: not
+    # yet measured here.)
     if cc == 90 and aligned and N % 4 and misaligned_ours:
         return OURS
     return VENDOR
@@ -390,20 +405,23 @@ def _drop_plans():
         cache.clear()
 
 
-def route_of(ao, bo_nk, precision: str, grad: bool = False) -> str:
+def route_of(ao, bo_nk, precision: str, grad: bool = False, count: int = 1,
+             in_place: bool = False) -> str:
     """:func:`route` for GPU Operands ``ao`` (M, K) and ``bo_nk`` (N, K) as the GEMM reads
-    them (a transposed or misaligned operand that ours would copy counts as aligned)."""
+    them (float32: ``aligned`` where Hopper runs ours on wgmma, :func:`_on_wgmma`, after
+    the copies a plain product makes, or, ``in_place``, reading them as given: a fused
+    op's forward), of a stack of ``count`` such products on one launch."""
     (M, K), N = ao.shape, bo_nk.shape[0]
     cc = _loader.device_cc(ao.device)
     aligned = True
     if ao.dtype != "float64" and cc == 90:
         work = M * N * K
         if ao.dtype == "float32":
-            aligned = all(_wgmma_rows(o, work) for o in (ao, bo_nk))
+            aligned = _on_wgmma(ao, bo_nk, precision, not in_place)
         else:  # 16-bit wgmma reads both in place, where _choose takes it
             aligned = (all(read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
                        and half_wgmma(ao, bo_nk, precision))
-    which = route(GemmProblem(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad))
+    which = route(GemmProblem(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad, count))
     if which == VENDOR and not vendor_of(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which
@@ -421,21 +439,31 @@ def _transposed_b(a, b_nk) -> bool:
     return lay is not None and lay[0] and read_mode(b_nk, work)[0] == "view"
 
 
-def _off_wgmma(a, b_nk) -> bool:
-    """Whether a Hopper GPU runs the float32 ``a @ b_nk.T`` off its wgmma kernels (rows
-    that no copy aligns): then a fused op's product follows :func:`route` too (H200,
-    GemmScaleBatchNorm's forward, GPU time, ours on mma.sync / eager: 4099x5583->297
+def _off_wgmma(a, b_nk, precision: str, in_place: bool = False) -> bool:
+    """Whether a Hopper GPU runs the float32 ``a @ b_nk.T`` off its wgmma kernels
+    (:func:`_on_wgmma`; ``in_place``: a forward's operands, read as given, else a backward
+    product's, after mm's copies): then a fused op's product follows :func:`route` too
+    (H200, GemmScaleBatchNorm's forward, GPU time, ours on mma.sync / eager: 4099x5583->297
     "highest" 949 / 464 us, "high" 573 / 212; 296x305->6324 "highest" 117 / 54)."""
+    return _loader.device_cc(a.device) == 90 and not _on_wgmma(a, b_nk, precision, not in_place)
+
+
+def _on_wgmma(a, b_nk, precision: str, copies: bool = True) -> bool:
+    """Whether ours runs the float32 ``a @ b_nk.T`` (2-D GPU Operands) on Hopper's wgmma,
+    reading them after the copies :func:`read_mode` makes (``copies``: a plain product,
+    linear / matmul / mm) or as given: both :func:`_wgmma_rows`, and where K % 4 != 0
+    (rows of K in a 16-byte stride: the copies' :func:`padded_ld` rows), where the kernel
+    choice takes them on wgmma (TMA reads such rows; its maps stop at K)."""
     work = a.shape[0] * a.shape[1] * b_nk.shape[0]
-    return (_loader.device_cc(a.device) == 90
-            and not all(_wgmma_rows(o, work) for o in (a, b_nk)))
+    ops = [planned_operand(o, work) if copies else o for o in (a, b_nk)]
+    if not all(_wgmma_rows(o) for o in ops):
+        return False
+    return a.shape[1] % 4 == 0 or _choose(*ops, precision).cfg is tile_config(a.dtype, precision, a.device)
 
 
-def _wgmma_rows(o, work: int) -> bool:
-    """Whether ours reads the float32 2-D Operand ``o`` on Hopper's wgmma: its rows (after
-    any copy :func:`read_mode` makes) K-contiguous and 16-byte aligned, or a transposed
-    one (see :func:`route`). A copy is a fresh array of rows of K: aligned where K % 4 == 0."""
+def _wgmma_rows(o) -> bool:
+    """Whether Hopper's wgmma can read the float32 2-D Operand ``o`` as given: transposed
+    (see :func:`route`), or K-contiguous rows that start and step on 16-byte boundaries
+    (any K: whether rows of K % 4 are read so is the kernel choice's, :func:`_on_wgmma`)."""
     lay = layout(o)
-    if lay is None or read_mode(o, work)[0] != "view":
-        return o.shape[1] % 4 == 0
-    return lay[0] or vector_aligned(o.ptr, lay[1], o.shape[1], 4)
+    return lay is not None and (lay[0] or vector_aligned(o.ptr, lay[1], 0, 4))

@@ -450,7 +450,8 @@ CK_CLUSTER_DIMS(CL)
 gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int M, int N,
            int K, int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
-           const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb) {
+           const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb, long long sa,
+           long long sb, long long sc) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
   // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
   static_assert(CK_WGMMA || MODE < 0, "gemm_wgmma needs sm_90a (wgmma, setmaxnreg)");
@@ -487,6 +488,18 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
+  // A stack of products (gemm_kernels.batched_call): blockIdx.y is the matrix, whose A, B
+  // and C start sa, sb, sc elements after the previous one's (0: one matrix broadcast
+  // over the stack). TMA's maps span the whole stack: matrix y's rows start at map row
+  // y * sa / lda (whole rows: the host checks it). A tile's rows past M (N) read the next
+  // matrix's rows, or zeros past the map, and reach only the output rows (columns) past
+  // M (N), which the stores mask. A stack takes no split K, a transposed A by TMA or a
+  // transposed store; a single product passes sa = sb = sc = 0.
+  const long long mat = blockIdx.y;
+  a += mat * sa;
+  b += mat * sb;
+  c += mat * sc;
+  const int ra = TMA ? (int)(mat * sa / lda) : 0, rb = TMA ? (int)(mat * sb / ldb) : 0;
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
   // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
   // chunk's slab of float sums in the workspace c.)
@@ -548,15 +561,15 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
             for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, kbase + kt * KS, bar);
           } else {
 #pragma unroll
-            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * KS, m0 + r, bar);
+            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * KS, ra + m0 + r, bar);
           }
           if constexpr (CL > 1) {  // this CTA's 1/CL of B, to every CTA of the cluster (same n0)
 #pragma unroll
             for (int r = rank * (BN / CL); r < (rank + 1) * (BN / CL); r += BOX)
-              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, n0 + r, bar, (1 << CL) - 1);
+              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, rb + n0 + r, bar, (1 << CL) - 1);
           } else {
 #pragma unroll
-            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, n0 + r, bar);
+            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, rb + n0 + r, bar);
           }
         }
         // The peers' consumers arrive on this CTA's barriers until their last slices:

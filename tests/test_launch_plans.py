@@ -239,7 +239,8 @@ def test_dx_reads_w_in_place_on_hopper(launches):
         assert gemm[0].startswith("gemm_wgmma<float, 1, true, false, true, 64,")  # TA, TC
         assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the result
         assert gemm[3][3:6] == (4352, 130, 300) and gemm[3][9] == 4352  # M, N, K; ldc
-        assert gemm[3][-2] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
+        assert gemm[3][-5] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
+        assert gemm[3][-3:] == (0, 0, 0)  # one product: no stack strides
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
     cupykern.gemm_operands.mm(dy, w[:, :40], "high")  # 1 tile: K split
@@ -258,16 +259,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     keep gemm_mma's 16-bit mode (never split)."""
     from cupykern import gemm_kernels
 
-    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
-    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
-    monkeypatch.setattr(_tma.Rows2D, "_encode", lambda self, ptr: (
-        "tensor map", ptr, self._args[0], *map(list, self._args[2:5])))
-    monkeypatch.setattr(_tma, "row_maps", lambda *geometry: _tma.Rows2D(*geometry))
-
-    def op(rows, k, ptr=0x10000, ld=None, transposed=False):
-        strides = (1, ld or rows) if transposed else (ld or k, 1)
-        return _array.Operand(None, "torch", dtype, (rows, k), strides, ptr, 0, "a", True)
+    op = _fake_hopper(monkeypatch, dtype)
 
     cfg = gemm_kernels._WGMMA[gemm_kernels._HALF]
     bm, bn = cfg["BM"], cfg["BN"]
@@ -277,7 +269,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
                            f"{cfg['SMEM']}, 64>") and choice.cluster == 2
     assert choice.maps(0x10000, 0x20000) == (
         ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
-        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]))
+        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]), 0, 0, 0)
     kernel = gemm_kernels.gemm_kernel(a, b, "highest")
     assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
     assert gemm_kernels._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
@@ -301,6 +293,44 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
         assert gemm_kernels._choose(a_, b_, "highest").expr.startswith(f"gemm_mma<{ctype}, 3,")
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
     assert gemm_kernels._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
+
+
+def _fake_hopper(monkeypatch, dtype):
+    """An sm_90 GPU of 132 SMs where nothing compiles and tensor maps are tuples of their
+    geometry; returns ``op(rows, k, ptr, ld, transposed)``: a 2-D Operand of ``dtype``."""
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(_loader, "function", lambda *args: "kernel")  # (nothing compiled)
+    monkeypatch.setattr(_tma.Rows2D, "_encode", lambda self, ptr: (
+        "tensor map", ptr, self._args[0], *map(list, self._args[2:5])))
+    monkeypatch.setattr(_tma, "row_maps", lambda *geometry: _tma.Rows2D(*geometry))
+
+    def op(rows, k, ptr=0x10000, ld=None, transposed=False):
+        strides = (1, ld or rows) if transposed else (ld or k, 1)
+        return _array.Operand(None, "torch", dtype, (rows, k), strides, ptr, 0, "a", True)
+    return op
+
+
+def test_stack_is_one_launch_on_hopper(monkeypatch):
+    """A stack of float32 "highest" products runs gemm_wgmma once, the matrix in the
+    grid's y: its tensor maps span every matrix's rows (matrix i's at row i * stride /
+    ld) and the kernel takes the stack strides (a broadcast operand's is 0). A stack
+    whose tiles split K, whose strides are partial rows, or that runs on another kernel
+    is None (one launch per matrix)."""
+    from cupykern import gemm_kernels
+
+    op = _fake_hopper(monkeypatch, "float32")
+    bm, bn = gemm_kernels._WGMMA[0]["BM"], gemm_kernels._WGMMA[0]["BN"]
+    a, b = op(512, 1024), op(2048, 1024, ptr=0x20000)  # (128, 512, 1024) @ (128, 1024, 2048)^T
+    call = gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024, 0)
+    (fn, grid, block, args, smem), = call(0x10000, 0x20000, 0x30000)
+    assert grid == (512 // bm * 2048 // bn, 128) and block == (384,)
+    assert args[:3] == (0x10000, 0x20000, 0x30000) and args[-3:] == (512 * 1024, 0, 512 * 2048)
+    assert args[-5] == ("tensor map", 0x10000, _tma.FLOAT32, [1024, 128 * 512], [4096], [32, 64])
+    assert args[-4] == ("tensor map", 0x20000, _tma.FLOAT32, [1024, 2048], [4096], [32, 64])
+    assert gemm_kernels.batched_call(op(128, 1024), op(128, 1024), "highest", 2, 0, 0) is None  # split K
+    assert gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024 + 4, 0) is None  # partial rows
+    assert gemm_kernels.batched_call(op(512, 1022), op(2048, 1022), "highest", 128, 0, 0) is None  # mma.sync
 
 
 @pytest.mark.parametrize("g", ["transposed", "expanded"])

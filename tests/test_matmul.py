@@ -269,3 +269,83 @@ def test_stack_times_a_matrix_is_one_product(a_shape):
 def test_torch_a_with_numpy_b_names_b():
     with pytest.raises(TypeError, match="^b: .*do not mix"):
         cupykern.matmul(torch.ones(2, 2), np.ones((2, 2), np.float32))
+
+
+def _stack_case(kind):
+    """(a, b, one launch expected) on the GPU, float32, for :func:`test_stack_on_one_launch`."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+    if kind == "batch 1":
+        return rand(1, 130, 256), rand(1, 256, 300), True
+    if kind == "b broadcast (stride 0)":
+        return rand(5, 130, 256), rand(1, 256, 300).expand(5, 256, 300), True
+    if kind == "a broadcast (stride 0)":
+        return rand(1, 96, 128).expand(4, 96, 128), rand(4, 128, 200), True
+    if kind == "two batch dims":
+        return rand(2, 3, 64, 256), rand(2, 3, 256, 130), True
+    if kind == "N 1, 3, 5, 4097":
+        return rand(3, 70, 256), rand(3, 256, 4097 + 4)[..., :4097], True
+    if kind == "transposed b":
+        return rand(4, 200, 96), rand(4, 300, 96).mT, True
+    if kind == "offset 16 bytes":  # every matrix 16-byte aligned: TMA
+        buf = rand(4 + 3 * 100 * 64)
+        return buf[4:].view(3, 100, 64), rand(3, 64, 250), True
+    if kind == "stride of partial rows":  # matrices 4 floats apart past their rows: a launch each
+        buf = rand(3 * (100 * 64 + 4))
+        return buf.as_strided((3, 100, 64), (100 * 64 + 4, 64, 1)), rand(3, 64, 250), False
+    if kind == "broadcast in two dims":  # (2, 1) against (3,): no one stride
+        return rand(2, 1, 64, 256), rand(3, 256, 130), False
+    if kind == "K 3":  # rows off 16 bytes: mma.sync, a launch each
+        return rand(3, 70, 3), rand(3, 3, 140), False
+    raise ValueError(kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)",
+                                  "two batch dims", "N 1, 3, 5, 4097", "transposed b",
+                                  "offset 16 bytes", "stride of partial rows",
+                                  "broadcast in two dims", "K 3"])
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_stack_on_one_launch(kind, precision, monkeypatch):
+    """A stack of products on ours: on Hopper, one launch with the matrix in the grid
+    where each operand's matrices lie one stride apart (broadcast: 0), else a launch per
+    matrix; against float64 either way (each result row and column of every matrix)."""
+    from cupykern import gemm, gemm_kernels, gemm_route
+
+    a, b, one = _stack_case(kind)
+    if kind.startswith("N 1"):
+        for n in (1, 3, 5):
+            with gemm_route.forced_route(gemm_route.OURS):
+                _check(cupykern.matmul(a, b[..., :n], precision=precision), a, b[..., :n],
+                       1e-6 if precision == "highest" else 4e-3)
+    stacks = []
+    real = gemm_kernels.batched_call
+    monkeypatch.setattr(gemm, "batched_call", lambda *args: stacks.append(real(*args)) or stacks[-1])
+    with gemm_route.forced_route(gemm_route.OURS):
+        got = cupykern.matmul(a, b, precision=precision)
+    _check(got, a, b, 1e-6 if precision == "highest" else 4e-3)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert any(s is not None for s in stacks) == one, kind
+
+
+@pytest.mark.gpu
+@pytest.mark.slow(gib=40)
+def test_stack_of_more_than_2_to_the_31_outputs():
+    """(2, 32768, 32) @ (2, 32, 32768) on one launch: 2**31 outputs (8 GiB), the second
+    matrix's offsets past int32; rows and columns at both ends against float64."""
+    from cupykern import gemm_route
+
+    a = torch.randn(2, 32768, 32, device="cuda")
+    b = torch.randn(2, 32, 32768, device="cuda")
+    with gemm_route.forced_route(gemm_route.OURS):
+        out = cupykern.matmul(a, b, precision="highest")
+    assert out.numel() == 2 ** 31
+    for i in (0, 1):
+        rows, cols = [0, 1, 16384, 32766, 32767], [0, 1, 16384, 32766, 32767]
+        want = a[i, rows].double() @ b[i].double()
+        torch.testing.assert_close(out[i, rows].double(), want, atol=1e-4, rtol=1e-5)
+        want = a[i].double() @ b[i][:, cols].double()
+        torch.testing.assert_close(out[i][:, cols].double(), want, atol=1e-4, rtol=1e-5)
+    del out
