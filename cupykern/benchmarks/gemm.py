@@ -21,6 +21,10 @@ small``) times small grids, where K is split over the SMs, by their GPU time in 
 graph (no host time), against cuBLAS and, for GemmScaleBatchNorm's small shape,
 PyTorch eager.
 
+``--problems`` (instead of the parts) times float32 "highest" ``cupykern.matmul`` on the
+problems of a peer matrix-multiplication benchmark and on a model's (attention's batched
+products), against eager ``torch.matmul`` (SGEMM), with each one's error against float64.
+
 ``--sweep`` (instead of the parts) is the envelope: ``linear`` and ``matmul`` (ours as
 the dispatcher routes them) against PyTorch eager and torch.compile at float32 "highest"
 (PyTorch's is cuBLAS's SGEMM) and "high", bfloat16, float16 and float64 over the
@@ -556,6 +560,49 @@ def survey(seed: int, below: float = 0.97) -> None:
             report(f"{what} {dt} {prec}", ratios)
 
 
+# (name, a shape, b shape): float32 "highest" problems of every kind a model or a peer
+# benchmark has: square, stacks (batched, broadcast, 3-D and 4-D times a matrix),
+# misaligned rows (K % 4), small and large K, tall-skinny, matrix-vector, attention.
+PROBLEMS = [("square", (4096, 4096), (4096, 4096)),
+            ("batched", (128, 512, 1024), (128, 1024, 2048)),
+            ("3-D @ matrix", (16, 1024, 2048), (2048, 768)),
+            ("4-D @ matrix", (8, 256, 512, 256), (256, 768)),
+            ("large K", (256, 524288), (524288, 256)),
+            ("irregular", (8205, 2949), (2949, 5921)),
+            ("small K", (32768, 64), (64, 32768)),
+            ("tall-skinny", (32768, 32), (32, 32768)),
+            ("matrix-vector", (2048, 1048576), (1048576, 1)),
+            ("attention QK^T", (96, 512, 64), (96, 64, 512)),
+            ("attention PV", (96, 512, 512), (96, 512, 64))]
+
+
+def problems(iters: int) -> None:
+    """:data:`PROBLEMS` against eager SGEMM: ms, ratio, route and error against float64
+    (max |error| / max |a| @ |b|) of each."""
+    from cupykern import gemm_route
+
+    torch.manual_seed(0)
+    print("\nfloat32 \"highest\": cupykern.matmul against eager torch.matmul (SGEMM), "
+          "events around each call")
+    with matmul_precision("highest"):
+        for name, sa, sb in PROBLEMS:
+            a, b = torch.randn(sa, device="cuda"), torch.randn(sb, device="cuda")
+            ours, eager = time_each((lambda: cupykern.matmul(a, b), lambda: torch.matmul(a, b)),
+                                    iters=iters)
+            ref = torch.matmul(a.double(), b.double())
+            mag = torch.matmul(a.double().abs(), b.double().abs()).max().item()
+            errs = [(got.double() - ref).abs().max().item() / mag
+                    for got in (torch.matmul(a, b), cupykern.matmul(a, b))]  # SGEMM, ours
+            with gemm_route.forced_route(gemm_route.VENDOR):
+                vendor = cupykern.matmul(a, b)
+            route = "vendor" if torch.equal(vendor, cupykern.matmul(a, b)) else "ours"
+            print(f"{name:15} {str(sa):20} @ {str(sb):18} ours {ours:8.3f} ms  eager "
+                  f"{eager:8.3f} ms  {eager / ours:5.2f}x  {route:6}  error ours "
+                  f"{errs[1]:.1e} SGEMM {errs[0]:.1e}", flush=True)
+            del a, b, ref, vendor
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m cupykern.benchmarks.gemm", description=__doc__.splitlines()[0])
@@ -575,6 +622,9 @@ def main(argv=None):
                     "(comma-separated: linear, matmul, gsbn)")
     ap.add_argument("--budget", type=float, default=1e9, metavar="S",
                     help="--sweep: stop starting new points after S seconds")
+    ap.add_argument("--problems", action="store_true", help="float32 \"highest\" matmul "
+                    "on a peer benchmark's and a model's problems against eager SGEMM "
+                    "(instead of --part)")
     ap.add_argument("--survey", type=int, metavar="SEED", help="the off-grid survey: GPU "
                     "time at 40 random shapes of this seed (instead of --part)")
     args = ap.parse_args(argv)
@@ -582,6 +632,9 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.survey is not None:
         survey(args.survey)
+        return
+    if args.problems:
+        problems(args.iters)
         return
     if args.sweep:
         sweep(args.quick, args.json, args.paths, args.budget, args.ops.split(","))
