@@ -237,15 +237,20 @@ def check_linear(name, got, x, w, b, rtol):
 
 def run_linear():
     """Our kernels at these small shapes (the dispatcher gives most of them to cuBLAS, whose
-    kernels are not ours to check); then matmul's stack of our 2-D GEMM per matrix."""
+    kernels are not ours to check); then matmul's stacks: of our 2-D GEMM per matrix, and
+    on one launch (Hopper: the matrix in the grid; partial tiles, a stride-0 b)."""
     with cupykern.gemm_route.forced_route(cupykern.gemm_route.OURS):
         _run_linear()
-        # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
+        # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets;
+        # then a stack whose matrices lie one stride apart (b broadcast: stride 0)
+        stacks = (((3, 1, 37, 50), (2, 50, 23)), ((3, 70, 64), (1, 64, 140)))
         for prec in ("highest", "high"):
-            a, b = dev(randn(3, 1, 37, 50, seed=12), torch.float32), dev(randn(2, 50, 23, seed=13), torch.float32)
-            want = (host(a) @ host(b))
-            check(f"matmul stack float32 {prec}", cupykern.matmul(a, b, precision=prec), want,
-                  tol(torch.float32, prec), host(a).abs() @ host(b).abs())
+            for i, (sa, sb) in enumerate(stacks):
+                a = dev(randn(*sa, seed=12 + 2 * i), torch.float32)
+                b = dev(randn(*sb, seed=13 + 2 * i), torch.float32)
+                want = (host(a) @ host(b))
+                check(f"matmul stack {sa} @ {sb} float32 {prec}", cupykern.matmul(a, b, precision=prec),
+                      want, tol(torch.float32, prec), host(a).abs() @ host(b).abs())
 
 
 def _run_linear():
