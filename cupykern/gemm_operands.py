@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import _loader
 from ._array import (Operand, Place, cached_checked, contiguous, empty, launch_all, operand,
                      rows_2d, signature)
-from ._geometry import vector_aligned
+from ._geometry import cdiv, vector_aligned
 from .gemm_checks import check_mm, reference
 from .gemm_kernels import gemm, gemm_call, gemm_kernel, layout, stores_transposed, transpose_kernel, workspace
 
@@ -154,7 +154,8 @@ def _planned_swapped(a, b, precision: str):
 # against 400 TFLOP/s, 3xTF32 32 against 114), while a copy costs about as much as 100
 # multiply-adds per element at those rates: small operands of big products (dW's dy and
 # x) are copied, a big one read by few rows (W in dx = dy @ W at a small batch) is not.
-# The same bound decides whether misaligned float32 rows are copied for Hopper's wgmma.
+# The same bound decides whether float32 rows that Hopper's wgmma cannot read in place
+# (off 16-byte boundaries, or K % 4 != 0) are copied into 16-byte rows (padded_ld).
 # (Hopper TF32 / 3xTF32 read a transposed A by TMA; mm uses that for a row-major b,
 # see _swaps, while other transposed operands still follow this bound.)
 _COPY_WORK = 128
@@ -162,20 +163,35 @@ _COPY_WORK = 128
 
 def _misaligned_rows(o, ld: int) -> bool:
     """Whether ``o``'s K-contiguous float32 rows (stride ``ld``) keep a Hopper GPU off its
-    wgmma kernels only by where they start or by their stride (K a multiple of 4): a
-    16-byte aligned copy then pays for a big product (H200, 1024x8192 @ (8192x8192)^T
-    "high": 4.29 ms on mma.sync, 0.32 ms on wgmma)."""
+    wgmma kernels in place: rows that start or step off 16-byte boundaries, or whose K
+    is not a multiple of 4 (the kernel choice reads whole 16-byte rows of K in place; a
+    TMA row stride is a multiple of 16 bytes). A copy into 16-byte rows
+    (:func:`padded_ld`) then pays for a big product (H200, 1024x8192 @ (8192x8192)^T
+    "high", misaligned rows: 4.29 ms on mma.sync, 0.32 ms on wgmma; K % 4, the padded
+    copy: measurement pending)."""
+    return (o.dtype == "float32" and o.kind != "cpu" and o.size > 0
+            and not vector_aligned(o.ptr, ld, o.shape[1], 4) and _loader.device_cc(o.device) == 90)
+
+
+def padded_ld(o) -> int:
+    """The row stride (elements) of the copy ours makes of the 2-D Operand ``o`` (rows, K):
+    on Hopper, float32 rows rounded up to whole 16 bytes (K rounded up to a multiple of
+    4), which its TMA reads (the maps' columns stop at K, zero-filled past it; the copy
+    also writes zeros there); else K (C-contiguous)."""
     K = o.shape[1]
-    return (o.dtype == "float32" and o.kind != "cpu" and o.size > 0 and K % 4 == 0
-            and not vector_aligned(o.ptr, ld, K, 4) and _loader.device_cc(o.device) == 90)
+    if o.dtype == "float32" and o.kind != "cpu" and _loader.device_cc(o.device) == 90:
+        return cdiv(K, 4) * 4
+    return K
 
 
 def read_mode(o, work: int):
     """How the GEMM reads the 2-D Operand ``o`` in a product of ``work`` multiply-adds:
     ``("view", None)`` in place, ``("transpose", column stride)`` by the tiled transpose
-    copy (its columns are contiguous and copying pays, ``_COPY_WORK``), or ``("copy",
-    None)`` (neither rows nor columns contiguous, or rows :func:`_misaligned_rows` where
-    copying pays)."""
+    copy (its columns are contiguous and copying pays, ``_COPY_WORK``), ``("copy", row
+    stride)`` by the same kernel (K-contiguous rows :func:`_misaligned_rows`, where copying
+    pays), or ``("copy", None)`` (neither rows nor columns contiguous: a general copy to
+    rows of K, then read as those, :func:`matrix`). The kernel's copies are rows of
+    :func:`padded_ld`."""
     lay = layout(o)
     if lay is None:
         return "copy", None
@@ -183,61 +199,81 @@ def read_mode(o, work: int):
     if lay[0] and pays:
         return "transpose", lay[1]
     if not lay[0] and pays and _misaligned_rows(o, lay[1]):
-        return "copy", None
+        return "copy", lay[1]
     return "view", None
 
 
 def matrix(o, work: int):
     """``o`` (..., K) as the GEMM's 2-D (rows, K) operand of a product of ``work``
-    multiply-adds (:func:`read_mode`): in place, transposed or copied; more dims as rows
-    (:func:`rows_2d`)."""
+    multiply-adds (:func:`read_mode`): in place, or copied (transposed, or rows) into a new
+    array of rows of :func:`padded_ld`; more dims as rows (:func:`rows_2d`). An operand
+    of neither rows nor columns contiguous is first copied to C-contiguous rows, then
+    read as such."""
     if o.ndim != 2:
         o = rows_2d(o, o.name)
     mode, ld = read_mode(o, work)
-    if mode == "transpose":
-        copy = _transpose_plan(o, ld)[1]
-        launches, held = [], []
-        copy(o.ptr, launches, held)
-        launch_all(o, launches)
-        return operand(held[0], o.name)
-    if mode == "copy":  # (a new array: also where a C-contiguous view starts misaligned)
-        return operand(contiguous(o, copy=True).reshape(o.shape), o.name)
-    return o
+    if mode == "view":
+        return o
+    if ld is None:  # (a general copy: rows of K, maybe then copied to padded rows)
+        return matrix(operand(contiguous(o, copy=True).reshape(o.shape), o.name), work)
+    copy = _copy_plan(o, ld, mode == "transpose")[1]
+    launches, held = [], []
+    copy(o.ptr, launches, held)
+    launch_all(o, launches)
+    return operand(held[0][:, :o.shape[1]], o.name)
+
+
+def planned_operand(o, work: int):
+    """The 2-D Operand ``o`` as the GEMM reads it in a product of ``work`` multiply-adds
+    (:func:`matrix`, :func:`_planned_read`): itself, or an Operand describing the copy
+    :func:`read_mode` makes (a fresh array: rows of :func:`padded_ld`; a general copy's
+    rows of K first, then as those)."""
+    mode, ld = read_mode(o, work)
+    if mode == "view":
+        return o
+    if ld is None:
+        return planned_operand(fresh_like(o, o.shape, o.name), work)
+    return fresh_like(o, o.shape, o.name, padded_ld(o))
 
 
 def _planned_read(o, work: int):
     """(Operand to plan the GEMM with, copy or None) for the 2-D Operand ``o``
     (:func:`read_mode`); None if it needs a general copy. ``copy`` as
-    :func:`_transpose_plan`'s."""
+    :func:`_copy_plan`'s."""
     mode, ld = read_mode(o, work)
-    if mode == "transpose":
-        return _transpose_plan(o, ld)
-    return None if mode == "copy" else (o, None)
+    if mode == "view":
+        return o, None
+    return None if ld is None else _copy_plan(o, ld, mode == "transpose")
 
 
-def fresh_like(o, shape, name):
-    """An Operand describing a new C-contiguous 2-D array of ``shape`` beside ``o`` (a fresh
-    allocation: 16-byte aligned), to plan a GEMM that will read it."""
-    return Operand(o.obj, o.kind, o.dtype, shape, (shape[1], 1), 0, o.device, name, o.torch)
+def fresh_like(o, shape, name, ld=None):
+    """An Operand describing a new 2-D array of ``shape`` beside ``o`` (a fresh allocation:
+    16-byte aligned), C-contiguous or in rows of ``ld`` elements (the first ``shape[1]``
+    of each), to plan a GEMM that will read it."""
+    return Operand(o.obj, o.kind, o.dtype, shape, (ld or shape[1], 1), 0, o.device, name, o.torch)
 
 
-def _transpose_plan(o, ld: int):
-    """The C-contiguous copy of the 2-D GPU Operand ``o`` whose columns are contiguous
-    (column stride ``ld``), by the tiled transpose kernel (torch's and CuPy's strided
-    copies run at a third of copy bandwidth: H100, 8192 x 8192 float32, 0.56 ms against
-    0.18 ms for a clone): ``(planned, copy)``, ``planned`` an Operand that describes the
-    copy for planning (a fresh allocation: 16-byte aligned), ``copy(src_ptr, launches,
-    held) -> dst_ptr`` allocating it (appended to ``held``) and appending its launch."""
+def _copy_plan(o, ld: int, transposed: bool):
+    """The copy of the 2-D GPU Operand ``o`` whose columns (``transposed``: column stride
+    ``ld``) or rows (row stride ``ld``) are contiguous into a new array of rows of
+    :func:`padded_ld` (their columns past K zeroed), by the tiled copy kernel (torch's and
+    CuPy's strided copies run at a third of copy bandwidth: H100, 8192 x 8192 float32,
+    0.56 ms against 0.18 ms for a clone): ``(planned, copy)``, ``planned`` an Operand
+    that describes the copy for planning (a fresh allocation: 16-byte aligned; shape
+    (rows, K), row stride padded_ld), ``copy(src_ptr, launches, held) -> dst_ptr``
+    allocating it (appended to ``held``: (rows, padded_ld)) and appending its launch."""
     rows, cols = o.shape
-    fn, grid, block = transpose_kernel(o.dtype, o.device, rows, cols)
+    ldd = padded_ld(o)
+    fn, grid, block = transpose_kernel(o.dtype, o.device, rows, cols, ldd)
     place = Place(o)
-    planned = fresh_like(o, (rows, cols), o.name)
+    planned = fresh_like(o, (rows, cols), o.name, ldd)
+    strides = (1, ld) if transposed else (ld, 1)  # (src's row and column strides)
 
     def copy(src, launches, held):
-        out = empty(place, (rows, cols))
+        out = empty(place, (rows, ldd))
         held.append(out)
         dst = place.ptr(out)
-        launches.append((fn, grid, block, (src, dst, rows, cols, ld), 0))
+        launches.append((fn, grid, block, (src, dst, rows, cols, *strides, ldd), 0))
         return dst
 
     return planned, copy

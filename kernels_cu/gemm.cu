@@ -1,5 +1,5 @@
 // gemm.cu: the CUDA-core GEMM (float64, and every dtype below sm_80), split K's
-// second pass and the transposed-operand copy (any arch). The kernels' contract:
+// second pass and the operand copy (transposed or padded rows, any arch). The kernels' contract:
 // gemm.cuh.
 #include "gemm.cuh"
 
@@ -141,28 +141,42 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
   }
 }
 
-// ---- transposed operand -> K-contiguous copy -----------------------------------------
-// dst (rows, cols) C-contiguous from src whose columns are contiguous: element (r, c) at
-// src[c*ld + r]. A TILE x TILE block is read along r and written along c through smem
-// (padded by one element: conflict-free columns), so both sides move whole 32-element
-// segments; a strided elementwise copy (torch's / CuPy's) runs at a third of copy speed.
-// One block per tile, tiles r-major over a 1-D grid.
+// ---- strided operand -> K-contiguous copy (rows of a chosen stride) -----------------
+// dst (rows, cols) in rows of ldd >= cols elements, from src whose element (r, c) is at
+// src[r * sr + c * sc]: a transposed view (sr == 1, sc its column stride: the GEMM's
+// transposed-operand copy) or rows (sc == 1, sr their stride: rows that Hopper's TMA
+// cannot read in place, float32 rows off 16-byte boundaries or with K % 4 != 0); any
+// other strides copy correctly, read along r. Columns cols..ldd-1 of each row are
+// written as zeros (gemm_operands.padded_ld: rows padded to 16 bytes for TMA, whose maps
+// stop at cols, so that a reader of whole 16-byte chunks finds zeros there too). A TILE
+// x TILE block is read along the contiguous side and written along c through smem
+// (padded by one element: conflict-free columns either way), so both sides move whole
+// 32-element segments; a strided elementwise copy (torch's / CuPy's) runs at a third of
+// copy speed. One block per tile of (rows, ldd), tiles r-major over a 1-D grid.
 template <typename T, int TILE, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-transpose_copy(const T* __restrict__ src, T* __restrict__ dst, long long rows, long long cols, long long ld) {
+transpose_copy(const T* __restrict__ src, T* __restrict__ dst, long long rows, long long cols, long long sr,
+               long long sc, long long ldd) {
   static_assert(TILE == 32, "transpose_copy: one warp spans a tile row");
   static_assert(THREADS % TILE == 0 && TILE % (THREADS / TILE) == 0,
                 "transpose_copy: THREADS / TILE warps take every (THREADS / TILE)-th tile row");
   constexpr int STEP = THREADS / TILE;
-  __shared__ T tile[TILE][TILE + 1];
+  __shared__ T tile[TILE][TILE + 1];  // tile[c - c0][r - r0]
   const long long tiles_r = (rows + TILE - 1) / TILE;
   const long long r0 = (long long)(blockIdx.x % tiles_r) * TILE, c0 = (long long)(blockIdx.x / tiles_r) * TILE;
   const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;
+  if (sc == 1) {  // rows contiguous: a warp reads along c (uniform branch)
 #pragma unroll
-  for (int i = ty; i < TILE; i += STEP)
-    if (r0 + tx < rows && c0 + i < cols) tile[i][tx] = src[(c0 + i) * ld + r0 + tx];
+    for (int i = ty; i < TILE; i += STEP)
+      if (r0 + i < rows && c0 + tx < cols) tile[tx][i] = src[(r0 + i) * sr + c0 + tx];
+  } else {  // columns contiguous (sr == 1): a warp reads along r
+#pragma unroll
+    for (int i = ty; i < TILE; i += STEP)
+      if (r0 + tx < rows && c0 + i < cols) tile[i][tx] = src[(r0 + tx) * sr + (c0 + i) * sc];
+  }
   __syncthreads();
+  const T zero = from_acc<T>(0.f);
 #pragma unroll
   for (int i = ty; i < TILE; i += STEP)
-    if (r0 + i < rows && c0 + tx < cols) dst[(r0 + i) * cols + c0 + tx] = tile[tx][i];
+    if (r0 + i < rows && c0 + tx < ldd) dst[(r0 + i) * ldd + c0 + tx] = c0 + tx < cols ? tile[tx][i] : zero;
 }

@@ -132,6 +132,61 @@ def test_high_rounds_like_cublas_tf32(shape, rows):
     assert e_ours <= 1.2 * e_theirs, (e_ours, e_theirs)
 
 
+# K % 4 != 0 (issue 63): on Hopper, float32 operands of such K are copied where copying
+# pays (N >= gemm_operands._COPY_WORK for x, M >= it for W: 130 x 257 has both) into
+# 16-byte rows of K rounded up to 4 (gemm_operands.padded_ld), zeros past K, that its
+# wgmma reads by TMA: x row-major, transposed (the tiled copy from its columns) or 4 bytes
+# off alignment, W row-major or transposed. Elsewhere the transposed ones are copied
+# unpadded and the others read in place. K = 4097 splits K (6 tiles).
+PADDED_K = [1, 3, 5, 4097]
+
+
+def _laid_out(t, how):
+    """``t`` (2-D) as row-major rows ("rows"), column by column ("transposed"), or rows
+    starting 4 bytes past a 16-byte boundary ("offset")."""
+    if how == "transposed":
+        return _col_major(t)
+    if how == "offset":
+        return torch.cat([t.new_zeros(1), t.reshape(-1)])[1:].view(t.shape)
+    return t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("w_how", ["rows", "transposed"])
+@pytest.mark.parametrize("x_how", ["rows", "transposed", "offset"])
+@pytest.mark.parametrize("k", PADDED_K)
+def test_k_off_16_byte_rows(k, x_how, w_how, precision):
+    """linear (planned: the copies are launches of its plan; and with ``out``: copied by
+    gemm_operands.matrix) and matmul (mm's plan) of K % 4 != 0, with bias, within the
+    precision's bound of float64; each copy holds the operand's K columns bit for bit in
+    rows of padded_ld (K rounded up to 4 on Hopper), zeros past K."""
+    from cupykern import gemm_operands
+    from cupykern._array import operand
+    m, n = 130, 257
+    x, w, b = (t.cuda() for t in _data(m, n, k, torch.float32))
+    x, w = _laid_out(x, x_how), _laid_out(w, w_how)
+    outs = (cupykern.linear(x, w, b, precision=precision),
+            cupykern.linear(x, w, b, precision=precision, out=torch.empty(m, n, device="cuda")),
+            cupykern.matmul(x, w.t(), precision=precision) + b)
+    for out in outs:
+        assert out.shape == (m, n)
+        err, mag = _errors(out, x, w, b)
+        assert err <= REL_BOUND[precision] * mag, (err, mag)
+    work = m * n * k
+    for t in (x, w):
+        o = operand(t, "t")
+        ld = gemm_operands.padded_ld(o)
+        assert ld == (-(-k // 4) * 4 if _hopper() else k)
+        c = gemm_operands.matrix(o, work)
+        if gemm_operands.read_mode(o, work)[0] == "view":
+            assert c is o and not _hopper()  # (off Hopper: rows read in place)
+            continue
+        assert c.shape == (t.shape[0], k) and c.strides == (ld, 1) and c.ptr % 16 == 0
+        assert torch.equal(c.obj, t)
+        assert not torch.as_strided(c.obj, (t.shape[0], ld), (ld, 1))[:, k:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", SHAPES[:7], ids=lambda s: "x".join(map(str, s)))
