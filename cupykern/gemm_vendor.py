@@ -80,7 +80,12 @@ class _CupyVendor:
     through it took 79 us a call against cupy's @ 36, H100, 256x1024x1024); "high" /
     "medium" only where CuPy's float32 compute type is TF32 already (CUPY_TF32=1: cuBLAS's
     CUBLAS_COMPUTE_32F_FAST_TF32), else ours; float64 / float16 cupy.matmul as it is
-    (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums)."""
+    (DGEMM on the FP64 tensor cores; fp16 products with fp32 sums). :meth:`linear` adds
+    its bias to the stored product, so each output rounds twice: in float32 / float64 the
+    second rounding is within the product's own error, in float16 it costs up to half an
+    ulp of the product, many of the result's where the bias cancels most of it; the route
+    gives a float16 linear with a bias to ours, which rounds once
+    (:func:`cupykern.gemm._linear_route`)."""
 
     @staticmethod
     def state():
@@ -135,7 +140,7 @@ class _CupyVendor:
         return out
 
     @staticmethod
-    def linear(x, w, b, precision):
+    def linear(x, w, b, precision):  # (the bias after the product: see the class's note)
         lead = x.shape[:-1]  # (math.prod: np.prod of a tuple costs a call microseconds)
         y = _CupyVendor.matmul(x.reshape(math.prod(lead), x.shape[-1]), w.T, precision)
         y = y.reshape(lead + (w.shape[0],))

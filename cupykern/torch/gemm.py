@@ -10,7 +10,8 @@ here, in the torch layer, so that torch.compile sees (and guards on) it too (see
 :func:`resolve_precision`).
 
 Where :func:`cupykern.gemm_route.route` gives a product to the vendor, the op computes it with
-torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`); in plain eager mode, once
+torch's own ``F.linear`` / ``torch.matmul`` (:class:`Vendor`; a 16-bit linear as one 2-D
+product of contiguous operands, rounded once: :func:`_linear_once`); in plain eager mode, once
 a call has planned that, ``linear`` / ``matmul`` call them directly, with torch's own
 autograd, without the op's boundary (its microseconds are most of a small product's time);
 so do calls that autograd records where ``route`` gives them to the vendor for that
@@ -55,8 +56,9 @@ def resolve_precision(precision) -> str:
 
 class Vendor:
     """cuBLAS through torch, on torch's current stream: the products that
-    :func:`cupykern.gemm_route.route` gives to the vendor (16-bit ones of a misaligned N
-    computed padded, see :func:`cupykern.gemm_route.padded_n`; big float64 ones with their bias
+    :func:`cupykern.gemm_route.route` gives to the vendor (16-bit linears as one 2-D
+    product of standard operands, rounded once: :func:`_linear_once`; those of a misaligned
+    N computed padded, see :func:`cupykern.gemm_route.padded_n`; big float64 ones with their bias
     added apart, :func:`cupykern.gemm_route.bias_apart`). float32 only where torch's TF32
     switch gives the precision asked ("highest": SGEMM, TF32 off; "high" / "medium": TF32
     on), as it does for ``precision=None``; an explicit precision against the switch runs
@@ -85,6 +87,8 @@ class Vendor:
         pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
+        if dtype in _HALF_NAMES:
+            return _linear_once
         return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
     @staticmethod
@@ -139,16 +143,52 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_HALF_NAMES = ("float16", "bfloat16")
+
+
+def _linear_once(x, weight, bias):
+    """F.linear of 16-bit operands as torch computes it on contiguous 2-D copies of them:
+    one cuBLAS GEMM that adds the bias to its float32 sums and rounds each output once
+    (addmm), with the algorithm cuBLAS picks for that layout. F.linear on the arguments as
+    they are would, for a 1-D x or an N-D x that is not contiguous (or a strided bias),
+    store the 16-bit product and add the bias after it (a second rounding), and for
+    transposed, sliced or misaligned operands run another algorithm, which may sum
+    16-bit split-K partials (torch allows reduced-precision reductions by default), less
+    accurate than the one for the same values laid out contiguously. So x is folded into
+    rows (M, K) and every operand whose layout is not a fresh tensor's (C-contiguous,
+    16-byte aligned) is copied first (:func:`_standard`); the result is viewed back as x's
+    leading dims + (N,). A 2-D, or contiguous 3-D (which torch folds into addmm itself), x
+    with standard operands goes straight to F.linear: a few attribute reads, on the
+    shape-keyed plans' hot path. Differentiable (the copies and views are torch ops)."""
+    if (2 <= x.dim() <= 3 and x.is_contiguous() and weight.is_contiguous()
+            and (bias is None or bias.is_contiguous())
+            and not (x.data_ptr() | weight.data_ptr() | (0 if bias is None else bias.data_ptr())) & 15):
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]  # (math.prod, not -1: x or weight may be empty)
+    y = F.linear(_standard(x.reshape(math.prod(lead), x.shape[-1])), _standard(weight),
+                 None if bias is None else _standard(bias))
+    return y.view(*lead, weight.shape[0])
+
+
+def _standard(t):
+    """``t`` where it is laid out as a fresh tensor (C-contiguous, 16-byte aligned), else
+    such a copy of it."""
+    if t.is_contiguous() and not t.data_ptr() & 15:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _padded_linear(x, weight, bias, pad):
     """F.linear of N + pad rows of W (zeros), its N columns copied out (see
-    :func:`cupykern.gemm_route.padded_n`); plain F.linear where autograd records the call (the
-    pad's and the copy's backward ops: H200, bf16 training steps, 1024x1024x1025 to
-    2048x2048x2047, 0.47-0.72x eager)."""
+    :func:`cupykern.gemm_route.padded_n`); the unpadded product where autograd records the
+    call (the pad's and the copy's backward ops: H200, bf16 training steps, 1024x1024x1025
+    to 2048x2048x2047, 0.47-0.72x eager). 16-bit either way, so rounded once as
+    :func:`_linear_once` computes it."""
     if wants_grad((x, weight, bias)):
-        return F.linear(x, weight, bias)
+        return _linear_once(x, weight, bias)
     N = weight.shape[0]
     bias = None if bias is None else F.pad(bias, (0, pad))
-    return F.linear(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
+    return _linear_once(x, F.pad(weight, (0, 0, 0, pad)), bias)[..., :N].contiguous()
 
 
 def _padded_matmul(a, b, pad):
@@ -158,7 +198,8 @@ def _padded_matmul(a, b, pad):
 
 
 def _linear_bias_apart(x, weight, bias):
-    """F.linear as mm, then the bias added in place (see :func:`cupykern.gemm_route.bias_apart`)."""
+    """F.linear as mm, then the bias added in place (see :func:`cupykern.gemm_route.bias_apart`):
+    float64 only, where the second rounding is float64's."""
     if bias is None:
         return F.linear(x, weight)
     return torch.matmul(x, weight.T).add_(bias)
@@ -275,9 +316,10 @@ def _call(op, eager_plan, args, precision, remember=None):
 
 # Shape-keyed plans, the host time of a small call. Where route gives a product to the
 # vendor whatever its layout, alignment and grad (cupykern.gemm_route.vendor_any_layout)
-# and the vendor's form is torch's own op, an eager call is planned by its shapes, dtype,
-# device, precision (and for float32 the TF32 switch) alone: no strides, pointers or grad
-# state to read. A call that torch's op refuses (operands on two devices or of two dtypes,
+# and the vendor's form is torch's own op (16-bit linear: _linear_once, which reads the
+# layout it needs itself), an eager call is planned by its shapes, dtype, device, precision
+# (and for float32 the TF32 switch) alone: no strides, pointers or grad state to read
+# before the call. A call that torch's op refuses (operands on two devices or of two dtypes,
 # which the key does not tell apart) goes on to the full path, whose checks name the
 # argument. Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
 # precision, float32 part); matmul (a.shape, a.dtype, a's device, b.shape, precision,
@@ -289,12 +331,14 @@ _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
 _FLOAT32 = torch.float32
+_HALF = (torch.float16, torch.bfloat16)  # (their vendor form: _linear_once)
 
 
 def _remember(op_name, key, form, problem):
     """``remember`` for :func:`_call`: stores the vendor's plan ``run`` under ``key`` in
-    the shape-keyed plans where it is torch's own op ``form`` and ``problem(precision)``
-    (a GemmProblem) goes to the vendor whatever its layout."""
+    the shape-keyed plans where it is the layout-free eager form ``form`` (torch's own op,
+    or :func:`_linear_once`) and ``problem(precision)`` (a GemmProblem) goes to the vendor
+    whatever its layout."""
     def remember(run, prec):
         if run is form and route.vendor_any_layout(problem(prec)):
             cached(_SHAPE_PLANS[op_name], key, lambda: run)
@@ -327,7 +371,8 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
             return GemmProblem(x.numel() // K if K else 0, N, K, _name(dtype), prec, "torch",
                                _loader.device_cc(x.get_device()))
         return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
-                     _remember("linear", key, F.linear, problem))
+                     _remember("linear", key, _linear_once if dtype in _HALF else F.linear,
+                               problem))
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
