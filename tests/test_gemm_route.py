@@ -850,18 +850,19 @@ def test_vendor_eager_forms():
     form computes the product, contiguous."""
     import functools
 
-    from cupykern.torch.gemm import Vendor, _linear_bias_apart, _padded_linear, _padded_matmul
+    from cupykern.torch.gemm import (Vendor, _linear_bias_apart, _linear_once, _padded_linear,
+                                     _padded_matmul)
     F = torch.nn.functional
-    assert Vendor.linear_form(1024, 4096, 4096, "bfloat16") is F.linear
+    assert Vendor.linear_form(1024, 4096, 4096, "bfloat16") is _linear_once
     padded = Vendor.linear_form(1024, 1025, 1024, "float16")
     assert padded.func is _padded_linear and padded.keywords == {"pad": 7}
-    assert Vendor.linear_form(1023, 1025, 1024, "float16") is F.linear  # (just under 2**30)
+    assert Vendor.linear_form(1023, 1025, 1024, "float16") is _linear_once  # (just under 2**30)
     assert Vendor.linear_form(1024, 1026, 1024, "float16").keywords == {"pad": 6}  # N % 4 == 2
-    assert Vendor.linear_form(1024, 1026, 1026, "float16") is F.linear  # (K % 8 == 2)
+    assert Vendor.linear_form(1024, 1026, 1026, "float16") is _linear_once  # (K % 8 == 2)
     assert Vendor.linear_form(1024, 1025, 1026, "float16").keywords == {"pad": 7}  # odd N
-    assert Vendor.linear_form(1024, 1028, 1024, "float16") is F.linear  # (8-byte rows: cuBLAS's)
-    assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is F.linear  # (an odd K)
-    assert Vendor.linear_form(511, 1025, 1 << 22, "bfloat16") is F.linear  # (few rows: M < 512)
+    assert Vendor.linear_form(1024, 1028, 1024, "float16") is _linear_once  # (8-byte rows: cuBLAS's)
+    assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is _linear_once  # (an odd K)
+    assert Vendor.linear_form(511, 1025, 1 << 22, "bfloat16") is _linear_once  # (few rows: M < 512)
     assert Vendor.matmul_form(57, 1961, 12108, "bfloat16", True) is torch.matmul
     assert Vendor.linear_form(1 << 20, 8, 1024, "float64") is F.linear  # (N < 64)
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart

@@ -209,7 +209,12 @@ def _impl(x, weight, bias, precision):
     if x.is_cuda:
         return core.linear_core(x, weight, bias, precision)
     checks.check(x, weight, bias, precision, None)
-    return F.linear(x, weight, bias)
+    return _cpu_linear(x, weight, bias)
+
+
+def _cpu_linear(x, weight, bias):
+    """The CPU path's product: F.linear, of 16-bit operands rounded once (as on CUDA)."""
+    return (_linear_once if x.dtype in _HALF else F.linear)(x, weight, bias)
 
 
 def _fake(x, weight, bias, precision):
@@ -268,7 +273,7 @@ def _out_impl(x, weight, bias, precision, out):
         core.linear_core(x, weight, bias, precision, out)
         return
     checks.check(x, weight, bias, precision, out)
-    out.copy_(F.linear(x, weight, bias))
+    out.copy_(_cpu_linear(x, weight, bias))
 
 
 def _fold(in_dims, x, weight, bias, precision):
