@@ -244,11 +244,14 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     (ta, lda), (tb, ldb) = layout(a), layout(b)
     # 16-byte K-contiguous rows (a transposed operand is read by elements, or by TMA)
     aligned = (ta or vector_aligned(a.ptr, lda, K, isz)) and (tb or vector_aligned(b.ptr, ldb, K, isz))
+    # rows that start on 16 bytes, whatever K: TMA reads them (zeros past K), where it loads
+    # both operands (K % 4 float32 rows padded by a copy: gemm_operands.padded_ld)
+    starts = (ta or vector_aligned(a.ptr, lda, 0, isz)) and (tb or vector_aligned(b.ptr, ldb, 0, isz))
     if dt == "float64" and cc in _DMMA_CCS:
         return _Choice(_dmma_expr(ta, tb, aligned and not (ta and tb)), _DMMA, None, False, lda, ldb)
     if dt == "float64" or cc < 80:
         return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
-    hopper = aligned and cc == 90
+    hopper = (aligned or starts) and cc == 90
     mode = _tc_mode(dt, precision, hopper)
     mma = _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
                   lda, ldb)
@@ -259,8 +262,8 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
     a_rows = (K, M) if ta else (M, K)
     tma = (not tb and _tma.fits(*a_rows, lda, isz) and _tma.fits(N, K, ldb, isz)
            and (not ta or vector_aligned(a.ptr, lda, 0, isz)))
-    if mode == _HALF and (ta or not tma):
-        return mma  # 16-bit wgmma: K-major operands by TMA only
+    if (mode == _HALF and (ta or not tma)) or not (aligned or tma):
+        return mma  # 16-bit wgmma: K-major operands by TMA only; a partial vector: by TMA only
     # a cluster's CTAs take M tiles 2i, 2i + 1 of one N tile (an even count of M tiles
     # keeps every raster group's pairs together)
     cl = cfg["CLUSTER"] if tma and cdiv(M, cfg["BM"]) % cfg["CLUSTER"] == 0 else 1

@@ -504,9 +504,11 @@ def test_fused_16_bit_forward_stays_ours_on_wgmma(monkeypatch, cc, dispatched):
 
 @pytest.mark.parametrize("cc", [90, 80])
 def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
-    """GPU-free: a fused op's float32 GEMM whose rows no copy aligns for Hopper's wgmma
-    (K % 4) follows the dispatcher there (the vendor's, as for a plain product); on other
-    GPUs, and where wgmma reads the rows, it stays ours."""
+    """GPU-free: a fused op's float32 forward GEMM whose rows Hopper's wgmma cannot read
+    in place (K % 4; the forward copies nothing) follows the dispatcher there (the
+    vendor's, as for a plain product); its backward products, whose K % 4 operands are
+    copied into 16-byte rows (padded_ld), stay ours, as on other GPUs and where wgmma
+    reads the rows."""
     from cupykern import _array, _loader, gemm_route
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
@@ -517,12 +519,12 @@ def test_fused_float32_off_wgmma_follows_the_route(monkeypatch, cc, dispatched):
 
     x, w = op(4099, 5583), op(297, 5583)
     assert gemm_route.fused_vendor(x, w, "highest") == (cc == 90)
-    assert gemm_route.fused_vendor(x, w, "highest", batch=4099) == (cc == 90)
+    assert not gemm_route.fused_vendor(x, w, "highest", batch=4099)
     assert not gemm_route.fused_vendor(op(4099, 5584), op(297, 5584), "highest")
     # a backward product's b, transposed as routed_mm_plan passes it (N x K of stride 1, N)
     bt = _array.Operand(torch.empty(0), "torch", "float32", (297, 5583), (1, 297), 0x10000, 0,
                         "b", True)
-    assert gemm_route.fused_vendor(x, bt, "highest", batch=4099) == (cc == 90)
+    assert not gemm_route.fused_vendor(x, bt, "highest", batch=4099)
 
 
 @pytest.mark.parametrize("cc", [90, 80])
@@ -691,13 +693,8 @@ def test_copies_of_k4_rows_are_padded(monkeypatch, dispatched):
     assert gemm_route.fused_vendor(x, w, "highest", batch=4099) == (not on)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pending gemm_kernels._choose: it takes K-contiguous rows on wgmma only as whole "
-    "16-byte vectors of K (vector_aligned with K), so a padded copy of K % 4 (16-byte rows "
-    "of K rounded up to 4, zeros past K) still runs mma.sync; TMA reads such rows (the maps "
-    "stop at K). Remove this mark once _choose takes them."))
 def test_padded_k4_copies_run_on_wgmma(monkeypatch, dispatched):
-    """GPU-free: the padded copies of K % 4 operands (issue 63) run on Hopper's wgmma by
+    """GPU-free: the padded copies of K % 4 operands run on Hopper's wgmma by
     TMA, "highest" and "high", their maps of K columns in rows of K rounded up to 4; such
     a "highest" product of 2**30 multiply-adds or more is then ours (route_of)."""
     from cupykern import gemm_kernels, gemm_operands, gemm_route
@@ -718,13 +715,15 @@ def test_k4_copies_are_launches_of_the_plan(monkeypatch, cc):
     """GPU-free (CPU tensors stand in; nothing is compiled or launched): linear's plan of
     a K % 4 product, x (130, 5) row-major and W (257, 5) transposed, on Hopper launches
     the tiled copy of x's rows and of W's columns into fresh (rows, 8) arrays, zeros past
-    K, then the GEMM reading K = 5 of them in rows of 8; elsewhere only W's transpose is
-    copied, C-contiguous, and x is read in place."""
-    from cupykern import _array, _loader, gemm_operands
+    K, then the wgmma GEMM reading K = 5 of them in rows of 8 by TMA; elsewhere only W's
+    transpose is copied, C-contiguous, x is read in place, and mma.sync reads them."""
+    from cupykern import _array, _loader, _tma, gemm_operands
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: cc)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     monkeypatch.setattr(_loader, "function", lambda file, expr, dev, smem=0: expr)
+    monkeypatch.setattr(_tma.Rows2D, "_encode", lambda self, ptr: ("tensor map", ptr))  # (no driver)
+    monkeypatch.setattr(_tma, "row_maps", lambda *geometry: _tma.Rows2D(*geometry))
     x, w = torch.randn(130, 5), torch.randn(5, 257).t()
     xo, wo = (_array.Operand(t, "torch", "float32", tuple(t.shape), t.stride(), t.data_ptr(), 0,
                              name, True) for t, name in ((x, "x"), (w, "weight")))
@@ -744,7 +743,8 @@ def test_k4_copies_are_launches_of_the_plan(monkeypatch, cc):
         assert launches[0] == (copy, (9,), (256,), (w.data_ptr(), ptr[0], 257, 5, 1, 257, 5), 0)
         a, b, ld = x.data_ptr(), ptr[0], 5
     gemm = launches[-1][3]
-    assert len(launches) == (3 if cc == 90 else 2) and launches[-1][0].startswith("gemm_mma<")
+    kernel = "gemm_wgmma<float, 0, false, false, false, 64," if cc == 90 else "gemm_mma<"
+    assert len(launches) == (3 if cc == 90 else 2) and launches[-1][0].startswith(kernel)
     assert gemm[:3] == (a, b, out.data_ptr()) and gemm[3:6] == (130, 257, 5) and gemm[7:9] == (ld, ld)
 
 
