@@ -34,12 +34,13 @@ import math
 import numpy as np
 
 from . import _dask, _loader
+from ._geometry import MAX_GRID_Y
 from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_into, data_ptr,
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
-from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, workspace
-from .gemm_operands import fresh_like, matrix, mm, mm_plan, on_arrays, planned_gemm
+from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, transpose_kernel, workspace
+from .gemm_operands import fresh_like, matrix, mm, mm_plan, on_arrays, padded_ld, planned_gemm
 from .gemm_route import OURS, VENDOR, register_plans, route_of
 from .gemm_vendor import VendorPlan, vendor_linear, vendor_matmul, vendor_of, vendor_state
 
@@ -317,8 +318,9 @@ def _read_strides(t, batch):
     else those of its C-contiguous copy (:func:`_k_major`)."""
     o = operand(t, "b")
     strides = o.strides[:-2]
-    if not (o.strides[-1] == 1 or o.shape[-1] == 1):
-        strides = tuple(math.prod(o.shape[i + 1:]) for i in range(o.ndim - 2))
+    if not _in_place(o):  # (its copy's, in rows of padded_ld)
+        shape = o.shape[:-1] + (padded_ld(o),)
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(o.ndim - 2))
     strides = tuple(0 if n == 1 else s for n, s in zip(o.shape[:-2], strides))
     return (0,) * (len(batch) - len(strides)) + strides
 
@@ -396,9 +398,37 @@ def _swap_last(t):
 
 
 def _k_major(t):
-    """``t`` (..., rows, K) itself where its K dim is contiguous, else a C-contiguous copy."""
+    """``t`` (..., rows, K) itself where our GEMM reads its rows in place (:func:`_in_place`),
+    else a copy: C-contiguous, or in rows of :func:`~cupykern.gemm_operands.padded_ld`
+    (Hopper's float32 rows of K % 4, which its TMA then reads)."""
     o = operand(t, "b")
-    return t if o.strides[-1] == 1 or o.shape[-1] == 1 else contiguous(o)
+    if _in_place(o):
+        return t
+    ld, (rows, K), batch = padded_ld(o), o.shape[-2:], o.shape[:-2]
+    sr, sc = o.strides[-2:]
+    step, count = _stack_stride(batch, o.strides[:-2]), math.prod(batch)
+    if step is not None and 1 in (sr, sc) and count <= MAX_GRID_Y:
+        # the tiled copy, every matrix on one launch (torch's / CuPy's strided copy of a
+        # transposed stack runs at a third of copy speed)
+        out = empty(o, batch + (rows, ld))
+        fn, grid, block = transpose_kernel(o.dtype, o.device, rows, K, ld, count)
+        launch_all(o, [(fn, grid, block, (o.ptr, data_ptr(out), rows, K, sr, sc, ld, step,
+                                           rows * ld), 0)])
+        return out[..., :K]
+    if ld == K:
+        return contiguous(o)
+    out = empty(o, batch + (rows, ld))[..., :K]  # (the pad is never read: maps stop at K)
+    copy_into(out, t)
+    return out
+
+
+def _in_place(o) -> bool:
+    """Whether our GEMM reads the matrices of the Operand ``o`` (..., rows, K) in place:
+    K contiguous, and where rows are padded for Hopper (:func:`padded_ld`), rows that step
+    on 16 bytes from a 16-byte start."""
+    K = o.shape[-1]
+    return (o.strides[-1] == 1 or K == 1) and (
+        padded_ld(o) == K or (o.ptr % 16 == 0 and o.ndim > 1 and o.strides[-2] % 4 == 0))
 
 
 def _broadcast_to(t, shape):

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _loader, _tma
 from ._array import CTYPE, ITEMSIZE, data_ptr, empty, launch_all, scalar
-from ._geometry import acc_dtype, cdiv, row_stride, vector_aligned
+from ._geometry import MAX_GRID_Y, acc_dtype, cdiv, row_stride, vector_aligned
 
 # Kernel files, one per variant (kernels_cu/gemm.cuh: what they share): the CUDA-core
 # kernel and the passes, mma.sync (sm_80+), wgmma (Hopper), float64's mma.sync (DMMA)
@@ -94,8 +94,10 @@ _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 ti
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
-# with 4; 16-row tiles of statistics made GSBN's merge longer.
-_SPLIT = {"MAX": 16, "MIN_K": 128, "ALIGN": 32, "FILL": 4, "THREADS": 256, "ROWS": 4, "COLS": 32}
+# with 4; 16-row tiles of statistics made GSBN's merge longer. From LONG_K on, chunks are
+# long whatever their count: up to one CTA per SM (H200, float32 "highest", (256, 524288)
+# @ (524288, 256), 4 tiles: 16 chunks on 64 SMs 1.512 ms against SGEMM's 1.317).
+_SPLIT = {"MAX": 16, "LONG_K": 65536, "MIN_K": 128, "ALIGN": 32, "FILL": 4, "THREADS": 256, "ROWS": 4, "COLS": 32}
 _SPLIT["BM"] = _SPLIT["THREADS"] // _SPLIT["COLS"] * _SPLIT["ROWS"]
 assert all(_WGMMA[m]["KS"] == _SPLIT["ALIGN"] for m in (0, 1))
 PART_ROWS = 4  # partial statistics per M tile and column: mean, M2, min, max (stats.cuh)
@@ -324,7 +326,8 @@ def _splits(a, tiles: int, cfg) -> int:
     16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would
     hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
-    splits = min(sms // tiles, K // cfg.get("SPLIT_MIN_K", _SPLIT["MIN_K"]), _SPLIT["MAX"])
+    most = _SPLIT["MAX"] if K < _SPLIT["LONG_K"] else sms
+    splits = min(sms // tiles, K // cfg.get("SPLIT_MIN_K", _SPLIT["MIN_K"]), most)
     fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
     if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
             or splits < 2:
@@ -386,7 +389,7 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int):
     eager's batched SGEMM."""
     choice = _choose(a, b, precision)
     cfg = choice.cfg
-    if cfg not in _WGMMA.values() or choice.a_mn or not 0 < count <= _MAX_GRID_Y:
+    if cfg not in _WGMMA.values() or choice.a_mn or not 0 < count <= MAX_GRID_Y:
         return None
     (M, K), N = a.shape, b.shape[0]
     tiles = _tiles(M, N, cfg)
@@ -408,8 +411,6 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int):
     sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (lda, ldb, N, 0, 0, 0, 0)
     return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)
 
-
-_MAX_GRID_Y = 65535  # (CUDA's limit on a grid's y)
 
 
 def workspace(place, kernel: Gemm):
@@ -461,11 +462,13 @@ def stores_transposed(a, b, precision: str) -> bool:
     return choice.a_mn and _splits(a, _tiles(a.shape[0], b.shape[0], choice.cfg), choice.cfg) == 1
 
 
-def transpose_kernel(dtype: str, device: int, rows: int, cols: int, ldd: int | None = None):
+def transpose_kernel(dtype: str, device: int, rows: int, cols: int, ldd: int | None = None,
+                     count: int = 1):
     """``(fn, grid, block)`` of the tiled copy of a (rows, cols) array whose columns (a
     transposed view) or rows are contiguous into rows of ``ldd`` elements (default
-    ``cols``: C-contiguous), their columns past ``cols`` zeroed. Its arguments: ``(src,
-    dst, rows, cols, row stride, column stride, ldd)``, strides of src in elements."""
+    ``cols``: C-contiguous), their columns past ``cols`` zeroed; of a stack of ``count``
+    of them (at most a grid's y). Its arguments: ``(src, dst, rows, cols, row stride,
+    column stride, ldd, src's stack stride, dst's stack stride)``, strides in elements."""
     fn = _loader.function(_FILE, _transpose_expr(dtype), device)
-    grid = (cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(ldd or cols, _TRANSPOSE["TILE"]),)
+    grid = (cdiv(rows, _TRANSPOSE["TILE"]) * cdiv(ldd or cols, _TRANSPOSE["TILE"]), count)
     return fn, grid, (_TRANSPOSE["THREADS"],)

@@ -174,11 +174,11 @@ def _misaligned_rows(o, ld: int) -> bool:
 
 
 def padded_ld(o) -> int:
-    """The row stride (elements) of the copy ours makes of the 2-D Operand ``o`` (rows, K):
+    """The row stride (elements) of the copy ours makes of the Operand ``o`` (..., rows, K):
     on Hopper, float32 rows rounded up to whole 16 bytes (K rounded up to a multiple of
     4), which its TMA reads (the maps' columns stop at K, zero-filled past it; the copy
     also writes zeros there); else K (C-contiguous)."""
-    K = o.shape[1]
+    K = o.shape[-1]
     if o.dtype == "float32" and o.kind != "cpu" and _loader.device_cc(o.device) == 90:
         return cdiv(K, 4) * 4
     return K
@@ -273,7 +273,7 @@ def _copy_plan(o, ld: int, transposed: bool):
         out = empty(place, (rows, ldd))
         held.append(out)
         dst = place.ptr(out)
-        launches.append((fn, grid, block, (src, dst, rows, cols, *strides, ldd), 0))
+        launches.append((fn, grid, block, (src, dst, rows, cols, *strides, ldd, 0, 0), 0))
         return dst
 
     return planned, copy

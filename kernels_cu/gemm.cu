@@ -152,16 +152,20 @@ gemm_simple(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
 // x TILE block is read along the contiguous side and written along c through smem
 // (padded by one element: conflict-free columns either way), so both sides move whole
 // 32-element segments; a strided elementwise copy (torch's / CuPy's) runs at a third of
-// copy speed. One block per tile of (rows, ldd), tiles r-major over a 1-D grid.
+// copy speed. One block per tile of (rows, ldd), tiles r-major over the grid's x; a stack
+// of such matrices (gemm.py's stacks) takes blockIdx.y as the matrix, sbs / sbd elements
+// apart in src / dst (0, 0 and a grid y of 1 for one matrix).
 template <typename T, int TILE, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 transpose_copy(const T* __restrict__ src, T* __restrict__ dst, long long rows, long long cols, long long sr,
-               long long sc, long long ldd) {
+               long long sc, long long ldd, long long sbs, long long sbd) {
   static_assert(TILE == 32, "transpose_copy: one warp spans a tile row");
   static_assert(THREADS % TILE == 0 && TILE % (THREADS / TILE) == 0,
                 "transpose_copy: THREADS / TILE warps take every (THREADS / TILE)-th tile row");
   constexpr int STEP = THREADS / TILE;
   __shared__ T tile[TILE][TILE + 1];  // tile[c - c0][r - r0]
+  src += blockIdx.y * sbs;
+  dst += blockIdx.y * sbd;
   const long long tiles_r = (rows + TILE - 1) / TILE;
   const long long r0 = (long long)(blockIdx.x % tiles_r) * TILE, c0 = (long long)(blockIdx.x / tiles_r) * TILE;
   const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;

@@ -272,19 +272,20 @@ def test_torch_a_with_numpy_b_names_b():
 
 
 def _stack_case(kind):
-    """(a, b, one launch expected) on the GPU, float32, for :func:`test_stack_on_one_launch`."""
+    """(a, b, one launch expected) on the GPU, float32, for :func:`test_stack_on_one_launch`;
+    those of one launch have tiles enough (over 33 of 132 SMs) not to split K."""
     g = torch.Generator(device="cuda").manual_seed(1)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=g)
     if kind == "batch 1":
-        return rand(1, 130, 256), rand(1, 256, 300), True
+        return rand(1, 1030, 256), rand(1, 256, 1100), True
     if kind == "b broadcast (stride 0)":
-        return rand(5, 130, 256), rand(1, 256, 300).expand(5, 256, 300), True
+        return rand(5, 300, 256), rand(1, 256, 600).expand(5, 256, 600), True
     if kind == "a broadcast (stride 0)":
         return rand(1, 96, 128).expand(4, 96, 128), rand(4, 128, 200), True
     if kind == "two batch dims":
-        return rand(2, 3, 64, 256), rand(2, 3, 256, 130), True
+        return rand(2, 3, 260, 256), rand(2, 3, 256, 300), True
     if kind == "N 1, 3, 5, 4097":
         return rand(3, 70, 256), rand(3, 256, 4097 + 4)[..., :4097], True
     if kind == "transposed b":
@@ -297,8 +298,10 @@ def _stack_case(kind):
         return buf.as_strided((3, 100, 64), (100 * 64 + 4, 64, 1)), rand(3, 64, 250), False
     if kind == "broadcast in two dims":  # (2, 1) against (3,): no one stride
         return rand(2, 1, 64, 256), rand(3, 256, 130), False
-    if kind == "K 3":  # rows off 16 bytes: mma.sync, a launch each
-        return rand(3, 70, 3), rand(3, 3, 140), False
+    if kind == "K 3":  # copied into rows of 4 (zeros past K), read by TMA
+        return rand(3, 70, 3), rand(3, 3, 140), True
+    if kind == "K 1025":
+        return rand(4, 300, 1025), rand(4, 1025, 600), True
     raise ValueError(kind)
 
 
@@ -306,7 +309,7 @@ def _stack_case(kind):
 @pytest.mark.parametrize("kind", ["batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)",
                                   "two batch dims", "N 1, 3, 5, 4097", "transposed b",
                                   "offset 16 bytes", "stride of partial rows",
-                                  "broadcast in two dims", "K 3"])
+                                  "broadcast in two dims", "K 3", "K 1025"])
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_stack_on_one_launch(kind, precision, monkeypatch):
     """A stack of products on ours: on Hopper, one launch with the matrix in the grid

@@ -87,7 +87,7 @@ class Vendor:
         pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
-        if dtype in _HALF_NAMES:
+        if dtype in _ONCE_NAMES:
             return _linear_once
         return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
@@ -143,13 +143,16 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_HALF_NAMES = ("float16", "bfloat16")
+# Whose vendor linear is _linear_once: 16-bit, and float32, whose TF32 products cuBLAS
+# computes by layout-dependent algorithms too (H200, x (3, 1025) transposed, TF32: 0.018
+# against 9e-6 for the same values contiguous).
+_ONCE_NAMES = ("float16", "bfloat16", "float32")
 
 
 def _linear_once(x, weight, bias):
-    """F.linear of 16-bit operands as torch computes it on contiguous 2-D copies of them:
-    one cuBLAS GEMM that adds the bias to its float32 sums and rounds each output once
-    (addmm), with the algorithm cuBLAS picks for that layout. F.linear on the arguments as
+    """F.linear of 16-bit (or float32) operands as torch computes it on contiguous 2-D
+    copies of them: one cuBLAS GEMM that adds the bias to its float32 sums and rounds each
+    output once (addmm), with the algorithm cuBLAS picks for that layout. F.linear on the arguments as
     they are would, for a 1-D x or an N-D x that is not contiguous (or a strided bias),
     store the 16-bit product and add the bias after it (a second rounding), and for
     transposed, sliced or misaligned operands run another algorithm, which may sum
@@ -214,7 +217,7 @@ def _impl(x, weight, bias, precision):
 
 def _cpu_linear(x, weight, bias):
     """The CPU path's product: F.linear, of 16-bit operands rounded once (as on CUDA)."""
-    return (_linear_once if x.dtype in _HALF else F.linear)(x, weight, bias)
+    return (_linear_once if x.dtype in _ONCE else F.linear)(x, weight, bias)
 
 
 def _fake(x, weight, bias, precision):
@@ -336,7 +339,7 @@ _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
 _FLOAT32 = torch.float32
-_HALF = (torch.float16, torch.bfloat16)  # (their vendor form: _linear_once)
+_ONCE = (torch.float16, torch.bfloat16, torch.float32)  # (their vendor form: _linear_once)
 
 
 def _remember(op_name, key, form, problem):
@@ -376,7 +379,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
             return GemmProblem(x.numel() // K if K else 0, N, K, _name(dtype), prec, "torch",
                                _loader.device_cc(x.get_device()))
         return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
-                     _remember("linear", key, _linear_once if dtype in _HALF else F.linear,
+                     _remember("linear", key, _linear_once if dtype in _ONCE else F.linear,
                                problem))
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
