@@ -251,6 +251,10 @@ def run_linear():
                 want = (host(a) @ host(b))
                 check(f"matmul stack {sa} @ {sb} float32 {prec}", cupykern.matmul(a, b, precision=prec),
                       want, tol(torch.float32, prec), host(a).abs() @ host(b).abs())
+            # rows of K % 4, copied into 16-byte rows (zeros past K) that Hopper's TMA reads
+            x, w = dev(randn(130, 301, seed=20), torch.float32), dev(randn(140, 301, seed=21), torch.float32)
+            check_linear(f"linear K % 4 float32 {prec}", cupykern.linear(x, w, precision=prec), x, w,
+                         None, tol(torch.float32, prec))
 
 
 def _run_linear():
