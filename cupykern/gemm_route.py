@@ -143,6 +143,7 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
+          "HIGHEST_SMALL_K_MIN_MN": 2 ** 28,
           "HIGHEST_MIN_WORK": 2 ** 30, "HIGHEST_MIN_WORK_CUPY": 2 ** 28,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 33,
@@ -240,7 +241,12 @@ def route(p: GemmProblem) -> str:
         #  M < 64: 16x8192x8192 ours 262 us against 204 (0.78x); 64x4096x4096 ours 1.96x.
         #  N < 128: matmul 8192x2048x64 ours 74 us against 61 (0.82x; cuBLAS's NN kernel;
         #    linear's NT one 95 us: 1.29x, given up for one rule); 8192x4096x16 1.01x.
-        #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x).
+        #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x); stacks of attention's
+        #    (96, 512, 64) @ (96, 64, 512) 0.43x. Except outputs of HIGHEST_SMALL_K_MIN_MN
+        #    elements or more, where the product is the output's stores, which ours makes at
+        #    twice SGEMM's speed (H200, matmul, events around each call: 32768x64x32768 2.066
+        #    ms against 4.073, 1.99x; 32768x32x32768 1.407 / 2.631, 1.87x; untimed between
+        #    512^2 and 32768^2 outputs).
         #  fewer than HIGHEST_MIN_WORK multiply-adds, where a call is bound by the host's
         #    time (ours launches for 35-60 us of it, F.linear for 14-25): H200 and H100,
         #    2026-11-27, calls back to back, no grad, ours / the vendor route x eager:
@@ -265,8 +271,9 @@ def route(p: GemmProblem) -> str:
         # of K rounded up to 4 (gemm_operands.padded_ld, the tiled copy kernel; a
         # transposed operand's copy too), and count as aligned where the kernel choice
         # then takes them on wgmma (route_of, _on_wgmma): those products follow the bounds
-        # above as aligned ones do. That boundary's measurement (ours with the copies
-        # against SGEMM at the shapes above and 8205x2949x5921) is pending.
+        # above as aligned ones do (H200, matmul 8205x2949x5921 with the copies, events
+        # around each call: 2.60-2.67 ms against SGEMM's 6.51, 2.44-2.51x; the other
+        # shapes above not yet timed with the copies).
         # A call that autograd records, below HIGHEST_GRAD_MIN_WORK: the vendor's (its
         # backward's two products on ours each pay the op's host time). H200, training
         # steps back to back, ours / the vendor route x eager: linear 256x1024x1025 0.49x,
@@ -277,7 +284,8 @@ def route(p: GemmProblem) -> str:
         # at 1024x2048x1024 of 168 us GPU time (0.55x; matmul 0.60x), 2**32 0.88-1.09x
         # (matmul 0.83-0.99x): the vendor's below 2**33, where ours' step stays ahead
         # (2048^3: ~1100 us of eager GPU time against ours' ~340).
-        if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or K < c["HIGHEST_MIN_K"]
+        small_k = K < c["HIGHEST_MIN_K"] and M * N < c["HIGHEST_SMALL_K_MIN_MN"]
+        if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or small_k
                 or work < c["HIGHEST_MIN_WORK_CUPY" if kind == "cupy" else "HIGHEST_MIN_WORK"]
                 or (cc == 90 and not aligned)
                 or (grad and work < c["HIGHEST_GRAD_MIN_WORK"])):

@@ -218,6 +218,14 @@ def test_tf32_tma_kernels_pair_m_tiles_in_clusters(monkeypatch):
 # table's boundaries, pinned (cupykern.gemm_route.route gives each one's measurement).
 ROUTES = [
     (GemmProblem(1024, 8192, 8192, "float16", "highest", "torch", 90, True), "vendor"),
+    # "highest" of a short K: the vendor's, but for outputs of 2**28 elements or more
+    (GemmProblem(32768, 32768, 64, "float32", "highest", "torch", 90, True), "ours"),
+    (GemmProblem(32768, 32768, 32, "float32", "highest", "cupy", 90, True), "ours"),
+    (GemmProblem(8192, 8192, 64, "float32", "highest", "torch", 90, True), "vendor"),
+    # a stack on one launch: its work counts every matrix, its tiles one
+    (GemmProblem(512, 2048, 1024, "float32", "highest", "torch", 90, True, count=128), "ours"),
+    (GemmProblem(512, 512, 64, "float32", "highest", "torch", 90, True, count=96), "vendor"),
+    (GemmProblem(512, 512, 512, "float32", "highest", "torch", 90, True, count=2), "vendor"),
     (GemmProblem(1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
     (GemmProblem(1024, 8192, 8192, "float16", "highest", "cupy", 90, True), "vendor"),
     (GemmProblem(1, 4096, 4096, "float64", "highest", "cupy", 90, True), "vendor"),
