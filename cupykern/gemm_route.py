@@ -143,7 +143,7 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
                   "cupy": ("float16", "float32", "float64")}
 # Boundaries of the table below (route's comments give the measurements behind them).
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
-          "HIGHEST_SMALL_K_MIN_MN": 2 ** 28,
+          "HIGHEST_SMALL_K_MIN_MN": 2 ** 26,
           "HIGHEST_MIN_WORK": 2 ** 30, "HIGHEST_MIN_WORK_CUPY": 2 ** 28,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 33,
@@ -244,9 +244,10 @@ def route(p: GemmProblem) -> str:
         #  K < 128: linear 100000x64x64 ours 44 us against 38 (0.85x); stacks of attention's
         #    (96, 512, 64) @ (96, 64, 512) 0.43x. Except outputs of HIGHEST_SMALL_K_MIN_MN
         #    elements or more, where the product is the output's stores, which ours makes at
-        #    twice SGEMM's speed (H200, matmul, events around each call: 32768x64x32768 2.066
-        #    ms against 4.073, 1.99x; 32768x32x32768 1.407 / 2.631, 1.87x; untimed between
-        #    512^2 and 32768^2 outputs).
+        #    twice SGEMM's speed (H200, matmul, events around each call, ours / SGEMM:
+        #    8192x64x8192 (2**26 outputs) 0.133 / 0.260 ms, 1.95x; 16384x{32,64,96}x16384
+        #    1.95x, 2.08x, 2.28x; 4096x64x65536 2.11x; 32768x64x32768 1.99-2.16x,
+        #    32768x32x32768 1.63-1.87x; untimed between 512^2 and 8192^2 outputs).
         #  fewer than HIGHEST_MIN_WORK multiply-adds, where a call is bound by the host's
         #    time (ours launches for 35-60 us of it, F.linear for 14-25): H200 and H100,
         #    2026-11-27, calls back to back, no grad, ours / the vendor route x eager:
