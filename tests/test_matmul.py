@@ -271,6 +271,30 @@ def test_torch_a_with_numpy_b_names_b():
         cupykern.matmul(torch.ones(2, 2), np.ones((2, 2), np.float32))
 
 
+def test_stack_strides(monkeypatch):
+    """GPU-free: a stack runs on one launch where each operand's matrices, as the GEMM
+    reads them (K-major: a copy's where not), lie one stride apart: broadcast dims give 0,
+    size-1 dims do not count, and a broadcast against a stepped dim leaves no one stride."""
+    from cupykern import _array, _loader, gemm
+
+    assert gemm._stack_stride((2, 3), (15, 5)) == 5
+    assert gemm._stack_stride((4,), (0,)) == 0 and gemm._stack_stride((), ()) == 0
+    assert gemm._stack_stride((2, 1, 3), (30, 7, 10)) == 10
+    assert gemm._stack_stride((2, 3), (0, 5)) is None and gemm._stack_stride((2, 3), (5, 0)) is None
+    a = torch.randn(2, 3, 4, 5)
+    assert gemm._read_strides(a, (2, 3)) == (60, 20)
+    assert gemm._read_strides(a.mT, (2, 3)) == (60, 20)  # (a C-contiguous copy's)
+    assert gemm._read_strides(torch.randn(3, 4, 5), (2, 3)) == (0, 20)
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    ao = _array.operand(a, "a")
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 5, 6)) == 6
+    assert gemm._one_launch(ao, a, torch.randn(1, 1, 5, 6)) == 6  # b one matrix for all: stride 0
+    assert gemm._one_launch(ao, a, torch.randn(3, 5, 6)) == 1  # b's (0, 30) over (2, 3): no one stride
+    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 5, 6)) == 1  # (2, 1) against (1, 3)
+    monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 5, 6)) == 1  # one launch on Hopper's wgmma only
+
+
 def _stack_case(kind):
     """(a, b, one launch expected) on the GPU, float32, for :func:`test_stack_on_one_launch`;
     those of one launch have tiles enough (over 33 of 132 SMs) not to split K."""
