@@ -295,6 +295,29 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
     assert gemm_kernels._choose(a, b, "highest").expr.startswith(f"gemm_mma<{ctype}, 3, true,")
 
 
+def test_stack_copies_and_multiplies_in_one_launch_each(launches):
+    """A float32 stack on ours, (4, 256, 128) @ (4, 128, 300): b's transpose is copied
+    K-major for every matrix in one launch of the tiled copy (grid y: the matrix); then on
+    Hopper one gemm_wgmma launch multiplies the whole stack (grid y: the matrix; strides of
+    a, the copy and the output last), elsewhere a launch per matrix at its offsets."""
+    from cupykern import gemm
+
+    log, _ = launches
+    a, b = torch.randn(4, 256, 128), torch.randn(4, 128, 300)
+    out = gemm.matmul_core(a, b, "highest")
+    copy, *products = log
+    assert copy[0] == "transpose_copy<float, 32, 256>" and copy[1] == (40, 4)
+    assert copy[3][0] == b.data_ptr() and copy[3][2:] == (300, 128, 1, 300, 128, 128 * 300, 300 * 128)
+    if _loader.device_cc(0) == 90:
+        (name, grid, _, args, _), = products
+        assert name.startswith("gemm_wgmma<float, 0,") and grid == (2 * 3, 4)
+        assert args[:3] == (a.data_ptr(), copy[3][1], out.data_ptr())
+        assert args[-3:] == (256 * 128, 128 * 300, 256 * 300)
+    else:
+        assert len(products) == 4 and all(p[1] == products[0][1] for p in products)
+        assert [p[3][0] - a.data_ptr() for p in products] == [i * 256 * 128 * 4 for i in range(4)]
+
+
 def _fake_hopper(monkeypatch, dtype):
     """An sm_90 GPU of 132 SMs where nothing compiles and tensor maps are tuples of their
     geometry; returns ``op(rows, k, ptr, ld, transposed)``: a 2-D Operand of ``dtype``."""
