@@ -132,7 +132,7 @@ def test_high_rounds_like_cublas_tf32(shape, rows):
     assert e_ours <= 1.2 * e_theirs, (e_ours, e_theirs)
 
 
-# K % 4 != 0 (issue 63): on Hopper, float32 operands of such K are copied where copying
+# K % 4 != 0: on Hopper, float32 operands of such K are copied where copying
 # pays (N >= gemm_operands._COPY_WORK for x, M >= it for W: 130 x 257 has both) into
 # 16-byte rows of K rounded up to 4 (gemm_operands.padded_ld), zeros past K, that its
 # wgmma reads by TMA: x row-major, transposed (the tiled copy from its columns) or 4 bytes
