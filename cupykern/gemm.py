@@ -39,8 +39,9 @@ from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
-from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, transpose_kernel, workspace
-from .gemm_operands import fresh_like, matrix, mm, mm_plan, on_arrays, padded_ld, planned_gemm
+from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, one_launch, workspace
+from .gemm_operands import (copy_plan, fresh_like, matrix, mm, mm_plan, on_arrays, padded_ld,
+                             planned_gemm)
 from .gemm_route import OURS, VENDOR, register_plans, route_of
 from .gemm_vendor import VendorPlan, vendor_linear, vendor_matmul, vendor_of, vendor_state
 
@@ -297,32 +298,59 @@ def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b))
+    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b, prec))
 
 
-def _one_launch(ao, a, b) -> int:
-    """How many products of the stack ``a @ b`` (matrices) :func:`_stack_on_ours` would
-    run on one launch: all of them on Hopper where each operand's matrices, as it reads
-    them, lie one stride apart (:func:`_stack_stride`); else 1 (a launch each)."""
+def _one_launch(ao, a, b, prec) -> int:
+    """How many products of the stack ``a @ b`` (matrices) :func:`_stack_on_ours` runs on
+    one launch: all of them where :func:`~cupykern.gemm_kernels.batched_call` would plan
+    them so (Hopper: :func:`_stack_steps`, then its conditions), each operand
+    read as :func:`_k_major` gives it (a copy's rows where it copies); else 1 (a launch
+    each)."""
     if a.ndim == b.ndim == 2 or _loader.device_cc(ao.device) != 90:
         return 1
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    if any(_stack_stride(batch, _read_strides(t, batch)) is None for t in (a, _swap_last(b))):
-        return 1
-    return math.prod(batch)
+    (a0, sa), (b0, sb) = (_as_read(t, batch) for t in (a, _swap_last(b)))
+    steps = _stack_steps(batch, (sa, sb), ITEMSIZE[a0.dtype])
+    count = math.prod(batch)
+    return count if steps and one_launch(a0, b0, prec, count, *steps) else 1
 
 
-def _read_strides(t, batch):
-    """The element strides over ``batch`` (broadcast) of the matrices of ``t`` (..., rows,
-    K) as :func:`_stack_on_ours` reads them: ``t``'s own where its K dim is contiguous,
-    else those of its C-contiguous copy (:func:`_k_major`)."""
+def _as_read(t, batch):
+    """``(first, strides)``: the 2-D Operand of the first matrix of ``t`` (..., rows, K)
+    as :func:`_stack_on_ours` reads it, and the element strides of its matrices over
+    ``batch`` (broadcast dims: 0): ``t``'s own where its K dim is read in place
+    (:func:`_in_place`), else those of its copy (C-contiguous, in rows of
+    :func:`~cupykern.gemm_operands.padded_ld`, at a fresh allocation's 16-byte start)."""
     o = operand(t, "b")
-    strides = o.strides[:-2]
-    if not _in_place(o):  # (its copy's, in rows of padded_ld)
+    rows, K = o.shape[-2:]
+    if _in_place(o):
+        strides, first = o.strides[:-2], Operand(
+            o.obj, o.kind, o.dtype, (rows, K), o.strides[-2:], o.ptr, o.device, o.name, o.torch)
+    else:
         shape = o.shape[:-1] + (padded_ld(o),)
         strides = tuple(math.prod(shape[i + 1:]) for i in range(o.ndim - 2))
+        first = Operand(o.obj, o.kind, o.dtype, (rows, K), (shape[-1], 1), 0, o.device, o.name,
+                        o.torch)
     strides = tuple(0 if n == 1 else s for n, s in zip(o.shape[:-2], strides))
-    return (0,) * (len(batch) - len(strides)) + strides
+    return first, (0,) * (len(batch) - len(strides)) + strides
+
+
+def _stack_steps(batch, strides, isz):
+    """Each operand's one element stride from a matrix to the next (:func:`_stack_stride`;
+    ``strides``: the operands' strides over ``batch``), or None where some has none or a
+    matrix starts off its first one's 16-byte alignment (:func:`_misaligned`): what one
+    launch of the stack (:func:`~cupykern.gemm_kernels.batched_call`) needs first."""
+    if _misaligned(batch, strides, isz):
+        return None
+    steps = [_stack_stride(batch, s) for s in strides]
+    return None if None in steps else steps
+
+
+def _misaligned(batch, strides, isz) -> bool:
+    """Whether some matrix of a stack starts off its first one's 16-byte alignment (then
+    each has its own plan): ``strides``, each operand's element strides over ``batch``."""
+    return any(n > 1 and (s * isz) % 16 for st in strides for n, s in zip(batch, st))
 
 
 def _stack_stride(batch, strides):
@@ -360,22 +388,22 @@ def _stack_on_ours(ao, a, b, prec):
     each operand's matrices lie one stride apart), else the kernel planned once for the
     first matrix and launched per matrix with its offsets, in one batch."""
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    M, N = a.shape[-2], b.shape[-1]
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
     at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
     isz = ITEMSIZE[ao.dtype]
     a0, b0 = (Operand(o.obj, o.kind, o.dtype, o.shape[-2:], o.strides[-2:], o.ptr, o.device, o.name,
                       o.torch) for o in (at, bt))
     c = empty(ao, batch + (M, N))
-    # every matrix 16-byte aligned as the first (else its own plan each)
-    if any(n > 1 and (s * isz) % 16 for o in (at, bt) for n, s in zip(batch, o.strides[:-2])):
+    strides = (at.strides[:-2], bt.strides[:-2])
+    if _misaligned(batch, strides, isz):  # (each matrix its own plan)
         for i in np.ndindex(*batch):
             gemm(operand(at.obj[i], "a"), operand(bt.obj[i], "b"), operand(c[i], "out"), prec)
         return c
     place = Place(ao)
-    steps = [_stack_stride(batch, o.strides[:-2]) for o in (at, bt)]
-    stack = None if None in steps else batched_call(a0, b0, prec, math.prod(batch), *steps)
-    if stack is not None:
+    steps = _stack_steps(batch, strides, isz)
+    stack = steps and batched_call(a0, b0, prec, math.prod(batch), *steps)
+    if stack:
         launch_all(place, stack(a0.ptr, b0.ptr, place.ptr(c)))
         return c
     kernel = gemm_kernel(a0, b0, prec)
@@ -410,11 +438,12 @@ def _k_major(t):
     if step is not None and 1 in (sr, sc) and count <= MAX_GRID_Y:
         # the tiled copy, every matrix on one launch (torch's / CuPy's strided copy of a
         # transposed stack runs at a third of copy speed)
-        out = empty(o, batch + (rows, ld))
-        fn, grid, block = transpose_kernel(o.dtype, o.device, rows, K, ld, count)
-        launch_all(o, [(fn, grid, block, (o.ptr, data_ptr(out), rows, K, sr, sc, ld, step,
-                                           rows * ld), 0)])
-        return out[..., :K]
+        first = Operand(o.obj, o.kind, o.dtype, (rows, K), (sr, sc), o.ptr, o.device, o.name, o.torch)
+        copy = copy_plan(first, sc if sr == 1 else sr, sr == 1, count, step)[1]
+        launches, held = [], []
+        copy(o.ptr, launches, held)
+        launch_all(o, launches)
+        return held[0].reshape(batch + (rows, ld))[..., :K]
     if ld == K:
         return contiguous(o)
     out = empty(o, batch + (rows, ld))[..., :K]  # (the pad is never read: maps stop at K)

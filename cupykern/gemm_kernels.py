@@ -255,8 +255,10 @@ def _choose(a, b, precision: str, tc: bool = False) -> _Choice:
         return _Choice(_simple_expr(dt, ta, tb), _SIMPLE, None, False, lda, ldb)
     hopper = (aligned or starts) and cc == 90
     mode = _tc_mode(dt, precision, hopper)
-    mma = _Choice(_mma_expr(dt, mode, aligned and not (ta and tb), ta, tb), _MMA, None, False,
-                  lda, ldb)
+    # (mma.sync in its own mode: "medium" as bf16 there, where rows that only start on 16
+    # bytes keep Hopper off wgmma)
+    mma = _Choice(_mma_expr(dt, _tc_mode(dt, precision, False), aligned and not (ta and tb), ta,
+                            tb), _MMA, None, False, lda, ldb)
     if not (mode in _WGMMA and hopper):
         return mma
     cfg = _WGMMA[mode]
@@ -382,11 +384,29 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int):
     b_i.T`` into C-contiguous (M, N) outputs one after another, on one launch of
     gemm_wgmma (grid y: the matrix). ``a`` and ``b``: 2-D Operands of the first matrices;
     each next one starts ``sa`` / ``sb`` elements on (0: the same matrix throughout).
-    None where the stack does not run so: another kernel, a split K (few tiles in all),
-    a transposed A by TMA, more matrices than a grid's y, or, by TMA, strides of partial
-    rows or a stack past a map's int32 rows. H200, float32 "highest", (128, 512, 1024) @
-    (128, 1024, 2048): one launch per matrix (64 tiles each on 132 SMs) ran at 0.77x
-    eager's batched SGEMM."""
+    None where the stack does not run so (:func:`_batched`). H200, float32 "highest",
+    (128, 512, 1024) @ (128, 1024, 2048): one launch per matrix (64 tiles each on 132 SMs)
+    ran at 0.77x eager's batched SGEMM."""
+    plan = _batched(a, b, precision, count, sa, sb)
+    if plan is None:
+        return None
+    choice, tiles, rows_a, rows_b = plan
+    cfg, (M, K), N = choice.cfg, a.shape, b.shape[0]
+    mode = _tc_mode(a.dtype, precision, True)
+    maps = _tensor_maps(choice.tma, False, a.dtype, mode, cfg, rows_a, rows_b, K, choice.lda,
+                        choice.ldb, (sa, sb, M * N))
+    fn = _loader.function(_WGMMA_FILE, choice.expr, a.device, cfg["SMEM"])
+    launch = (fn, (tiles, count), (cfg["THREADS"],))
+    sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (choice.lda, choice.ldb, N, 0, 0, 0, 0)
+    return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)
+
+
+def _batched(a, b, precision: str, count: int, sa: int, sb: int):
+    """``(choice, tiles, rows_a, rows_b)`` of :func:`batched_call`'s launch (tiles per
+    matrix; rows of the stack's TMA maps), or None where the stack does not run on one:
+    another kernel than wgmma, a split K (few tiles in all), a transposed A by TMA, more
+    matrices than a grid's y, or, by TMA, strides of partial rows or a stack past a map's
+    int32 rows. Loads nothing (the route asks it)."""
     choice = _choose(a, b, precision)
     cfg = choice.cfg
     if cfg not in _WGMMA.values() or choice.a_mn or not 0 < count <= MAX_GRID_Y:
@@ -395,22 +415,20 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int):
     tiles = _tiles(M, N, cfg)
     if _splits(a, tiles * count, cfg) > 1:
         return None
-    lda, ldb, isz = choice.lda, choice.ldb, ITEMSIZE[a.dtype]
     rows_a, rows_b = M, N
     if choice.tma:
+        lda, ldb, isz = choice.lda, choice.ldb, ITEMSIZE[a.dtype]
         if sa % lda or sb % ldb:
             return None
         rows_a, rows_b = M + (count - 1) * (sa // lda), N + (count - 1) * (sb // ldb)
         if not (_tma.fits(rows_a, K, lda, isz) and _tma.fits(rows_b, K, ldb, isz)):
             return None
-    mode = _tc_mode(a.dtype, precision, True)
-    maps = _tensor_maps(choice.tma, False, a.dtype, mode, cfg, rows_a, rows_b, K, lda, ldb,
-                        (sa, sb, M * N))
-    fn = _loader.function(_WGMMA_FILE, choice.expr, a.device, cfg["SMEM"])
-    launch = (fn, (tiles, count), (cfg["THREADS"],))
-    sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (lda, ldb, N, 0, 0, 0, 0)
-    return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)
+    return choice, tiles, rows_a, rows_b
 
+
+def one_launch(a, b, precision: str, count: int, sa: int, sb: int) -> bool:
+    """Whether :func:`batched_call` runs the stack on one launch (without loading it)."""
+    return _batched(a, b, precision, count, sa, sb) is not None
 
 
 def workspace(place, kernel: Gemm):

@@ -744,12 +744,12 @@ def test_k4_copies_are_launches_of_the_plan(monkeypatch, cc):
     ptr = [t.data_ptr() for t in held]
     if cc == 90:
         assert [tuple(t.shape) for t in held] == [(130, 8), (257, 8)]
-        assert launches[0] == (copy, (5, 1), (256,), (x.data_ptr(), ptr[0], 130, 5, 5, 1, 8, 0, 0), 0)
-        assert launches[1] == (copy, (9, 1), (256,), (w.data_ptr(), ptr[1], 257, 5, 1, 257, 8, 0, 0), 0)
+        assert launches[0] == (copy, (5, 1), (256,), (x.data_ptr(), ptr[0], 130, 5, 5, 1, 8, 0, 130 * 8), 0)
+        assert launches[1] == (copy, (9, 1), (256,), (w.data_ptr(), ptr[1], 257, 5, 1, 257, 8, 0, 257 * 8), 0)
         a, b, ld = ptr[0], ptr[1], 8
     else:
         assert [tuple(t.shape) for t in held] == [(257, 5)]
-        assert launches[0] == (copy, (9, 1), (256,), (w.data_ptr(), ptr[0], 257, 5, 1, 257, 5, 0, 0), 0)
+        assert launches[0] == (copy, (9, 1), (256,), (w.data_ptr(), ptr[0], 257, 5, 1, 257, 5, 0, 257 * 5), 0)
         a, b, ld = x.data_ptr(), ptr[0], 5
     gemm = launches[-1][3]
     kernel = "gemm_wgmma<float, 0, false, false, false, 64," if cc == 90 else "gemm_mma<"

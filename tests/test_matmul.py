@@ -281,31 +281,50 @@ def test_stack_strides(monkeypatch):
     assert gemm._stack_stride((4,), (0,)) == 0 and gemm._stack_stride((), ()) == 0
     assert gemm._stack_stride((2, 1, 3), (30, 7, 10)) == 10
     assert gemm._stack_stride((2, 3), (0, 5)) is None and gemm._stack_stride((2, 3), (5, 0)) is None
-    a = torch.randn(2, 3, 4, 5)
-    assert gemm._read_strides(a, (2, 3)) == (60, 20)
-    assert gemm._read_strides(a.mT, (2, 3)) == (60, 20)  # (a C-contiguous copy's)
-    assert gemm._read_strides(torch.randn(3, 4, 5), (2, 3)) == (0, 20)
+    a = torch.randn(2, 3, 128, 64)
+    first, strides = gemm._as_read(a, (2, 3))
+    assert strides == (3 * 8192, 8192) and first.shape == (128, 64) and first.strides == (64, 1)
+    first, strides = gemm._as_read(a.mT, (2, 3))  # (a C-contiguous copy's)
+    assert strides == (3 * 8192, 8192) and first.shape == (64, 128) and first.strides == (128, 1)
+    assert gemm._as_read(torch.randn(3, 128, 64), (2, 3))[1] == (0, 8192)
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     ao = _array.operand(a, "a")
-    assert gemm._one_launch(ao, a, torch.randn(2, 3, 5, 6)) == 6
-    assert gemm._one_launch(ao, a, torch.randn(1, 1, 5, 6)) == 6  # b one matrix for all: stride 0
-    assert gemm._one_launch(ao, a, torch.randn(3, 5, 6)) == 1  # b's (0, 30) over (2, 3): no one stride
-    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 5, 6)) == 1  # (2, 1) against (1, 3)
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 6
+    # b one matrix for all: stride 0
+    assert gemm._one_launch(ao, a, torch.randn(1, 1, 64, 128), "highest") == 6
+    # b's (0, 8192) over (2, 3): no one stride
+    assert gemm._one_launch(ao, a, torch.randn(3, 64, 128), "highest") == 1
+    # (2, 1) against (1, 3)
+    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 64, 128), "highest") == 1
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
-    assert gemm._one_launch(ao, a, torch.randn(2, 3, 5, 6)) == 1  # one launch on Hopper's wgmma only
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 1  # Hopper's wgmma only
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (README, design.md's limitations): "
-                   "_one_launch counts a stack as one launch where batched_call refuses it")
-def test_stack_past_the_grid_is_not_one_launch(monkeypatch):
-    """GPU-free: a stack of more matrices than a grid's y (65535) does not run on one
-    launch, so the route must judge each product alone (here the vendor's)."""
+def test_stack_one_launch_only_where_batched_call_plans_it(monkeypatch):
+    """GPU-free: the route counts a stack as one launch only where
+    :func:`cupykern.gemm_kernels.batched_call` plans it so; else it judges each product
+    alone (here the vendor's): more matrices than a grid's y (65535), a split K, matrices
+    off the first's 16-byte alignment, another kernel than wgmma."""
     from cupykern import _array, _loader, gemm
 
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
-    a = torch.empty(1, 64, 128).expand(70000, 64, 128)
-    b = torch.empty(1, 128, 128).expand(70000, 128, 128)
-    assert gemm._one_launch(_array.operand(a, "a"), a, b) == 1
+    monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
+
+    def count(a, b):
+        return gemm._one_launch(_array.operand(a, "a"), a, b, "highest")
+
+    assert count(torch.empty(1, 64, 128).expand(70000, 64, 128),
+                 torch.empty(1, 128, 128).expand(70000, 128, 128)) == 1
+    assert count(torch.empty(1, 64, 128).expand(60000, 64, 128),
+                 torch.empty(1, 128, 128).expand(60000, 128, 128)) == 60000
+    assert count(torch.empty(2, 128, 4096), torch.empty(2, 4096, 128)) == 1  # few tiles: K splits
+    # the second matrix 4 bytes past 16-byte steps
+    assert count(torch.empty(2 * 8193).as_strided((2, 128, 64), (8193, 64, 1)),
+                 torch.empty(2, 64, 128)) == 1
+    assert count(torch.empty(2, 128, 64), torch.empty(2, 64, 128)) == 2
+    f64 = torch.float64  # (on DMMA)
+    assert count(torch.empty(2, 128, 64, dtype=f64), torch.empty(2, 64, 128, dtype=f64)) == 1
 
 
 def _stack_case(kind):
