@@ -472,8 +472,9 @@ def signature(x):
         if x.is_cuda and x.layout is _STRIDED:  # (get_device: no torch.device object)
             return (x.dtype, x.get_device(), x.shape, x.stride(), x.data_ptr() & 15)
         return UNPLANNED
-    if _is_cupy(x):
-        return (x.dtype, x.device.id, x.shape, x.strides, x.data.ptr & 15)
+    if _is_cupy(x):  # (data.device_id: no cupy.cuda.Device object)
+        data = x.data
+        return (x.dtype, data.device_id, x.shape, x.strides, data.ptr & 15)
     if _TORCH is None and _torch() is not None:  # torch imported after cupykern
         return signature(x)
     return UNPLANNED

@@ -13,24 +13,33 @@ from .gemm_checks import matmul_shape
 
 def vendor_linear(kind: str, precision: str, problem):
     """``run(x, weight, bias) -> x @ weight.T + bias``: the vendor's product (a new
-    C-contiguous array), as a plan (:class:`VendorPlan`) of ``problem`` (M, N, K, dtype),
-    with its eager form (:func:`eager_plan`)."""
+    C-contiguous array), as a plan of ``problem`` (M, N, K, dtype) with its eager form
+    (:func:`_plan`)."""
     vendor = vendor_of(kind)
-    return VendorPlan(vendor, vendor.linear, precision, vendor.linear_form(*problem))
+    return _plan(vendor, vendor.linear, precision, vendor.linear_form(*problem, precision))
 
 
 def vendor_matmul(kind: str, precision: str, problem):
     """``run(a, b) -> a @ b`` (NumPy's matmul): the vendor's product, as a plan of
     ``problem`` (M, N, K, dtype, b_matrix), with its eager form."""
     vendor = vendor_of(kind)
-    return VendorPlan(vendor, vendor.matmul, precision, vendor.matmul_form(*problem))
+    return _plan(vendor, vendor.matmul, precision, vendor.matmul_form(*problem, precision))
+
+
+def _plan(vendor, impl, precision, eager):
+    """A :class:`VendorPlan`; for a library without autocast (CuPy), its eager form itself
+    where it has one: the plan's host time is a small call's."""
+    if eager is not None and vendor.autocasting is None:
+        return eager
+    return VendorPlan(vendor, impl, precision, eager)
 
 
 def vendor_of(kind: str):
     """The vendor's products for arrays of ``kind``: an object with ``linear(x, w, b,
     precision)``, ``matmul(a, b, precision)`` (NumPy semantics, batched), their eager
     forms for one problem (``linear_form`` / ``matmul_form``, see :class:`VendorPlan`;
-    None where the library has none), valid unless ``autocasting()``,
+    None where the library has none), valid unless ``autocasting()`` (None: a library
+    without autocast),
     ``takes(dtype, precision)`` (whether the library's own float32 setting gives that
     precision now: the vendor path never flips a library-wide switch, which other threads
     would see), ``state()`` (that setting, part of each plan's key), ``capturing()``
@@ -99,11 +108,40 @@ class _CupyVendor:
     def prepare(device: int):
         _ = _loader.cupy().cuda.Device(device).cublas_handle  # (made for this thread if none)
 
-    @staticmethod
-    def linear_form(*problem):
-        return None  # (no eager form: CuPy's calls run the plan itself)
+    autocasting = None  # (CuPy has no autocast: its eager forms are the plans, _plan)
 
-    matmul_form = linear_form
+    @staticmethod
+    def linear_form(M: int, N: int, K: int, dtype: str, precision: str):
+        """``fn(x, w, b)``: :meth:`linear` of one problem as CuPy's own calls (x's rows
+        times w.T, the bias added to the product), with what :meth:`matmul` decides per
+        call decided; None where that is not cupy.matmul (K == 0; SGEMM under CuPy's TF32
+        compute type)."""
+        if _CupyVendor._matmul_form(K, dtype, precision) is None:
+            return None
+        matmul, shape = _loader.cupy().matmul, (M, K)
+
+        def form(x, w, b):
+            if x.ndim == 2:
+                y = matmul(x, w.T)
+            else:
+                y = matmul(x.reshape(shape), w.T).reshape(x.shape[:-1] + (N,))
+            if b is not None:
+                y += b
+            return y
+        return form
+
+    @staticmethod
+    def matmul_form(M: int, N: int, K: int, dtype: str, b_matrix: bool, precision: str):
+        """``fn(a, b)``, as :meth:`linear_form` for :meth:`matmul`."""
+        return _CupyVendor._matmul_form(K, dtype, precision)
+
+    @staticmethod
+    def _matmul_form(K: int, dtype: str, precision: str):
+        cupy = _loader.cupy()
+        if K == 0 or (dtype == "float32" and precision == "highest"
+                      and _CupyVendor.state() == cupy._core._routines_linalg.COMPUTE_TYPE_TF32):
+            return None
+        return cupy.matmul
 
     @staticmethod
     def takes(dtype: str, precision: str) -> bool:

@@ -81,9 +81,10 @@ class Vendor:
         return dtype != "float32" or (precision != "highest") == Vendor.state()
 
     @staticmethod
-    def linear_form(M: int, N: int, K: int, dtype: str):
+    def linear_form(M: int, N: int, K: int, dtype: str, precision: str = None):
         """``fn(x, weight, bias)``: how the vendor computes a linear of M x K by N x K
-        outside autocast; planned once per signature (:func:`cupykern.gemm.eager_plan`)."""
+        outside autocast; planned once per signature (:func:`cupykern.gemm.eager_plan`).
+        (``precision``: torch's TF32 switch, part of the plan's key, decides it.)"""
         pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
@@ -92,7 +93,7 @@ class Vendor:
         return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
     @staticmethod
-    def matmul_form(M: int, N: int, K: int, dtype: str, b_matrix: bool):
+    def matmul_form(M: int, N: int, K: int, dtype: str, b_matrix: bool, precision: str = None):
         """``fn(a, b)``, as :meth:`linear_form` for ``torch.matmul`` (M: a's rows, all
         batches; ``b_matrix``: b has a last dim N, not a vector's)."""
         pad = route.padded_n(M, N, K, dtype) - N if b_matrix else 0
