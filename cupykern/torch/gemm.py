@@ -88,7 +88,7 @@ class Vendor:
         pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
-        if dtype in _ONCE_NAMES:
+        if dtype in _ONCE_NAMES or (dtype == "float32" and Vendor.state()):
             return _linear_once
         return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
@@ -144,10 +144,12 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Whose vendor linear is _linear_once: 16-bit, and float32, whose TF32 products cuBLAS
-# computes by layout-dependent algorithms too (H200, x (3, 1025) transposed, TF32: 0.018
-# against 9e-6 for the same values contiguous).
-_ONCE_NAMES = ("float16", "bfloat16", "float32")
+# Whose vendor linear is _linear_once: 16-bit, and float32 under torch's TF32 switch, whose
+# TF32 products cuBLAS computes by layout-dependent algorithms too (H200, x (3, 1025)
+# transposed, TF32: 0.018 against 9e-6 for the same values contiguous). float32 with the
+# switch off (SGEMM: exact products, float32 sums whatever the layout) is F.linear as it
+# is, without _linear_once's layout reads (~1 us of an eager call's host time, H200).
+_ONCE_NAMES = ("float16", "bfloat16")
 
 
 def _linear_once(x, weight, bias):
@@ -218,7 +220,8 @@ def _impl(x, weight, bias, precision):
 
 def _cpu_linear(x, weight, bias):
     """The CPU path's product: F.linear, of 16-bit operands rounded once (as on CUDA)."""
-    return (_linear_once if x.dtype in _ONCE else F.linear)(x, weight, bias)
+    return (_linear_once if x.dtype in _ONCE or (x.dtype is _FLOAT32 and get_cublas_allow_tf32())
+            else F.linear)(x, weight, bias)
 
 
 def _fake(x, weight, bias, precision):
@@ -340,16 +343,16 @@ _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
 _FLOAT32 = torch.float32
-_ONCE = (torch.float16, torch.bfloat16, torch.float32)  # (their vendor form: _linear_once)
+_ONCE = (torch.float16, torch.bfloat16)  # (their vendor form: _linear_once)
 
 
-def _remember(op_name, key, form, problem):
+def _remember(op_name, key, forms, problem):
     """``remember`` for :func:`_call`: stores the vendor's plan ``run`` under ``key`` in
-    the shape-keyed plans where it is the layout-free eager form ``form`` (torch's own op,
-    or :func:`_linear_once`) and ``problem(precision)`` (a GemmProblem) goes to the vendor
-    whatever its layout."""
+    the shape-keyed plans where it is one of the layout-free eager ``forms`` (torch's own
+    op, or :func:`_linear_once`) and ``problem(precision)`` (a GemmProblem) goes to the
+    vendor whatever its layout."""
     def remember(run, prec):
-        if run is form and route.vendor_any_layout(problem(prec)):
+        if run in forms and route.vendor_any_layout(problem(prec)):
             cached(_SHAPE_PLANS[op_name], key, lambda: run)
     return remember
 
@@ -380,8 +383,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
             return GemmProblem(x.numel() // K if K else 0, N, K, _name(dtype), prec, "torch",
                                _loader.device_cc(x.get_device()))
         return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
-                     _remember("linear", key, _linear_once if dtype in _ONCE else F.linear,
-                               problem))
+                     _remember("linear", key, (_linear_once, F.linear), problem))
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
@@ -469,7 +471,7 @@ def matmul(a, b, *, precision=None, out=None):
             return GemmProblem(M, N, K, _name(dtype), prec, "torch",
                                _loader.device_cc(a.get_device()), count=count)
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
-                     _remember("matmul", key, torch.matmul, problem))
+                     _remember("matmul", key, (torch.matmul,), problem))
     prec = resolve_precision(precision)
     checks.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
