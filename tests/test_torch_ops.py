@@ -162,6 +162,30 @@ def test_module_compiles_fullgraph(name, mode):
 
 
 @gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_module_compiles_fullgraph_after_eager_warm_up(name):
+    """A module called eagerly first (its cached plans, of the weights and of x's
+    signature, filled) compiles with fullgraph=True as a fresh one does, then keeps
+    matching the reference through an optimizer step (no stale plan) and back in eager."""
+    ref_cls, ours_cls, init, shape, tol = MODELS[name]
+    torch._dynamo.reset()
+    ref, ours = model_pair(ref_cls, ours_cls, init, "cuda")
+    x = torch.randn(*shape, device="cuda")
+    for _ in range(2):
+        _compare(ours(x), ref(x), tol)  # eager: plans made, then taken
+    compiled = torch.compile(ours, fullgraph=True)
+    _compare(compiled(x), ref(x), tol)
+    with torch.no_grad():  # the same in-place update of both: no plan may keep the old weights
+        for m in (ref, ours):
+            for p in m.parameters():
+                p.mul_(0.5).add_(0.25)
+    _compare(compiled(x), ref(x), tol)
+    _compare(ours(x), ref(x), tol)
+    for a, b in zip(ref.buffers(), ours.buffers()):  # running statistics updated alike
+        _compare(b, a, tol)
+
+
+@gpu
 def test_array_functions_compile_fullgraph():
     torch._dynamo.reset()
     x = torch.randn(32, 64, device="cuda")
