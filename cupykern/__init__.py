@@ -21,8 +21,8 @@ from .matmul_sum_max_mean_logsumexp import MatmulSumPlan, prepare_matmul_sum
 # Arrays of any DLPack / CUDA array interface producer (JAX, Numba, cuda.core...) too.
 l1_normalize = _producers(_normalize.l1_normalize)
 l2_normalize = _producers(_normalize.l2_normalize)
-linear = _producers(_gemm.linear)
-matmul = _producers(_gemm.matmul)
+linear = _producers(_gemm.linear, torch_fn="gemm.linear")
+matmul = _producers(_gemm.matmul, torch_fn="gemm.matmul")
 gemm_scale_batchnorm = _producers(  # (the running statistics: updated in training mode)
     _gsbn.gemm_scale_batchnorm, written=lambda a: ("running_mean", "running_var",
                                                    "num_batches_tracked") if a.get("training", True) else ())

@@ -708,18 +708,29 @@ def call_imported(fn, bound: inspect.BoundArguments, written=()):
     return res
 
 
-def accepts_producers(fn=None, *, written=("out",)):
+def accepts_producers(fn=None, *, written=("out",), torch_fn=None):
     """``fn`` (a public function whose first argument is x) taking arrays of any DLPack
     or CUDA-array-interface producer (:func:`call_imported`). Native arrays pay one call:
     the producers are found only when ``fn``'s checks raise :class:`ProducerArgument`
-    (before anything runs)."""
+    (before anything runs). ``torch_fn`` ("stem.name"): the torch layer's function that
+    ``fn`` hands a torch tensor x to, called here directly for a plain tensor x given
+    positionally (two calls less of a small call's host time: H200, ~0.3-0.6 us)."""
     if fn is None:
-        return functools.partial(accepts_producers, written=written)
+        return functools.partial(accepts_producers, written=written, torch_fn=torch_fn)
     sig = inspect.signature(fn)
+    direct = [None]  # the torch layer's function, once looked up
+
+    def torch_call(*args, **kwargs):
+        if direct[0] is None:
+            stem, name = torch_fn.split(".")
+            direct[0] = getattr(torch_layer(stem), name)
+        return direct[0](*args, **kwargs)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
+            if torch_fn is not None and args and type(args[0]) in _TORCH_PLAIN:
+                return (direct[0] or torch_call)(*args, **kwargs)
             return fn(*args, **kwargs)
         except ProducerArgument:
             pass

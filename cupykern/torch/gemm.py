@@ -342,7 +342,7 @@ _LINEAR_PLANS: dict = {}
 _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
-_FLOAT32 = torch.float32
+_FLOAT32, _TENSOR = torch.float32, torch.Tensor
 _ONCE = (torch.float16, torch.bfloat16)  # (their vendor form: _linear_once)
 
 
@@ -361,7 +361,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
     mode their cached plan, :func:`_call`)."""
     if out is None:
-        if type(x) is not torch.Tensor or not _eager():
+        if type(x) is not _TENSOR or not _eager():
             return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
         try:  # (the shape-keyed plan: inline, a small call's host time)
             dtype = x.dtype
