@@ -96,9 +96,14 @@ class _CupyVendor:
     gives a float16 linear with a bias to ours, which rounds once
     (:func:`cupykern.gemm._linear_route`)."""
 
+    _compute_type = None  # (CuPy's get_compute_type, bound once: a plan key reads it each call)
+
     @staticmethod
     def state():
-        return _loader.cupy()._core._routines_linalg.get_compute_type(np.float32)
+        get = _CupyVendor._compute_type
+        if get is None:
+            get = _CupyVendor._compute_type = _loader.cupy()._core._routines_linalg.get_compute_type
+        return get(np.float32)
 
     @staticmethod
     def capturing():
