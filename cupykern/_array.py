@@ -201,9 +201,9 @@ def empty(like, shape, dtype: str | None = None):
 
 
 def _current(device: int) -> bool:
-    """Whether ``device`` is CuPy's current one: entering ``cupy.cuda.Device`` costs more
-    than the allocation it would wrap (H200 host: cupy.empty 3.1 us, inside the context
-    9.0 us), so the allocating paths enter it only for another device."""
+    """Whether ``device`` is CuPy's current one: the allocating paths enter
+    ``cupy.cuda.Device`` (an object, a thread-local device stack, two runtime calls) only
+    for another device."""
     return _api()[0]() == device
 
 

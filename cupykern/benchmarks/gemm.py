@@ -576,6 +576,41 @@ PROBLEMS = [("square", (4096, 4096), (4096, 4096)),
             ("attention PV", (96, 512, 512), (96, 512, 64))]
 
 
+def survey_host(seed: int, below: float = 0.95) -> None:
+    """Host time included (back-to-back calls between CUDA events, as a training loop sees
+    them; :func:`cupykern.benchmarks.overhead.paired_us`: three rounds alternating with
+    eager, the median), linear in every dtype / precision of MODES at :func:`survey`'s
+    random shapes: each point under ``below`` with its route and both figures, then the
+    minimum and median per mode."""
+    import torch.nn.functional as F
+
+    from cupykern import gemm_route
+    from cupykern._array import operand
+    from cupykern.benchmarks.overhead import paired_us, per_call_us
+
+    shapes = survey_shapes(seed)
+    for dt, prec in MODES:
+        torch.set_float32_matmul_precision(prec or "highest")
+        ratios = []
+        for M, K, N in shapes:
+            if dt == "float64" and M * N * K > 2 ** 31:
+                continue
+            x, w, b = (torch.randn(*s, device="cuda", dtype=getattr(torch, dt))
+                       for s in ((M, K), (N, K), (N,)))
+            ours, eager = (lambda: cupykern.linear(x, w, b)), (lambda: F.linear(x, w, b))
+            n = max(10, min(500, int(5000 / max(per_call_us(eager, 10), 1.0))))  # ~5 ms a figure
+            t_o, t_e = paired_us(ours, eager, n, reps=3)
+            ratios.append(t_e / t_o)
+            if ratios[-1] < below:
+                route = gemm_route.route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
+                print(f"linear {M}x{K}x{N} {dt} {prec}: ours {t_o:.1f} eager {t_e:.1f} us "
+                      f"({ratios[-1]:.2f}x) route {route}", flush=True)
+        ratios.sort()
+        print(f"linear {dt} {prec}, host included: {len(ratios)} shapes, min {ratios[0]:.2f} "
+              f"median {ratios[len(ratios) // 2]:.2f}", flush=True)
+    torch.set_float32_matmul_precision("highest")
+
+
 def problems(iters: int) -> None:
     """:data:`PROBLEMS` against eager SGEMM: ms, ratio, route and error against float64
     (max |error| / max |a| @ |b|) of each."""
@@ -633,11 +668,13 @@ def main(argv=None):
                     "(instead of --part)")
     ap.add_argument("--survey", type=int, metavar="SEED", help="the off-grid survey: GPU "
                     "time at 40 random shapes of this seed (instead of --part)")
+    ap.add_argument("--host", action="store_true", help="--survey: linear with host time "
+                    "included (calls back to back), against eager")
     args = ap.parse_args(argv)
     require_gpu()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.survey is not None:
-        survey(args.survey)
+        (survey_host if args.host else survey)(args.survey)
         return
     if args.problems:
         problems(args.iters)
