@@ -852,6 +852,36 @@ def test_cupy_highest_runs_cupy_matmul_unless_tf32(compute_type, sgemm, monkeypa
         calls.clear()
 
 
+@pytest.mark.parametrize("compute_type", [1, 7], ids=["default", "tf32"])
+def test_cupy_vendor_plans_are_cupys_own_calls(compute_type, monkeypatch):
+    """GPU-free: CuPy's vendor plan of a problem is its eager form itself (CuPy has no
+    autocast): linear is cupy.matmul of x's rows and w.T (a 2-D x as it is, an N-D x as
+    its rows, viewed back), the bias added to the product; matmul is cupy.matmul. Where
+    that form does not hold (K == 0; float32 "highest" under CuPy's TF32 compute type, 7:
+    SGEMM) the plan is a VendorPlan of the per-call path."""
+    from types import SimpleNamespace
+    from cupykern import _loader, gemm_vendor
+    calls = []
+    fake = SimpleNamespace(matmul=lambda a, b: calls.append((a.shape, b.shape)) or a @ b,
+                           _core=SimpleNamespace(_routines_linalg=SimpleNamespace(
+                               COMPUTE_TYPE_TF32=7)))
+    monkeypatch.setattr(_loader, "cupy", lambda: fake)
+    monkeypatch.setattr(gemm_vendor._CupyVendor, "state", staticmethod(lambda: compute_type))
+    plan = gemm_vendor.vendor_linear("cupy", "highest", (6, 5, 4, "float32"))
+    if compute_type == 7:  # SGEMM: the per-call path
+        assert type(plan) is gemm_vendor.VendorPlan and plan.eager is None
+    else:
+        assert type(plan) is not gemm_vendor.VendorPlan
+        x, w, b = np.ones((2, 3, 4), np.float32), np.ones((5, 4), np.float32), np.arange(5.0)
+        np.testing.assert_array_equal(plan(x, w, b), np.full((2, 3, 5), 4.0) + b)
+        np.testing.assert_array_equal(plan(x[0], w, None), np.full((3, 5), 4.0))
+        assert calls == [((6, 4), (4, 5)), ((3, 4), (4, 5))]
+    assert gemm_vendor.vendor_linear("cupy", "high", (6, 5, 4, "float64")) is not None
+    assert type(gemm_vendor.vendor_linear("cupy", "highest", (6, 5, 0, "float64"))) \
+        is gemm_vendor.VendorPlan  # (K == 0: zeros, cuBLAS not asked)
+    assert gemm_vendor.vendor_matmul("cupy", "high", (6, 5, 4, "float16", True)) is fake.matmul
+
+
 def test_vendor_eager_forms():
     """GPU-free: the vendor's eager form of a problem (what the torch layer's direct call
     runs once a plan chose the vendor): torch's F.linear / matmul, the padded product of a
