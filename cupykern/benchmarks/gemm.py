@@ -503,10 +503,6 @@ def survey(seed: int, below: float = 0.97) -> None:
     training step (those and SURVEY_TALL). Prints each point under ``below`` (linear's
     with its route), and the minimum and median per mode. (What a captured loop sees;
     the sweep's figures include host time.)"""
-    import torch.nn.functional as F
-
-    from cupykern import gemm_route
-    from cupykern._array import operand
     from cupykern.models import gemm_scale_batchnorm as model3
 
     shapes = survey_shapes(seed)
@@ -516,22 +512,7 @@ def survey(seed: int, below: float = 0.97) -> None:
         print(f"{what}: {len(ratios)} shapes, min {ratios[0]:.2f} median "
               f"{ratios[len(ratios) // 2]:.2f}", flush=True)
 
-    for dt, prec in MODES:
-        torch.backends.cuda.matmul.allow_tf32 = prec == "high"
-        ratios = []
-        for M, K, N in shapes:
-            if dt == "float64" and M * N * K > 2 ** 31:
-                continue
-            x, w, b = (torch.randn(*s, device="cuda", dtype=getattr(torch, dt))
-                       for s in ((M, K), (N, K), (N,)))
-            ours, eager = (graph_us(lambda: cupykern.linear(x, w, b)),
-                           graph_us(lambda: F.linear(x, w, b)))
-            ratios.append(eager / ours)
-            if ratios[-1] < below:
-                route = gemm_route.route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
-                print(f"linear {M}x{K}x{N} {dt} {prec}: ours {ours:.1f} eager {eager:.1f} us "
-                      f"({ratios[-1]:.2f}x) route {route}", flush=True)
-        report(f"linear {dt} {prec}", ratios)
+    _survey_linear(shapes, below, lambda ours, eager: (graph_us(ours), graph_us(eager)), "")
     for step in (False, True):
         what = "gsbn step" if step else "gsbn forward"
         for dt, prec in MODES[:3] + MODES[4:]:
@@ -582,31 +563,40 @@ def survey_host(seed: int, below: float = 0.95) -> None:
     eager, the median), linear in every dtype / precision of MODES at :func:`survey`'s
     random shapes: each point under ``below`` with its route and both figures, then the
     minimum and median per mode."""
+    from cupykern.benchmarks.overhead import paired_us, per_call_us
+
+    def paired(ours, eager):  # (~5 ms a figure)
+        n = max(10, min(500, int(5000 / max(per_call_us(eager, 10), 1.0))))
+        return paired_us(ours, eager, n, reps=3)
+
+    _survey_linear(survey_shapes(seed), below, paired, ", host included")
+
+
+def _survey_linear(shapes, below, timed, label):
+    """linear against eager at ``shapes`` in every dtype / precision of MODES, timed by
+    ``timed(ours, eager) -> (ours us, eager us)``: each point under ``below`` with its
+    route, then the minimum and median per mode (``label`` after the mode's name)."""
     import torch.nn.functional as F
 
     from cupykern import gemm_route
     from cupykern._array import operand
-    from cupykern.benchmarks.overhead import paired_us, per_call_us
 
-    shapes = survey_shapes(seed)
     for dt, prec in MODES:
-        torch.set_float32_matmul_precision(prec or "highest")
+        torch.set_float32_matmul_precision(prec or "highest")  # (TF32 switch: on for "high")
         ratios = []
         for M, K, N in shapes:
             if dt == "float64" and M * N * K > 2 ** 31:
                 continue
             x, w, b = (torch.randn(*s, device="cuda", dtype=getattr(torch, dt))
                        for s in ((M, K), (N, K), (N,)))
-            ours, eager = (lambda: cupykern.linear(x, w, b)), (lambda: F.linear(x, w, b))
-            n = max(10, min(500, int(5000 / max(per_call_us(eager, 10), 1.0))))  # ~5 ms a figure
-            t_o, t_e = paired_us(ours, eager, n, reps=3)
+            t_o, t_e = timed(lambda: cupykern.linear(x, w, b), lambda: F.linear(x, w, b))
             ratios.append(t_e / t_o)
             if ratios[-1] < below:
                 route = gemm_route.route_of(operand(x, "x"), operand(w, "w"), prec or "highest")
                 print(f"linear {M}x{K}x{N} {dt} {prec}: ours {t_o:.1f} eager {t_e:.1f} us "
                       f"({ratios[-1]:.2f}x) route {route}", flush=True)
         ratios.sort()
-        print(f"linear {dt} {prec}, host included: {len(ratios)} shapes, min {ratios[0]:.2f} "
+        print(f"linear {dt} {prec}{label}: {len(ratios)} shapes, min {ratios[0]:.2f} "
               f"median {ratios[len(ratios) // 2]:.2f}", flush=True)
     torch.set_float32_matmul_precision("highest")
 
