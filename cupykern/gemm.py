@@ -325,15 +325,20 @@ def _as_read(t, batch):
     o = operand(t, "b")
     rows, K = o.shape[-2:]
     if _in_place(o):
-        strides, first = o.strides[:-2], Operand(
-            o.obj, o.kind, o.dtype, (rows, K), o.strides[-2:], o.ptr, o.device, o.name, o.torch)
+        strides, first = o.strides[:-2], _matrix(o, (rows, K), o.strides[-2:])
     else:
         shape = o.shape[:-1] + (padded_ld(o),)
         strides = tuple(math.prod(shape[i + 1:]) for i in range(o.ndim - 2))
-        first = Operand(o.obj, o.kind, o.dtype, (rows, K), (shape[-1], 1), 0, o.device, o.name,
-                        o.torch)
+        first = _matrix(o, (rows, K), (shape[-1], 1), 0)
     strides = tuple(0 if n == 1 else s for n, s in zip(o.shape[:-2], strides))
     return first, (0,) * (len(batch) - len(strides)) + strides
+
+
+def _matrix(o, shape, strides, ptr=None):
+    """The 2-D Operand of one matrix of the stack Operand ``o``: ``shape`` and element
+    ``strides``, from ``ptr`` (default: ``o``'s first element)."""
+    return Operand(o.obj, o.kind, o.dtype, shape, strides, o.ptr if ptr is None else ptr,
+                   o.device, o.name, o.torch)
 
 
 def _stack_steps(batch, strides, isz):
@@ -392,8 +397,7 @@ def _stack_on_ours(ao, a, b, prec):
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
     at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
     isz = ITEMSIZE[ao.dtype]
-    a0, b0 = (Operand(o.obj, o.kind, o.dtype, o.shape[-2:], o.strides[-2:], o.ptr, o.device, o.name,
-                      o.torch) for o in (at, bt))
+    a0, b0 = (_matrix(o, o.shape[-2:], o.strides[-2:]) for o in (at, bt))
     c = empty(ao, batch + (M, N))
     strides = (at.strides[:-2], bt.strides[:-2])
     if _misaligned(batch, strides, isz):  # (each matrix its own plan)
@@ -438,7 +442,7 @@ def _k_major(t):
     if step is not None and 1 in (sr, sc) and count <= MAX_GRID_Y:
         # the tiled copy, every matrix on one launch (torch's / CuPy's strided copy of a
         # transposed stack runs at a third of copy speed)
-        first = Operand(o.obj, o.kind, o.dtype, (rows, K), (sr, sc), o.ptr, o.device, o.name, o.torch)
+        first = _matrix(o, (rows, K), (sr, sc))
         copy = copy_plan(first, sc if sr == 1 else sr, sr == 1, count, step)[1]
         launches, held = [], []
         copy(o.ptr, launches, held)

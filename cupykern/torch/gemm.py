@@ -153,7 +153,7 @@ _ONCE_NAMES = ("float16", "bfloat16")
 
 
 def _linear_once(x, weight, bias):
-    """F.linear of 16-bit (or float32) operands as torch computes it on contiguous 2-D
+    """F.linear of 16-bit (or TF32 float32) operands as torch computes it on contiguous 2-D
     copies of them: one cuBLAS GEMM that adds the bias to its float32 sums and rounds each
     output once (addmm), with the algorithm cuBLAS picks for that layout. F.linear on the arguments as
     they are would, for a 1-D x or an N-D x that is not contiguous (or a strided bias),
