@@ -146,7 +146,8 @@ _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
           "HIGHEST_SMALL_K_MIN_MN": 2 ** 26,
           "HIGHEST_MIN_WORK": 2 ** 30, "HIGHEST_MIN_WORK_CUPY": 2 ** 28,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
-          "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 2 ** 33,
+          "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 3 * 2 ** 31,
+          "TF32_MISALIGNED_MIN_N": 1000,
           # the vendor path's own forms: padded_n, bias_apart
           "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512,
           "PADDED_GRAD_MIN_WORK": 2 ** 34, "PADDED_GRAD_MIN_N": 64,
@@ -284,7 +285,16 @@ def route(p: GemmProblem) -> str:
         # call, ours forced / dispatched x eager) ours' step is the host's: ~490 us a step
         # at 1024x2048x1024 of 168 us GPU time (0.55x; matmul 0.60x), 2**32 0.88-1.09x
         # (matmul 0.83-0.99x): the vendor's below 2**33, where ours' step stays ahead
-        # (2048^3: ~1100 us of eager GPU time against ours' ~340).
+        # (2048^3: ~1100 us of eager GPU time against ours' ~340). Re-measured on the
+        # plans' leaner host path (2026-12-02, H200, one run, linear / matmul steps, events
+        # around each step, ours forced x eager): 1024^3 0.71 / 0.62x, 2048x1024x1024 0.72 /
+        # 0.69x, 4096x768x768 0.75 / 0.78x, 1024x2048x2048 (2**32) 0.94 / 0.85x; BERT's QKV
+        # 4096x768x2304 (2**32.75) 1.41 / 1.35x, 2048^3 1.37 / 1.52x, 4096x768x3072 1.32 /
+        # 1.33x. So from 3 * 2**31 on, which takes a BERT-base encoder's QKV projections
+        # (8 x 512 tokens, benchmarks.models, float32 "highest", same run): its step 50.6-51.3
+        # ms at 2**33 (1.24-1.26x SGEMM's), 44.3 ms (1.43x) at 2**32, 43.7 ms (1.45x) at 2**31,
+        # where its 768x768 projections (0.75x alone: a model's queue hides their host
+        # time, a lone step does not) join.
         small_k = K < c["HIGHEST_MIN_K"] and M * N < c["HIGHEST_SMALL_K_MIN_MN"]
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or small_k
                 or work < c["HIGHEST_MIN_WORK_CUPY" if kind == "cupy" else "HIGHEST_MIN_WORK"]
@@ -300,9 +310,14 @@ def route(p: GemmProblem) -> str:
     # 2.71x (matmul 2.42x): ours there, for products of MISALIGNED_MIN_WORK as above
     # (linear 256x1024x1025 0.46 / 0.84x, 512x1024x1025 0.89 / 1.00x, 1024x512x1025 0.65 /
     # 0.93x, 1024x1024x1025 1.45x; matmul 0.57-0.91x through 2**29, 1024x1024x1025 1.18x).
-    # (K % 4 rows count as aligned after their padded copy, as for "highest" above: not
-    # yet measured here.)
-    if cc == 90 and aligned and N % 4 and misaligned_ours:
+    # K % 4 rows count as aligned after their padded copy, as for "highest" above (H200,
+    # 2026-12-02, linear "high" with bias, GPU time from CUDA graphs, ours x F.linear:
+    # 4097x1001x3001 1.79x, 2048x2046x2047 1.79x, 1500x3003x2001 2.06x, 2048x4098x1025
+    # 1.45x, 16384x1030x1023 1.69x, 8192x1022x50257 2.13x; aligned K 2.25-2.88x). Not for
+    # fewer than TF32_MISALIGNED_MIN_N columns, whose few tiles leave SMs idle: 4284x1530x198
+    # 0.79x, 8000x769x333 0.97x (the wins above have N >= 1023; untimed between).
+    if (cc == 90 and aligned and N % 4 and N >= c["TF32_MISALIGNED_MIN_N"]
+            and misaligned_ours):
         return OURS
     return VENDOR
 
@@ -327,6 +342,10 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     (an odd K) 2048x2047x2047 137 / 157, 4099x5583x297 180 / 194, 1372x59x14086 49 / 98,
     35x3671x11870 100 / 204; (N % 4 == 2, K % 8 == 2) 231x3650x4130 56 / 97,
     2854x66x6810 39 / 88, 4525x234x2530 45 / 74; (N % 4 == 0) 256x4096x4100 53 / 56.
+    Odd N with K % 8 of 2, 4 or 6 (K's rows off 16 bytes) pays too (2026-12-02, with bias):
+    2048x2044x2047 158 / 93, 2048x2046x2047 131 / 92, 1024x4100x4097 300 / 186,
+    8192x1020x50257 7357 / 4604, 4096x1030x1023 74 / 57, 3053x4158x85 59 / 47, 512x4092x1025
+    86 / 64 (1.08-1.70x; 4.1-4.3x with K % 8 == 0 in the same run).
     The pad copies b (K x N) while the product saves in proportion to M: not below
     PADDED_N_MIN_M rows (bf16 GemmScaleBatchNorm's dW at 12108x1961->57, 57x12108x1961:
     the copy 62.4 us against the product's 47.3 -> 25.0)."""

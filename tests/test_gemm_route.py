@@ -269,16 +269,23 @@ ROUTES = [
     (GemmProblem(128, 1000, 1024, "bfloat16", "highest", "torch", 90, True), "vendor"),
     (GemmProblem(128 * 1024, 1001, 512, "bfloat16", "highest", "torch", 90, True), "ours"),
     (GemmProblem(128 * 1024, 1001, 511, "bfloat16", "highest", "torch", 90, True), "vendor"),  # short K
-    # a call autograd records (grad): the misaligned-N rules from 2**33 only
+    # a call autograd records (grad): the misaligned-N rules from 2**33 only, "highest"'s
+    # from 3 * 2**31
     (GemmProblem(2048, 1025, 4096, "bfloat16", "highest", "torch", 90, True, True), "ours"),  # > 2**33
     (GemmProblem(2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, True), "vendor"),  # < 2**33
     (GemmProblem(2048, 1023, 4096, "bfloat16", "highest", "torch", 90, True, False), "ours"),
     (GemmProblem(4097, 3001, 1000, "float32", "high", "torch", 90, True, True), "ours"),
     (GemmProblem(1024, 1025, 1024, "float32", "high", "torch", 90, True, True), "vendor"),
-    (GemmProblem(2048, 2048, 2048, "float32", "highest", "torch", 90, True, True), "ours"),  # 2**33
-    (GemmProblem(2048, 2047, 2048, "float32", "highest", "torch", 90, True, True), "vendor"),
-    (GemmProblem(2048, 2047, 2048, "float32", "highest", "torch", 90, True, False), "ours"),
+    (GemmProblem(2048, 1536, 2048, "float32", "highest", "torch", 90, True, True), "ours"),  # 3 * 2**31
+    (GemmProblem(2048, 1535, 2048, "float32", "highest", "torch", 90, True, True), "vendor"),
+    (GemmProblem(2048, 1535, 2048, "float32", "highest", "torch", 90, True, False), "ours"),
     (GemmProblem(2048, 2048, 1024, "float32", "highest", "torch", 90, True, True), "vendor"),  # 2**32
+    (GemmProblem(4096, 2304, 768, "float32", "highest", "torch", 90, True, True), "ours"),  # BERT's QKV
+    (GemmProblem(4096, 768, 768, "float32", "highest", "torch", 90, True, True), "vendor"),
+    # TF32, N % 4: not for narrow N (few tiles)
+    (GemmProblem(4284, 198, 1530, "float32", "high", "torch", 90, True), "vendor"),
+    (GemmProblem(2048, 999, 2048, "float32", "high", "torch", 90, True), "vendor"),
+    (GemmProblem(2048, 1001, 2048, "float32", "high", "torch", 90, True), "ours"),
 ]
 
 
