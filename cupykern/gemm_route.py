@@ -149,7 +149,7 @@ _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 3 * 2 ** 31,
           "TF32_MISALIGNED_MIN_N": 1000,
           # the vendor path's own forms: padded_n, bias_apart
-          "PADDED_N_MIN_WORK": 2 ** 30, "PADDED_N_MIN_M": 512,
+          "PADDED_N_MIN_WORK": 2 ** 32, "PADDED_N_MIN_M": 512,
           "PADDED_GRAD_MIN_WORK": 2 ** 34, "PADDED_GRAD_MIN_N": 64,
           "BIAS_APART_MIN_WORK": 2 ** 28, "BIAS_APART_MIN_K": 1024, "BIAS_APART_MIN_N": 64}
 
@@ -332,7 +332,7 @@ def vendor_any_layout(p: GemmProblem) -> bool:
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     """How many columns the vendor's 16-bit product computes: N, or N rounded up to a
-    multiple of 8 in a product of at least 2**30 multiply-adds where cuBLAS runs slow
+    multiple of 8 in a product of at least PADDED_N_MIN_WORK multiply-adds where cuBLAS runs slow
     kernels for the output's rows (an odd N with an even K; N % 4 == 2 with K % 8 == 0)
     and the padded product does not: the vendor path then pads W (or b) with zero rows,
     computes the padded product and copies its N columns out. Elsewhere the pad and the
@@ -345,7 +345,11 @@ def padded_n(M: int, N: int, K: int, dtype: str) -> int:
     Odd N with K % 8 of 2, 4 or 6 (K's rows off 16 bytes) pays too (2026-12-02, with bias):
     2048x2044x2047 158 / 93, 2048x2046x2047 131 / 92, 1024x4100x4097 300 / 186,
     8192x1020x50257 7357 / 4604, 4096x1030x1023 74 / 57, 3053x4158x85 59 / 47, 512x4092x1025
-    86 / 64 (1.08-1.70x; 4.1-4.3x with K % 8 == 0 in the same run).
+    86 / 64 (1.08-1.70x; 4.1-4.3x with K % 8 == 0 in the same run). Its pad and copy-out
+    are four torch calls of host time, which calls back to back pay where the GPU work
+    they save is small: bf16 3053x4158x85 (2**30) 168 us a call against F.linear's 60,
+    8204x324x1435 (2**31) 159 / 102 (H200, the host-included survey): not below
+    PADDED_N_MIN_WORK, where F.linear's own GPU time (74-300 us above) covers that host time.
     The pad copies b (K x N) while the product saves in proportion to M: not below
     PADDED_N_MIN_M rows (bf16 GemmScaleBatchNorm's dW at 12108x1961->57, 57x12108x1961:
     the copy 62.4 us against the product's 47.3 -> 25.0)."""

@@ -436,7 +436,7 @@ def test_misaligned_n_16_bit(dtype, dispatched):
     too, and its gradients."""
     from cupykern import gemm_route
     from cupykern._array import operand
-    m, n, k = 1024, 1025, 1024
+    m, n, k = 4096, 1025, 1024
     assert gemm_route.padded_n(m, n, k, str(dtype)[6:]) == 1032
     hopper = torch.cuda.get_device_capability() == (9, 0)
     x, w, b = (t.cuda() for t in _data(m, n, k, dtype))
@@ -892,7 +892,7 @@ def test_cupy_vendor_plans_are_cupys_own_calls(compute_type, monkeypatch):
 def test_vendor_eager_forms():
     """GPU-free: the vendor's eager form of a problem (what the torch layer's direct call
     runs once a plan chose the vendor): torch's F.linear / matmul, the padded product of a
-    16-bit N that cuBLAS runs slow (padded_n) from 2**30 multiply-adds, float64's bias apart from 2**28; each
+    16-bit N that cuBLAS runs slow (padded_n) from 2**32 multiply-adds, float64's bias apart from 2**28; each
     form computes the product, contiguous."""
     import functools
 
@@ -900,20 +900,22 @@ def test_vendor_eager_forms():
                                      _padded_matmul)
     F = torch.nn.functional
     assert Vendor.linear_form(1024, 4096, 4096, "bfloat16") is _linear_once
-    padded = Vendor.linear_form(1024, 1025, 1024, "float16")
+    padded = Vendor.linear_form(4096, 1025, 1024, "float16")
     assert padded.func is _padded_linear and padded.keywords == {"pad": 7}
-    assert Vendor.linear_form(1023, 1025, 1024, "float16") is _linear_once  # (just under 2**30)
-    assert Vendor.linear_form(1024, 1026, 1024, "float16").keywords == {"pad": 6}  # N % 4 == 2
-    assert Vendor.linear_form(1024, 1026, 1026, "float16") is _linear_once  # (K % 8 == 2)
-    assert Vendor.linear_form(1024, 1025, 1026, "float16").keywords == {"pad": 7}  # odd N
-    assert Vendor.linear_form(1024, 1028, 1024, "float16") is _linear_once  # (8-byte rows: cuBLAS's)
-    assert Vendor.linear_form(1024, 1025, 1027, "bfloat16") is _linear_once  # (an odd K)
+    assert Vendor.linear_form(4091, 1025, 1024, "float16") is _linear_once  # (just under 2**32)
+    assert Vendor.linear_form(1024, 1025, 1024, "float16") is _linear_once  # (2**30: host-bound)
+    assert Vendor.linear_form(4096, 1026, 1024, "float16").keywords == {"pad": 6}  # N % 4 == 2
+    assert Vendor.linear_form(4096, 1026, 1026, "float16") is _linear_once  # (K % 8 == 2)
+    assert Vendor.linear_form(4096, 1025, 1026, "float16").keywords == {"pad": 7}  # odd N
+    assert Vendor.linear_form(4096, 1025, 1028, "bfloat16").keywords == {"pad": 7}  # K % 8 == 4
+    assert Vendor.linear_form(4096, 1028, 1024, "float16") is _linear_once  # (8-byte rows: cuBLAS's)
+    assert Vendor.linear_form(4096, 1025, 1027, "bfloat16") is _linear_once  # (an odd K)
     assert Vendor.linear_form(511, 1025, 1 << 22, "bfloat16") is _linear_once  # (few rows: M < 512)
     assert Vendor.matmul_form(57, 1961, 12108, "bfloat16", True) is torch.matmul
     assert Vendor.linear_form(1 << 20, 8, 1024, "float64") is F.linear  # (N < 64)
     assert Vendor.linear_form(256, 1024, 1024, "float64") is _linear_bias_apart
     assert Vendor.linear_form(255, 1024, 1024, "float64") is F.linear
-    assert Vendor.matmul_form(1024, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}
+    assert Vendor.matmul_form(4096, 1025, 1024, "bfloat16", True).keywords == {"pad": 7}
     # (a 1-D b, whose N of 1 is not a row length: never padded, however big the product)
     assert Vendor.matmul_form(1 << 20, 1, 1 << 20, "bfloat16", True).keywords == {"pad": 7}
     assert Vendor.matmul_form(1 << 20, 1, 1 << 20, "bfloat16", False) is torch.matmul
