@@ -11,6 +11,7 @@ the input's kind so results come back as the caller's type:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -193,18 +194,18 @@ def empty(like, shape, dtype: str | None = None):
         return like.proto.new_empty(shape) if same else \
             like.proto.new_empty(shape, dtype=getattr(_torch(), dtype))
     cupy = _loader.cupy()
-    dtype = like.array_dtype if same else dtype
-    if _current(like.device):
-        return cupy.empty(shape, dtype=dtype)
-    with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=dtype)
+    with _on(like.device):
+        return cupy.empty(shape, dtype=like.array_dtype if same else dtype)
 
 
-def _current(device: int) -> bool:
-    """Whether ``device`` is CuPy's current one: the allocating paths enter
-    ``cupy.cuda.Device`` (an object, a thread-local device stack, two runtime calls) only
-    for another device."""
-    return _api()[0]() == device
+def _on(device: int):
+    """The context in which CuPy allocates on ``device``: ``cupy.cuda.Device`` (an object,
+    a thread-local device stack, two runtime calls) only for another device than CuPy's
+    current one, else nothing to enter."""
+    return _HERE if _api()[0]() == device else _loader.cupy().cuda.Device(device)
+
+
+_HERE = contextlib.nullcontext()  # (reusable, reentrant: one for every call)
 
 
 def head(flat, shape):
@@ -231,9 +232,7 @@ def contiguous(a: Operand, copy: bool = False):
         t = _torch()
         return a.obj.clone(memory_format=t.contiguous_format) if copy else a.obj.contiguous()
     cupy = _loader.cupy()
-    if _current(a.device):
-        return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
-    with cupy.cuda.Device(a.device):
+    with _on(a.device):
         return cupy.array(a.obj, order="C", copy=True) if copy else cupy.ascontiguousarray(a.obj)
 
 
@@ -444,11 +443,8 @@ def launch_all(a, calls, zero=()) -> None:
     current stream, looked up once, after zeroing each ``(pointer, bytes)`` of ``zero``
     there. ``args``: pointers and ``long long`` as Python ints, other scalars from
     :func:`scalar`."""
-    if _current(a.device):
+    with _on(a.device):  # (CuPy's current stream is per device)
         _launch_calls(calls, stream_ptr(a), zero)
-    else:
-        with _loader.cupy().cuda.Device(a.device):  # CuPy's current stream is per device
-            _launch_calls(calls, stream_ptr(a), zero)
 
 
 class Place:

@@ -88,7 +88,7 @@ class Vendor:
         pad = route.padded_n(M, N, K, dtype) - N
         if pad:
             return functools.partial(_padded_linear, pad=pad)
-        if dtype in _ONCE_NAMES or (dtype == "float32" and Vendor.state()):
+        if _rounds_once(dtype, Vendor.state()):
             return _linear_once
         return _linear_bias_apart if route.bias_apart(M, N, K, dtype) else F.linear
 
@@ -144,12 +144,14 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Whose vendor linear is _linear_once: 16-bit, and float32 under torch's TF32 switch, whose
-# TF32 products cuBLAS computes by layout-dependent algorithms too (H200, x (3, 1025)
-# transposed, TF32: 0.018 against 9e-6 for the same values contiguous). float32 with the
-# switch off (SGEMM: exact products, float32 sums whatever the layout) is F.linear as it
-# is, without _linear_once's layout reads (~1 us of an eager call's host time, H200).
-_ONCE_NAMES = ("float16", "bfloat16")
+def _rounds_once(dtype: str, tf32: bool) -> bool:
+    """Whether the vendor's linear of ``dtype`` (torch's TF32 switch ``tf32``) is
+    :func:`_linear_once`: 16-bit, and float32 under the switch, whose TF32 products cuBLAS
+    computes by layout-dependent algorithms too (H200, x (3, 1025) transposed, TF32: 0.018
+    against 9e-6 for the same values contiguous). float32 with the switch off (SGEMM: exact
+    products, float32 sums whatever the layout) is F.linear as it is, without
+    _linear_once's layout reads (~1 us of an eager call's host time, H200)."""
+    return dtype in ("float16", "bfloat16") or (dtype == "float32" and tf32)
 
 
 def _linear_once(x, weight, bias):
@@ -220,7 +222,7 @@ def _impl(x, weight, bias, precision):
 
 def _cpu_linear(x, weight, bias):
     """The CPU path's product: F.linear, of 16-bit operands rounded once (as on CUDA)."""
-    return (_linear_once if x.dtype in _ONCE or (x.dtype is _FLOAT32 and get_cublas_allow_tf32())
+    return (_linear_once if _rounds_once(_name(x.dtype), get_cublas_allow_tf32())
             else F.linear)(x, weight, bias)
 
 
@@ -343,7 +345,6 @@ _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
 _FLOAT32, _TENSOR = torch.float32, torch.Tensor
-_ONCE = (torch.float16, torch.bfloat16)  # (their vendor form: _linear_once)
 
 
 def _remember(op_name, key, forms, problem):
