@@ -71,8 +71,11 @@ def _run(cmd, timeout):
     return p.returncode, out
 
 
-def _driver_args(group, dtype, norm):
-    return ["--only", group, "--dtypes", dtype] + ([] if norm is None else ["--kinds", norm])
+def _driver_args(group, dtype, norm, tool=None):
+    """The driver's arguments for a case (``tool``'s: initcheck's vendor products, see the
+    driver's tracked_products)."""
+    return (["--only", group, "--dtypes", dtype] + ([] if norm is None else ["--kinds", norm])
+            + (["--initcheck"] if tool == "initcheck" else []))
 
 
 _plain_passed = set()
@@ -106,7 +109,7 @@ def _plain_run(args):
 @pytest.mark.parametrize("tool,group,dtype,norm", CASES,
                          ids=["-".join(filter(None, case)) for case in CASES])
 def test_sanitizer_clean(sanitizer, tool, group, dtype, norm):
-    args = _driver_args(group, dtype, norm)
+    args = _driver_args(group, dtype, norm, tool)
     _plain_run(args)
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
            sys.executable, str(DRIVER)] + args
