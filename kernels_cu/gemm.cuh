@@ -247,21 +247,6 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
-// 3xTF32's split: x ~ big + small, both rounded to TF32 (to_tf32), |small| at most half
-// an ulp of big, so the pair carries ~22 bits and x - big - small is ~2^-23 x. big is x
-// rounded to nearest, not truncated: a truncated big leaves small x's sign, and the
-// product term 3xTF32 drops (small * small) then biases every sum of same-sign products
-// (H200, 4096x3072 @ 3072x768 of uniform [0, 1) values: a mean error of -1.56e-7 of the
-// largest |a| @ |b| against SGEMM's -2.4e-11). Where rounding would overflow (|x| within
-// half a TF32 ulp of float32's largest), big is truncated instead: it stays finite.
-// (x may alias big.)
-__device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
-  const float f = __uint_as_float(x);
-  unsigned b = to_tf32(f);
-  if ((b & 0x7fffffffu) == 0x7f800000u && (x & 0x7fffffffu) != 0x7f800000u) b = x & 0xffffe000u;
-  big = b;
-  small = to_tf32(f - __uint_as_float(b));
-}
 
 template <typename T> struct is_bf16 { static constexpr bool value = false; };
 template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };

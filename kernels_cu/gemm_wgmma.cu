@@ -75,21 +75,19 @@ __device__ __forceinline__ void load_swizzled(unsigned dst, const T* __restrict_
     src += (NT / 8) * ld;
   }
 }
-// 3xTF32's split (split_tf32) of chunks t, t+NT, ... of a landed ROWS-row slice, in
-// place: the big halves back at src, the small ones at the same offsets from dst
-// (elementwise: any chunk order).
+// Remainders x - tf32trunc(x), rounded to TF32, of chunks t, t+NT, ... of a landed
+// ROWS-row slice, written at the same offsets from dst (elementwise: any chunk order).
 template <int ROWS, int NT>
 __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t) {
 #pragma unroll
   for (int i = 0; i < ROWS * 8 / NT; ++i) {
     const unsigned off = (t + i * NT) * 16;
-    uint4 v, w;
+    uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
-    unsigned *e = &v.x, *sm = &w.x;
+    unsigned* e = &v.x;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) split_tf32(e[q], e[q], sm[q]);
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(src + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & 0xffffe000u));
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
   }
 }
 
@@ -292,12 +290,14 @@ __device__ __forceinline__ void load_a(unsigned a, unsigned (&f)[4][4]) {
     for (int q = 0; q < 4; ++q)
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(f[ks][q]) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
 }
-// 3xTF32's split (split_tf32) of raw fp32 fragments, in place: big, and small beside.
-__device__ __forceinline__ void split_a(unsigned (&big)[4][4], unsigned (&small)[4][4]) {
+// 3xTF32's split of raw fp32 fragments: big = the raw bits (the tensor core truncates
+// them), small = the remainder rounded to TF32.
+__device__ __forceinline__ void split_a(const unsigned (&big)[4][4], unsigned (&small)[4][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) split_tf32(big[ks][q], big[ks][q], small[ks][q]);
+    for (int q = 0; q < 4; ++q)
+      small[ks][q] = to_tf32(__uint_as_float(big[ks][q]) - __uint_as_float(big[ks][q] & 0xffffe000u));
 }
 
 // The same fragments from an M-major A slice (transposed A through TMA): the stage holds
