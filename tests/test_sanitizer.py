@@ -5,7 +5,8 @@ One case is one tool over one family in one dtype (and, for the normalize famili
 norm): 112 cases. The whole driver under one tool takes longer than the GPU machine's
 10-minute call; split (the same driver arguments, run from a script), the longest, racecheck
 of normalize's float32 and float64 L2 cluster kernels, took 318-343 s on an H200. `bash
-.ci/gpu sanitizer` runs the cases side by side."""
+.ci/gpu sanitizer` runs the cases side by side. initcheck's runs pass --initcheck: the
+driver's tracked_products says why."""
 import ast
 import os
 import pathlib
