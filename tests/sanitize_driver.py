@@ -3,9 +3,10 @@
     compute-sanitizer --tool memcheck python tests/sanitize_driver.py [--only GROUP ...]
 
 GROUP is one of normalize, normalize_rows, linear, gemm_scale_batchnorm, matmul_sum (racecheck is slow: run the groups
-separately); under initcheck, add --initcheck (see tracked_products). Every result is checked loosely against a float64 reference, so a run under
-the sanitizer also proves that the kernels ran and computed the right thing; the script
-exits 1 on a wrong result and prints "sanitize driver done" when all is well.
+separately); under initcheck, add --initcheck (see tracked_products). Every result is
+checked loosely against a float64 reference, so a run under the sanitizer also proves
+that the kernels ran and computed the right thing; the script exits 1 on a wrong result
+and prints "sanitize driver done" when all is well.
 Shapes are tiny (a few rows, N, K <= 300) except the rows of the two-pass normalize kernel.
 """
 import argparse
