@@ -39,7 +39,7 @@ from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
-from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, one_launch, workspace
+from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, layout, one_launch, workspace
 from .gemm_operands import (copy_plan, fresh_like, matrix, mm, mm_plan, on_arrays, padded_ld,
                              planned_gemm)
 from .gemm_route import OURS, VENDOR, register_plans, route_of
@@ -387,13 +387,18 @@ def _matmul_gpu(ao, bo, prec, shape):
 
 def _stack_on_ours(ao, a, b, prec):
     """A stack of products (batch dims broadcast) on our 2-D GEMM (float32 "highest"
-    3xTF32, CuPy bfloat16): each operand is first made K-major in one copy where it is
-    not (b: its transpose), so that every matrix reads alike; then one launch with the
-    matrix in the grid (Hopper's wgmma, :func:`~cupykern.gemm_kernels.batched_call`, where
-    each operand's matrices lie one stride apart), else the kernel planned once for the
-    first matrix and launched per matrix with its offsets, in one batch."""
+    3xTF32, CuPy bfloat16): on Hopper, a row-major b read in place by the swapped product
+    (:func:`_stack_swapped`); otherwise each operand is first made K-major in one copy
+    where it is not (b: its transpose), so that every matrix reads alike; then one launch
+    with the matrix in the grid (Hopper's wgmma,
+    :func:`~cupykern.gemm_kernels.batched_call`, where each operand's matrices lie one
+    stride apart), else the kernel planned once for the first matrix and launched per
+    matrix with its offsets, in one batch."""
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, N = a.shape[-2], b.shape[-1]
+    swapped = _stack_swapped(ao, a, b, prec, batch)
+    if swapped is not None:
+        return swapped
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
     at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
     isz = ITEMSIZE[ao.dtype]
@@ -421,6 +426,33 @@ def _stack_on_ours(ao, a, b, prec):
         launches.extend(call(a0.ptr + oa * isz, b0.ptr + ob * isz, cp + j * M * N * isz, 0, 0,
                              0, 0, wsp))
     launch_all(place, launches)
+    return c
+
+
+def _stack_swapped(ao, a, b, prec, batch):
+    """The stack ``a @ b`` as ``(b^T a^T)^T`` on one launch (Hopper TF32 / 3xTF32,
+    :func:`~cupykern.gemm_kernels.batched_call` with ``transposed_c``): gemm_wgmma reads
+    each row-major matrix of ``b`` as a transposed A by TMA and stores each product
+    transposed, so b's transpose is never copied (1 GB each way at (128, 512, 1024) @
+    (128, 1024, 2048)). None where it does not run so: b's matrices not row-major, a's
+    not read in place, an operand without one stride from a matrix to the next, or the
+    kernel declines (another arch or dtype, split K, K not a multiple of its K slice)."""
+    if _loader.device_cc(ao.device) != 90:
+        return None
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    bt = operand(_broadcast_to(_swap_last(b), batch + (N, K)), "b")
+    at = operand(_broadcast_to(a, batch + (M, K)), "a")
+    b0, a0 = (_matrix(o, o.shape[-2:], o.strides[-2:]) for o in (bt, at))
+    if not (_in_place(at) and (layout(b0) or (False,))[0]):
+        return None
+    strides = (bt.strides[:-2], at.strides[:-2])
+    steps = _stack_steps(batch, strides, ITEMSIZE[ao.dtype])
+    stack = steps and batched_call(b0, a0, prec, math.prod(batch), *steps, transposed_c=True)
+    if not stack:
+        return None
+    place = Place(ao)
+    c = empty(ao, batch + (M, N))
+    launch_all(place, stack(b0.ptr, a0.ptr, place.ptr(c)))
     return c
 
 

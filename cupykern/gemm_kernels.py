@@ -212,6 +212,7 @@ class Gemm(NamedTuple):
     ldb: int
     maps: object = None  # gemm_wgmma: maps(a_ptr, b_ptr) -> its tensor maps and stack strides
     a_mn: bool = False  # gemm_wgmma loads a transposed A by TMA (M-major boxes)
+    transposed_c: bool = False  # it stores the product's transpose (N x M; its slabs too)
 
 
 class _Choice(NamedTuple):
@@ -286,7 +287,7 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     """The :class:`Gemm` for ``a @ b.T`` (2-D Operands that :func:`layout` reads in
     place): it depends on the dtype, the sizes, the layouts, the K-contiguous rows'
     16-byte alignment and the device. With ``transposed_c`` it stores the product's
-    transpose, without an epilogue or split K (only where :func:`_swaps` says so)."""
+    transpose, without an epilogue (only where :func:`stores_transposed` says so)."""
     (M, _), N = a.shape, b.shape[0]
     expr, cfg, maps, a_mn, lda, ldb, cl, _ = _choose(a, b, precision, transposed_c)
     assert not transposed_c or stores_transposed(a, b, precision), "no transposed store"
@@ -301,22 +302,24 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
     if transposed_c:  # persistent: one CTA per SM (its shared memory), taking every SMth tile
         grid = (min(grid[0], _loader.sm_count(a.device) // cl * cl),)  # (whole clusters)
     return _split(fn, grid, (cfg["THREADS"],), cfg["SMEM"], cfg["BM"], a, b, lda, ldb,
-                  cfg)._replace(maps=maps, a_mn=a_mn)
+                  cfg)._replace(maps=maps, a_mn=a_mn, transposed_c=transposed_c)
 
 
 def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
-                 lda: int, ldb: int, stack=(0, 0, 0)):
+                 lda: int, ldb: int, stack=(0, 0, 0), k_rows: int = 0):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: its trailing arguments, the tensor maps of A (M
     x K) and B (N x K) in boxes of BOX rows of one K slice (a transposed A: its K x M
     storage in boxes of one K slice x 32 columns), or two unused ones without TMA, and
     the ``stack`` strides (sa, sb, sc) of :func:`batched_call` (0: one product). M and N
-    count every row the maps reach (a stack's: all its matrices')."""
+    count every row the maps reach (a stack's: all its matrices'); a transposed A's
+    stack reaches ``k_rows`` rows of its storage (default K)."""
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE, *stack)
     dt = _MAP_DTYPE[dtype, mode]
     k = cfg["KS"]  # the kernel's K slice: one 128-byte swizzled row
     # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
-    ma = _tma.row_maps(K, M, lda, k, k, dt) if ta else _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
+    ma = _tma.row_maps(k_rows or K, M, lda, k, k, dt) if ta else \
+        _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
     mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp), *stack)
 
@@ -367,6 +370,8 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
     N = b.shape[0]
     m_, n_ = scalar(M, "int"), scalar(N, "int")
     sizes = (m_, n_, scalar(K, "int"), scalar(kernel.kchunk, "int"), kernel.lda, kernel.ldb)
+    if kernel.transposed_c:  # (the stored product, and so the slabs, are N x M)
+        M, N, m_, n_ = N, M, n_, m_
     gemm_ = (kernel.fn, kernel.grid, kernel.block)
     maps = kernel.maps or (lambda ap, bp: ())
     if kernel.splits == 1:
@@ -379,49 +384,56 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
         (*reduce_, (ws, s_, m_, n_, cp, ldc, bias, alpha, beta, part), 0))
 
 
-def batched_call(a, b, precision: str, count: int, sa: int, sb: int):
+def batched_call(a, b, precision: str, count: int, sa: int, sb: int, transposed_c: bool = False):
     """``call(a_ptr, b_ptr, c_ptr) -> launches``: a stack of ``count`` products ``a_i @
-    b_i.T`` into C-contiguous (M, N) outputs one after another, on one launch of
-    gemm_wgmma (grid y: the matrix). ``a`` and ``b``: 2-D Operands of the first matrices;
-    each next one starts ``sa`` / ``sb`` elements on (0: the same matrix throughout).
-    None where the stack does not run so (:func:`_batched`). H200, float32 "highest",
-    (128, 512, 1024) @ (128, 1024, 2048): one launch per matrix (64 tiles each on 132 SMs)
-    ran at 0.77x eager's batched SGEMM."""
-    plan = _batched(a, b, precision, count, sa, sb)
+    b_i.T`` into C-contiguous (M, N) outputs one after another (``transposed_c``: their
+    transposes, (N, M), with ``a`` read transposed by TMA: a matmul's row-major b as A),
+    on one launch of gemm_wgmma (grid y: the matrix). ``a`` and ``b``: 2-D Operands of
+    the first matrices; each next one starts ``sa`` / ``sb`` elements on (0: the same
+    matrix throughout). None where the stack does not run so (:func:`_batched`). H200,
+    float32 "highest", (128, 512, 1024) @ (128, 1024, 2048): one launch per matrix (64
+    tiles each on 132 SMs) ran at 0.77x eager's batched SGEMM."""
+    plan = _batched(a, b, precision, count, sa, sb, transposed_c)
     if plan is None:
         return None
     choice, tiles, rows_a, rows_b = plan
     cfg, (M, K), N = choice.cfg, a.shape, b.shape[0]
     mode = _tc_mode(a.dtype, precision, True)
-    maps = _tensor_maps(choice.tma, False, a.dtype, mode, cfg, rows_a, rows_b, K, choice.lda,
-                        choice.ldb, (sa, sb, M * N))
+    maps = _tensor_maps(choice.tma, transposed_c, a.dtype, mode, cfg, M if transposed_c else rows_a,
+                        rows_b, K, choice.lda, choice.ldb, (sa, sb, M * N),
+                        rows_a if transposed_c else 0)
     fn = _loader.function(_WGMMA_FILE, choice.expr, a.device, cfg["SMEM"])
-    launch = (fn, (tiles, count), (cfg["THREADS"],))
-    sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (choice.lda, choice.ldb, N, 0, 0, 0, 0)
+    launch = (fn, (tiles, count), (cfg["THREADS"],))  # (a TC kernel's tiles: one a CTA)
+    ldc = M if transposed_c else N
+    sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (choice.lda, choice.ldb, ldc, 0, 0, 0, 0)
     return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)
 
 
-def _batched(a, b, precision: str, count: int, sa: int, sb: int):
+def _batched(a, b, precision: str, count: int, sa: int, sb: int, transposed_c: bool = False):
     """``(choice, tiles, rows_a, rows_b)`` of :func:`batched_call`'s launch (tiles per
-    matrix; rows of the stack's TMA maps), or None where the stack does not run on one:
-    another kernel than wgmma, a split K (few tiles in all), a transposed A by TMA, more
-    matrices than a grid's y, or, by TMA, strides of partial rows or a stack past a map's
-    int32 rows. Loads nothing (the route asks it)."""
-    choice = _choose(a, b, precision)
+    matrix; rows of the stack's TMA maps: a transposed A's K rows), or None where the
+    stack does not run on one: another kernel than wgmma, a split K (few tiles in all),
+    a transposed A by TMA unless ``transposed_c`` (and then only with that, and K a
+    multiple of the K slice: a slice past K would read the next matrix's rows), more
+    matrices than a grid's y, or, by TMA, strides of partial rows or a stack past a
+    map's int32 rows. Loads nothing (the route asks it)."""
+    choice = _choose(a, b, precision, transposed_c)
     cfg = choice.cfg
-    if cfg not in _WGMMA.values() or choice.a_mn or not 0 < count <= MAX_GRID_Y:
+    if cfg not in _WGMMA.values() or choice.a_mn != transposed_c or not 0 < count <= MAX_GRID_Y:
         return None
     (M, K), N = a.shape, b.shape[0]
     tiles = _tiles(M, N, cfg)
-    if _splits(a, tiles * count, cfg) > 1:
+    if _splits(a, tiles * count, cfg) > 1 or (transposed_c and K % cfg["KS"]):
         return None
     rows_a, rows_b = M, N
     if choice.tma:
         lda, ldb, isz = choice.lda, choice.ldb, ITEMSIZE[a.dtype]
         if sa % lda or sb % ldb:
             return None
-        rows_a, rows_b = M + (count - 1) * (sa // lda), N + (count - 1) * (sb // ldb)
-        if not (_tma.fits(rows_a, K, lda, isz) and _tma.fits(rows_b, K, ldb, isz)):
+        rows_a = (K if transposed_c else M) + (count - 1) * (sa // lda)
+        rows_b = N + (count - 1) * (sb // ldb)
+        if not (_tma.fits(rows_a, M if transposed_c else K, lda, isz)
+                and _tma.fits(rows_b, K, ldb, isz)):
             return None
     return choice, tiles, rows_a, rows_b
 
@@ -475,9 +487,8 @@ def tile_config(dtype: str, precision: str, device: int) -> dict:
 
 def stores_transposed(a, b, precision: str) -> bool:
     """Whether :func:`gemm_kernel` can compute ``a @ b.T`` with ``transposed_c``: Hopper's
-    TF32 / 3xTF32 kernel reading ``a`` transposed by TMA, with enough tiles not to split K."""
-    choice = _choose(a, b, precision, True)
-    return choice.a_mn and _splits(a, _tiles(a.shape[0], b.shape[0], choice.cfg), choice.cfg) == 1
+    TF32 / 3xTF32 kernel reading ``a`` transposed by TMA (split K or not)."""
+    return _choose(a, b, precision, True).a_mn
 
 
 def transpose_kernel(dtype: str, device: int, rows: int, cols: int, ldd: int | None = None,

@@ -122,8 +122,8 @@ def _swaps(a, b, work: int, precision: str) -> bool:
     ``(b @ a.T).T``: where ``b``'s rows are not K-contiguous (``b`` is ``W.T`` for mm's
     row-major ``W``, as in dx = dy @ W) and worth a transposed copy (:func:`read_mode`),
     and the GEMM can read ``b`` in place as a transposed A (Hopper TF32 / 3xTF32: TMA
-    boxes, fragments in registers) and store the product transposed (enough tiles not to
-    split K). H200, dx = dy @ W "high" against copying W's transpose first: 0.331 / 0.546
+    boxes, fragments in registers) and store the product transposed (its split K's slabs
+    too). H200, dx = dy @ W "high" against copying W's transpose first: 0.331 / 0.546
     ms at 1024x8192 @ 8192x8192, 1.429 / 1.570 at 16384x4096 @ 4096x4096, 0.351 / 0.430
     at 4096x4096 @ 4096x4096 (3xTF32: 1.147 / 1.430, 4.991 / 4.989, 1.316 / 1.327)."""
     if read_mode(b, work)[0] != "transpose" or read_mode(a, work)[0] != "view" or layout(a)[0]:
@@ -141,8 +141,9 @@ def _planned_swapped(a, b, precision: str):
 
     def stage(ap, bp, bias, launches, held):
         assert not bias, "a swapped product has no bias"
-        out = empty(place, (M, N))
-        launches.extend(call(bp, ap, ptr(out), 0, 0, 0, 0, 0))
+        out, ws = empty(place, (M, N)), workspace(place, kernel)
+        held.append(ws)
+        launches.extend(call(bp, ap, ptr(out), 0, 0, 0, 0, ptr(ws)))
         return out
 
     return Product(place, stage)

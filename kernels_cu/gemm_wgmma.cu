@@ -430,7 +430,7 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], T* __rest
 // K-major TF32 operands from shared memory; 3xTF32 takes A from registers anyway), so
 // dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
 // W^T dy^T, with W^T as A, and with TC stores that product's transpose: c (N x M) gets
-// element (m, n) at c[n * ldc + m]; no epilogue, no split K).
+// element (m, n) at c[n * ldc + m]; no epilogue; a split K's slabs are N x M too).
 // TC is persistent: CTA i takes tiles i, i + gridDim.x, ... (gemm.py launches one per SM),
 // and its epilogue (wg_store_t) leaves the ring alone, so the producer loads the next
 // tile's slices meanwhile. dW = dz^T @ x (K = the batch, 1024; 256 MB of output) spent a
@@ -493,8 +493,10 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   // over the stack). TMA's maps span the whole stack: matrix y's rows start at map row
   // y * sa / lda (whole rows: the host checks it). A tile's rows past M (N) read the next
   // matrix's rows, or zeros past the map, and reach only the output rows (columns) past
-  // M (N), which the stores mask. A stack takes no split K, a transposed A by TMA or a
-  // transposed store; a single product passes sa = sb = sc = 0.
+  // M (N), which the stores mask. A transposed A by TMA (A_MN) holds K in the map's rows:
+  // matrix y's start at row y * sa / lda, and its K is a multiple of KS (the host checks
+  // it), so that no slice reads the next matrix's rows. A stack takes no split K; a
+  // single product passes sa = sb = sc = 0.
   const long long mat = blockIdx.y;
   a += mat * sa;
   b += mat * sb;
@@ -502,10 +504,10 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const int ra = TMA ? (int)(mat * sa / lda) : 0, rb = TMA ? (int)(mat * sb / ldb) : 0;
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
   // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
-  // chunk's slab of float sums in the workspace c.)
+  // chunk's slab of float sums in the workspace c. TC: slabs of the stored N x M.)
   const int kbase = blockIdx.z * kchunk;
   float* const slab = reinterpret_cast<float*>(c) + (long long)blockIdx.z * M * ldc;
-  split_k<TA, TB>(a, b, c, M, K, lda, ldb, ldc, kchunk);
+  split_k<TA, TB>(a, b, c, TC ? N : M, K, lda, ldb, ldc, kchunk);
   const int ktiles = (K + KS - 1) / KS;
   // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
   // a slice's stage and barrier phase follow the CTA's running count of slices
@@ -558,7 +560,7 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
           if constexpr (A_MN) {  // boxes of 32 M (the map's columns) x the slice's 32 K rows
 #pragma unroll
-            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, kbase + kt * KS, bar);
+            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, ra + kbase + kt * KS, bar);
           } else {
 #pragma unroll
             for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * KS, ra + m0 + r, bar);

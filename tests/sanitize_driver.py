@@ -244,7 +244,8 @@ def run_linear():
     with cupykern.gemm_route.forced_route(cupykern.gemm_route.OURS):
         _run_linear()
         # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets;
-        # then a stack whose matrices lie one stride apart (b broadcast: stride 0)
+        # then a stack whose matrices lie one stride apart (b broadcast: stride 0; on Hopper
+        # b's row-major matrix read in place by the swapped product, stored transposed)
         stacks = (((3, 1, 37, 50), (2, 50, 23)), ((3, 70, 64), (1, 64, 140)))
         for prec in ("highest", "high"):
             for i, (sa, sb) in enumerate(stacks):
@@ -311,6 +312,11 @@ def _run_linear():
         for prec in ("highest", "high"):
             check_linear(f"mm float32 {prec} dy @ W {rows}x{n}", torch.ops.cupykern.mm(dy, w, prec),
                          dy, w.t(), None, tol(torch.float32, prec))
+    # the same with one tile of W^T and K split in 16 chunks: slabs of the transposed store
+    dy, w = dev(randn(130, 2048, seed=14), torch.float32), dev(randn(2048, 40, seed=15), torch.float32)
+    for prec in ("highest", "high"):
+        check_linear(f"mm float32 {prec} dy @ W split K", torch.ops.cupykern.mm(dy, w, prec),
+                     dy, w.t(), None, tol(torch.float32, prec))
 
 
 # ---------------------------------------------------------------- gemm_scale_batchnorm

@@ -453,15 +453,16 @@ def test_mm_either_layout(shape, dtype, precision, bound):
 @pytest.mark.parametrize("shape, cols, swap", [
     ((128, 5120, 512), None, True), ((136, 4228, 600), None, True),  # partial tiles, K slice
     ((136, 4229, 600), 4232, True),  # a column slice: b's rows aligned, the output's not
-    ((128, 136, 300), None, False), ((256, 384, 1024), None, False),  # few tiles: split K
+    ((128, 136, 300), None, True), ((256, 384, 1024), None, True),  # few tiles: split K
+    ((256, 200, 65536), None, True),  # long K: a chunk per SM, slabs of the stored transpose
     ((130, 257, 4100), None, False),  # b's rows not aligned
     ((520, 6397, 300), 6400, True)],  # 150 tiles: persistent CTAs take two (H100, H200: 132 SMs)
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_mm_row_major_b(shape, cols, swap, precision, bound):
     """mm(a, b) with b row-major (``cols`` wide, sliced to n columns), as dx = dy @ W: on
-    Hopper float32, at a batch of at least 128 with 16-byte aligned rows of b and enough
-    output tiles not to split K, the product runs swapped, (b^T a^T)^T, reading b in place
-    and storing the product transposed; otherwise b's transpose is copied. Against float64."""
+    Hopper float32, at a batch of at least 128 with 16-byte aligned rows of b, the product
+    runs swapped, (b^T a^T)^T, reading b in place and storing the product transposed (a
+    split K's slabs too); otherwise b's transpose is copied. Against float64."""
     from cupykern import gemm_operands
     from cupykern._array import operand
     from cupykern.torch.gemm import mm_op as mm

@@ -227,8 +227,9 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     """mm(dy, W) "high" at a batch where copying W's transpose pays (130 rows) and with
     enough tiles not to split K (34 of 128 rows of W^T): on Hopper the GEMM reads W's own
     storage as its transposed A (TMA boxes of 32 x 32 of the 300 x 4352 rows) and stores
-    W^T @ dy^T (4352, 130) transposed, straight into the (130, 4352) result; elsewhere,
-    at a batch below 128, or with K split (a small W), W's transpose is copied first."""
+    W^T @ dy^T (4352, 130) transposed, straight into the (130, 4352) result, or with K
+    split (a small W) into float slabs of the (130, 40) result that splitk_reduce adds;
+    elsewhere, or at a batch below 128, W's transpose is copied first."""
     dy, w = torch.randn(130, 300), torch.randn(300, 4352)
     cupykern.gemm_operands.mm(dy, w, "high")
     log = _named(launches, [dy, w])
@@ -244,8 +245,18 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
     cupykern.gemm_operands.mm(dy, w[:, :40], "high")  # 1 tile: K split
-    log = _named(launches, [w])
-    assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 0
+    raw = list(launches[0])
+    log = _named(launches, [dy, w])
+    if _loader.device_cc(0) != 90:
+        assert log[0][0].startswith("transpose_copy") and log[0][3][0] == 1
+        return
+    (gemm, grid, _, args, _), (reduce, _, _, rargs, _) = log
+    assert gemm.startswith("gemm_wgmma<float, 1, true, false, true, 64,") and grid == (1, 1, 2)
+    assert args[:6] == (1, 0, ("new", 0), 40, 130, 300) and args[6] == 160  # chunks of 160
+    assert args[9] == 40  # the slabs: (130, 40) each, rows of 40
+    assert reduce.startswith("splitk_reduce<float, float,")
+    assert rargs[:6] == (("new", 0), 2, 130, 40, ("new", 0), 40)  # slabs -> the result
+    assert raw[1][3][0] == raw[0][3][2] != raw[1][3][4]
 
 
 @pytest.mark.parametrize("dtype, ctype, map_type", [("float16", "half_t", _tma.FLOAT16),
@@ -296,26 +307,57 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
 
 
 def test_stack_copies_and_multiplies_in_one_launch_each(launches):
-    """A float32 stack on ours, (4, 256, 128) @ (4, 128, 300): b's transpose is copied
+    """A float32 stack on ours, (4, 256, 100) @ (4, 100, 300): b's transpose is copied
     K-major for every matrix in one launch of the tiled copy (grid y: the matrix); then on
     Hopper one gemm_wgmma launch multiplies the whole stack (grid y: the matrix; strides of
-    a, the copy and the output last), elsewhere a launch per matrix at its offsets."""
+    a, the copy and the output last), elsewhere a launch per matrix at its offsets. (K =
+    100 keeps Hopper off the swapped stack, see the next test.)"""
+    from cupykern import gemm
+
+    log, _ = launches
+    a, b = torch.randn(4, 256, 100), torch.randn(4, 100, 300)
+    out = gemm.matmul_core(a, b, "highest")
+    copy, *products = log
+    assert copy[0] == "transpose_copy<float, 32, 256>" and copy[1] == (40, 4)
+    assert copy[3][0] == b.data_ptr() and copy[3][2:] == (300, 100, 1, 300, 100, 100 * 300, 300 * 100)
+    if _loader.device_cc(0) == 90:
+        (name, grid, _, args, _), = products
+        assert name.startswith("gemm_wgmma<float, 0,") and grid == (2 * 3, 4)
+        assert args[:3] == (a.data_ptr(), copy[3][1], out.data_ptr())
+        assert args[-3:] == (256 * 100, 100 * 300, 256 * 300)
+    else:
+        assert len(products) == 4 and all(p[1] == products[0][1] for p in products)
+        assert [p[3][0] - a.data_ptr() for p in products] == [i * 256 * 100 * 4 for i in range(4)]
+
+
+def test_stack_of_row_major_b_runs_swapped_on_hopper(launches):
+    """A float32 stack (4, 256, 128) @ (4, 128, 300), b row-major: on Hopper one gemm_wgmma
+    launch computes each (b_i^T a_i^T)^T, reading b's matrices as transposed A by TMA (one
+    map over the stack's 4 x 128 K rows) and storing each product transposed into the
+    (256, 300) outputs, with no copy; a b already K-major (a transposed view) runs
+    unswapped, also without a copy. Elsewhere b's transpose is copied first."""
     from cupykern import gemm
 
     log, _ = launches
     a, b = torch.randn(4, 256, 128), torch.randn(4, 128, 300)
     out = gemm.matmul_core(a, b, "highest")
-    copy, *products = log
-    assert copy[0] == "transpose_copy<float, 32, 256>" and copy[1] == (40, 4)
-    assert copy[3][0] == b.data_ptr() and copy[3][2:] == (300, 128, 1, 300, 128, 128 * 300, 300 * 128)
-    if _loader.device_cc(0) == 90:
-        (name, grid, _, args, _), = products
-        assert name.startswith("gemm_wgmma<float, 0,") and grid == (2 * 3, 4)
-        assert args[:3] == (a.data_ptr(), copy[3][1], out.data_ptr())
-        assert args[-3:] == (256 * 128, 128 * 300, 256 * 300)
-    else:
-        assert len(products) == 4 and all(p[1] == products[0][1] for p in products)
-        assert [p[3][0] - a.data_ptr() for p in products] == [i * 256 * 128 * 4 for i in range(4)]
+    if _loader.device_cc(0) != 90:
+        assert log[0][0].startswith("transpose_copy") and log[0][3][0] == b.data_ptr()
+        return
+    (name, grid, _, args, _), = log
+    assert name.startswith("gemm_wgmma<float, 0, true, false, true, 64,")  # TA by TMA, TC
+    assert grid == (3 * 2, 4)  # (300 / 128) x (256 / 128) tiles of the transposed product
+    assert args[:3] == (b.data_ptr(), a.data_ptr(), out.data_ptr())
+    assert args[3:6] == (300, 256, 128) and args[9] == 300  # M, N, K of b^T a^T; ldc
+    assert args[-5] == ("tensor map", b.data_ptr(), [300, 4 * 128], [300 * 4], [32, 32])
+    assert args[-4] == ("tensor map", a.data_ptr(), [128, 4 * 256], [128 * 4], [32, 64])
+    assert args[-3:] == (128 * 300, 256 * 128, 256 * 300)
+    log.clear()
+    bt = torch.randn(4, 300, 128).mT  # K-major already
+    out = gemm.matmul_core(a, bt, "highest")
+    (name, grid, _, args, _), = log
+    assert name.startswith("gemm_wgmma<float, 0, false, false, false,") and grid == (2 * 3, 4)
+    assert args[:3] == (a.data_ptr(), bt.data_ptr(), out.data_ptr())
 
 
 def _fake_hopper(monkeypatch, dtype):
@@ -354,6 +396,15 @@ def test_stack_is_one_launch_on_hopper(monkeypatch):
     assert gemm_kernels.batched_call(op(128, 1024), op(128, 1024), "highest", 2, 0, 0) is None  # split K
     assert gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024 + 4, 0) is None  # partial rows
     assert gemm_kernels.batched_call(op(512, 1022), op(2048, 1022), "highest", 128, 0, 0) is None  # mma.sync
+    bt = op(2048, 1024, ptr=0x20000, transposed=True)  # a row-major b as the swapped A
+    assert gemm_kernels.batched_call(bt, a, "highest", 128, 1024 * 2048, 512 * 1024) is None
+    (fn, grid, block, args, smem), = gemm_kernels.batched_call(
+        bt, a, "highest", 128, 1024 * 2048, 512 * 1024, transposed_c=True)(0x20000, 0x10000, 0x30000)
+    assert grid == (2048 // bm * 512 // bn, 128) and args[9] == 2048  # ldc: the stored (512, 2048)
+    assert args[-5] == ("tensor map", 0x20000, _tma.FLOAT32, [2048, 128 * 1024], [8192], [32, 32])
+    bt = op(2048, 1000, ptr=0x20000, transposed=True)  # K % 32: a slice would cross matrices
+    assert gemm_kernels.batched_call(bt, op(512, 1000), "highest", 128, 1000 * 2048, 0,
+                                     transposed_c=True) is None
 
 
 @pytest.mark.parametrize("g", ["transposed", "expanded"])

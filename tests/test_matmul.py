@@ -133,6 +133,37 @@ def test_batched_and_vectors(sa, sb, dtype, precision, bound, path):
     _check(cupykern.matmul(a, b, precision=precision), a, b, bound, sgemm)
 
 
+# Stacks whose b is row-major (as a batched b usually is): on Hopper (3x)TF32 one launch
+# of the swapped product reads b's matrices in place (transposed A by TMA) and stores each
+# product transposed; K not a multiple of 32, or b's rows off 16 bytes, copy b's
+# transpose instead. (a shape, b shape, b's row padding: a column slice at an offset)
+SWAPPED_STACKS = [((1, 130, 64), (1, 64, 200), 0),  # batch 1
+                  ((5, 130, 96), (1, 96, 264), 0),  # b broadcast (stride 0)
+                  ((1, 70, 32), (6, 32, 132), 0),  # a broadcast
+                  ((2, 3, 33, 4096), (2, 3, 4096, 36), 0),  # long K, a narrow N
+                  ((3, 257, 160), (3, 160, 4), 0),  # N = 4: one 16-byte row
+                  ((2, 1, 64), (2, 64, 1), 0),  # M = N = 1
+                  ((3, 130, 64), (3, 64, 260), 8),  # b a column slice (offset 16 bytes)
+                  ((3, 129, 100), (3, 100, 128), 0),  # K % 32: copied
+                  ((3, 64, 128), (3, 128, 301), 0)]  # b's rows off 16 bytes: copied
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, bound", [("highest", 1e-6), ("high", 4e-3)])
+@pytest.mark.parametrize("sa, sb, pad", SWAPPED_STACKS, ids=str)
+def test_stack_of_row_major_b(sa, sb, pad, precision, bound):
+    from cupykern import gemm_route
+    a, b = (t.cuda() for t in _pair(sa, sb, torch.float32))
+    if pad:  # b's matrices as a column slice of wider rows, 4 floats in
+        wide = torch.zeros(*sb[:-1], sb[-1] + pad, device="cuda")
+        wide[..., 4:4 + sb[-1]] = b
+        b = wide[..., 4:4 + sb[-1]]
+    sgemm = _sgemm(a, b) if precision == "highest" else None
+    with gemm_route.forced_route(gemm_route.OURS):
+        _check(cupykern.matmul(a, b, precision=precision), a, b, bound, sgemm)
+    _check(cupykern.matmul(a, b, precision=precision), a, b, bound, sgemm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(198, 3000, 256), (2, 5000, 3)], ids=str)
 def test_highest_same_sign(shape, path):
