@@ -21,6 +21,7 @@ _MAP_BYTES = 128
 # Sizes the kernels address with int32 coordinates (a box past them included); the
 # driver's stride bound (bytes).
 _MAX_DIM, _MAX_STRIDE = 2**31 - 256, 2**40
+_INVALID_CONTEXT = 201  # CUresult: no context is current in the calling thread
 _encode = None
 
 
@@ -89,7 +90,16 @@ class Rows2D:
         buf = ctypes.create_string_buffer(_MAP_BYTES + 64)
         at = cdiv(ctypes.addressof(buf), 64) * 64  # the map must be 64-byte aligned
         dtype, rank, dims, strides, box, elem = self._args
-        err = _encoder()(at, dtype, rank, ptr, dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_128B, 0)
+        args = (at, dtype, rank, ptr, dims, strides, box, elem, 0, _SWIZZLE_128B, _L2_128B, 0)
+        err = _encoder()(*args)
+        if err == _INVALID_CONTEXT:
+            # A thread that has made no CUDA runtime call has no current context: autograd's
+            # backward thread on device 0 (torch sets no device there when it is already
+            # the current one), where the first op of a backward is ours. cudaFree(0) makes
+            # the current device's primary context current, as the runtime's first call would.
+            from . import _loader
+            _loader.cupy().cuda.runtime.free(0)
+            err = _encoder()(*args)
         if err:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for rows "
                                f"{dims[1]}, cols {dims[0]}, stride {strides[0]} bytes, pointer {ptr:#x}")

@@ -193,3 +193,19 @@ def test_cupy_non_default_stream():
             assert not side.done, f"{name}: the call waited for the stream"
         side.synchronize()
         assert cupy.array_equal(got, want), f"{name}: did not run on CuPy's current stream"
+
+
+def test_first_tensor_map_in_a_thread_without_a_context():
+    """A thread that has made no CUDA runtime call has no current context: so is
+    autograd's backward thread on device 0 when our product is a backward's first op.
+    The first tensor map encoded there (TMA, Hopper) still encodes, as in the main thread."""
+    from cupykern import _tma
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor maps feed Hopper's TMA kernels only")
+    t = torch.empty(256, 96, device="cuda")
+    maps = _tma.Rows2D(256, 96, 96, 64, 32)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(maps._encode(t.data_ptr())))
+    thread.start()
+    thread.join()
+    assert got == [maps._encode(t.data_ptr())] and len(got[0]) == 128
