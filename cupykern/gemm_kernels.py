@@ -306,13 +306,15 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
 
 
 def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
-                 lda: int, ldb: int, stack=(0, 0, 0), k_rows: int = 0):
+                 lda: int, ldb: int, stack=(0, 0, 0, 1), k_rows: int = 0):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: its trailing arguments, the tensor maps of A (M
     x K) and B (N x K) in boxes of BOX rows of one K slice (a transposed A: its K x M
     storage in boxes of one K slice x 32 columns), or two unused ones without TMA, and
-    the ``stack`` strides (sa, sb, sc) of :func:`batched_call` (0: one product). M and N
+    the ``stack`` strides and count (sa, sb, sc, count) of :func:`batched_call` (one
+    product: 0, 0, 0, 1). M and N
     count every row the maps reach (a stack's: all its matrices'); a transposed A's
     stack reaches ``k_rows`` rows of its storage (default K)."""
+    stack = (*stack[:3], scalar(stack[3], "int"))
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE, *stack)
     dt = _MAP_DTYPE[dtype, mode]
@@ -388,7 +390,8 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int, transposed_
     """``call(a_ptr, b_ptr, c_ptr) -> launches``: a stack of ``count`` products ``a_i @
     b_i.T`` into C-contiguous (M, N) outputs one after another (``transposed_c``: their
     transposes, (N, M), with ``a`` read transposed by TMA: a matmul's row-major b as A),
-    on one launch of gemm_wgmma (grid y: the matrix). ``a`` and ``b``: 2-D Operands of
+    on one launch of gemm_wgmma (grid y: the matrix; ``transposed_c``: persistent CTAs
+    taking the stack's tiles matrix by matrix). ``a`` and ``b``: 2-D Operands of
     the first matrices; each next one starts ``sa`` / ``sb`` elements on (0: the same
     matrix throughout). None where the stack does not run so (:func:`_batched`). H200,
     float32 "highest", (128, 512, 1024) @ (128, 1024, 2048): one launch per matrix (64
@@ -400,10 +403,14 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int, transposed_
     cfg, (M, K), N = choice.cfg, a.shape, b.shape[0]
     mode = _tc_mode(a.dtype, precision, True)
     maps = _tensor_maps(choice.tma, transposed_c, a.dtype, mode, cfg, M if transposed_c else rows_a,
-                        rows_b, K, choice.lda, choice.ldb, (sa, sb, M * N),
+                        rows_b, K, choice.lda, choice.ldb, (sa, sb, M * N, count),
                         rows_a if transposed_c else 0)
     fn = _loader.function(_WGMMA_FILE, choice.expr, a.device, cfg["SMEM"])
-    launch = (fn, (tiles, count), (cfg["THREADS"],))  # (a TC kernel's tiles: one a CTA)
+    if transposed_c:  # persistent over the stack's tiles, matrix by matrix (whole clusters)
+        sms = _loader.sm_count(a.device) // choice.cluster * choice.cluster
+        launch = (fn, (min(tiles * count, sms), 1), (cfg["THREADS"],))
+    else:
+        launch = (fn, (tiles, count), (cfg["THREADS"],))
     ldc = M if transposed_c else N
     sizes = tuple(scalar(v, "int") for v in (M, N, K, K)) + (choice.lda, choice.ldb, ldc, 0, 0, 0, 0)
     return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)

@@ -431,7 +431,8 @@ __device__ __forceinline__ void wg_store_t(const float (&res)[BN / 2], T* __rest
 // dx = dy @ W runs without a copy of W's transpose (gemm.py computes its transpose,
 // W^T dy^T, with W^T as A, and with TC stores that product's transpose: c (N x M) gets
 // element (m, n) at c[n * ldc + m]; no epilogue; a split K's slabs are N x M too).
-// TC is persistent: CTA i takes tiles i, i + gridDim.x, ... (gemm.py launches one per SM),
+// TC is persistent: CTA i takes tiles i, i + gridDim.x, ... (gemm.py launches one per SM;
+// a stack's tiles run on, matrix by matrix: tile t is tile t % tiles of matrix t / tiles),
 // and its epilogue (wg_store_t) leaves the ring alone, so the producer loads the next
 // tile's slices meanwhile. dW = dz^T @ x (K = the batch, 1024; 256 MB of output) spent a
 // sixth of its time on per-tile epilogues and pipeline fills as one CTA per tile; this
@@ -451,7 +452,7 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
            int K, int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
            const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb, long long sa,
-           long long sb, long long sc) {
+           long long sb, long long sc, int count) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
   // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
   static_assert(CK_WGMMA || MODE < 0, "gemm_wgmma needs sm_90a (wgmma, setmaxnreg)");
@@ -488,20 +489,24 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const unsigned full0 = s0 + STAGES * C::STAGE, empty0 = full0 + STAGES * 8, loaded0 = empty0 + STAGES * 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  // A stack of products (gemm_kernels.batched_call): blockIdx.y is the matrix, whose A, B
-  // and C start sa, sb, sc elements after the previous one's (0: one matrix broadcast
-  // over the stack). TMA's maps span the whole stack: matrix y's rows start at map row
-  // y * sa / lda (whole rows: the host checks it). A tile's rows past M (N) read the next
-  // matrix's rows, or zeros past the map, and reach only the output rows (columns) past
-  // M (N), which the stores mask. A transposed A by TMA (A_MN) holds K in the map's rows:
-  // matrix y's start at row y * sa / lda, and its K is a multiple of KS (the host checks
-  // it), so that no slice reads the next matrix's rows. A stack takes no split K; a
-  // single product passes sa = sb = sc = 0.
-  const long long mat = blockIdx.y;
-  a += mat * sa;
-  b += mat * sb;
-  c += mat * sc;
-  const int ra = TMA ? (int)(mat * sa / lda) : 0, rb = TMA ? (int)(mat * sb / ldb) : 0;
+  // A stack of `count` products (gemm_kernels.batched_call): blockIdx.y is the matrix
+  // (TC: each tile's, see above), whose A, B and C start sa, sb, sc elements after the
+  // previous one's (0: one matrix broadcast over the stack). TMA's maps span the whole
+  // stack: matrix y's rows start at map row y * sa / lda (whole rows: the host checks it).
+  // A tile's rows past M (N) read the next matrix's rows, or zeros past the map, and
+  // reach only the output rows (columns) past M (N), which the stores mask. A transposed
+  // A by TMA (A_MN) holds K in the map's rows: matrix y's start at row y * sa / lda, and
+  // its K is a multiple of KS (the host checks it), so that no slice reads the next
+  // matrix's rows. A stack takes no split K; a single product passes sa = sb = sc = 0,
+  // count = 1.
+  const int tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);  // a matrix's
+  const auto matrix_of = [&](int tile) -> long long { return TC ? tile / tiles : blockIdx.y; };
+  if constexpr (!TC) {  // (TC: TMA rows and c per tile)
+    a += blockIdx.y * sa;
+    b += blockIdx.y * sb;
+    c += blockIdx.y * sc;
+  }
+  const auto map_row = [&](long long mat, long long s, long long ld) { return TMA ? (int)(mat * s / ld) : 0; };
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
   // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
   // chunk's slab of float sums in the workspace c. TC: slabs of the stored N x M.)
@@ -511,9 +516,9 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const int ktiles = (K + KS - 1) / KS;
   // this CTA's tiles: [blockIdx.x, end) in steps of gridDim.x (TC), else blockIdx.x alone;
   // a slice's stage and barrier phase follow the CTA's running count of slices
-  const int end = TC ? ((M + BM - 1) / BM) * ((N + BN - 1) / BN) : blockIdx.x + 1;
+  const int end = TC ? tiles * count : blockIdx.x + 1;
   const int total = (end - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;  // slices
-  const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN>(M, N, m0, n0, tile); };
+  const auto origin = [&](int tile, int& m0, int& n0) { grouped_tile<BM, BN>(M, N, m0, n0, tile % tiles); };
   if (tid == 0) {
     if constexpr (TMA) {
       tma_prefetch(ma);
@@ -552,8 +557,12 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
       if (tid == 0) {
         const unsigned landed0 = MODE == 0 ? loaded0 : full0;
         for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x)
-        for (int kt = 0, m0, n0; kt < ktiles; ++kt, ++it) {
-          if (kt == 0) origin(tile, m0, n0);
+        for (int kt = 0, m0, n0, ra, rb; kt < ktiles; ++kt, ++it) {
+          if (kt == 0) {
+            origin(tile, m0, n0);
+            ra = map_row(matrix_of(tile), sa, lda);
+            rb = map_row(matrix_of(tile), sb, ldb);
+          }
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) + 1) & 1);
           const unsigned st = s0 + s * C::STAGE, bar = landed0 + 8 * s;
@@ -695,7 +704,7 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
     if (MODE != 0 && !A_MN && ktiles > 0) release((it - 1) % STAGES);  // (the producers' exit waits for it)
     const auto store = [&](const float (&res)[R]) {
       if constexpr (TC) {
-        wg_store_t<T, BN>(res, c, M, N, ldc, m0, n0);
+        wg_store_t<T, BN>(res, c + matrix_of(tile) * sc, M, N, ldc, m0, n0);
       } else if constexpr (MODE == 3) {  // (gemm.py passes no epilogue or part to a split)
         if (gridDim.z > 1) wg_store<float, BM, BN>(res, smem, slab, M, N, ldc, m0, n0, nullptr, nullptr, nullptr, nullptr);
         else wg_store<T, BM, BN>(res, smem, c, M, N, ldc, m0, n0, bias, alpha, beta, part);

@@ -240,8 +240,8 @@ def test_dx_reads_w_in_place_on_hopper(launches):
         assert gemm[0].startswith("gemm_wgmma<float, 1, true, false, true, 64,")  # TA, TC
         assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the result
         assert gemm[3][3:6] == (4352, 130, 300) and gemm[3][9] == 4352  # M, N, K; ldc
-        assert gemm[3][-5] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
-        assert gemm[3][-3:] == (0, 0, 0)  # one product: no stack strides
+        assert gemm[3][-6] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
+        assert gemm[3][-4:] == (0, 0, 0, 1)  # one product: no stack strides, count 1
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
     cupykern.gemm_operands.mm(dy, w[:, :40], "high")  # 1 tile: K split
@@ -280,7 +280,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
                            f"{cfg['SMEM']}, 64>") and choice.cluster == 2
     assert choice.maps(0x10000, 0x20000) == (
         ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
-        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]), 0, 0, 0)
+        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]), 0, 0, 0, 1)
     kernel = gemm_kernels.gemm_kernel(a, b, "highest")
     assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
     assert gemm_kernels._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
@@ -324,7 +324,7 @@ def test_stack_copies_and_multiplies_in_one_launch_each(launches):
         (name, grid, _, args, _), = products
         assert name.startswith("gemm_wgmma<float, 0,") and grid == (2 * 3, 4)
         assert args[:3] == (a.data_ptr(), copy[3][1], out.data_ptr())
-        assert args[-3:] == (256 * 100, 100 * 300, 256 * 300)
+        assert args[-4:] == (256 * 100, 100 * 300, 256 * 300, 4)
     else:
         assert len(products) == 4 and all(p[1] == products[0][1] for p in products)
         assert [p[3][0] - a.data_ptr() for p in products] == [i * 256 * 100 * 4 for i in range(4)]
@@ -334,8 +334,9 @@ def test_stack_of_row_major_b_runs_swapped_on_hopper(launches):
     """A float32 stack (4, 256, 128) @ (4, 128, 300), b row-major: on Hopper one gemm_wgmma
     launch computes each (b_i^T a_i^T)^T, reading b's matrices as transposed A by TMA (one
     map over the stack's 4 x 128 K rows) and storing each product transposed into the
-    (256, 300) outputs, with no copy; a b already K-major (a transposed view) runs
-    unswapped, also without a copy. Elsewhere b's transpose is copied first."""
+    (256, 300) outputs, with no copy, its CTAs persistent over the stack's 4 x 6 tiles; a
+    b already K-major (a transposed view) runs unswapped, also without a copy. Elsewhere
+    b's transpose is copied first."""
     from cupykern import gemm
 
     log, _ = launches
@@ -346,12 +347,12 @@ def test_stack_of_row_major_b_runs_swapped_on_hopper(launches):
         return
     (name, grid, _, args, _), = log
     assert name.startswith("gemm_wgmma<float, 0, true, false, true, 64,")  # TA by TMA, TC
-    assert grid == (3 * 2, 4)  # (300 / 128) x (256 / 128) tiles of the transposed product
+    assert grid == (4 * 3 * 2, 1)  # 4 x (300 / 128) x (256 / 128) tiles, persistent CTAs
     assert args[:3] == (b.data_ptr(), a.data_ptr(), out.data_ptr())
     assert args[3:6] == (300, 256, 128) and args[9] == 300  # M, N, K of b^T a^T; ldc
-    assert args[-5] == ("tensor map", b.data_ptr(), [300, 4 * 128], [300 * 4], [32, 32])
-    assert args[-4] == ("tensor map", a.data_ptr(), [128, 4 * 256], [128 * 4], [32, 64])
-    assert args[-3:] == (128 * 300, 256 * 128, 256 * 300)
+    assert args[-6] == ("tensor map", b.data_ptr(), [300, 4 * 128], [300 * 4], [32, 32])
+    assert args[-5] == ("tensor map", a.data_ptr(), [128, 4 * 256], [128 * 4], [32, 64])
+    assert args[-4:] == (128 * 300, 256 * 128, 256 * 300, 4)
     log.clear()
     bt = torch.randn(4, 300, 128).mT  # K-major already
     out = gemm.matmul_core(a, bt, "highest")
@@ -390,9 +391,9 @@ def test_stack_is_one_launch_on_hopper(monkeypatch):
     call = gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024, 0)
     (fn, grid, block, args, smem), = call(0x10000, 0x20000, 0x30000)
     assert grid == (512 // bm * 2048 // bn, 128) and block == (384,)
-    assert args[:3] == (0x10000, 0x20000, 0x30000) and args[-3:] == (512 * 1024, 0, 512 * 2048)
-    assert args[-5] == ("tensor map", 0x10000, _tma.FLOAT32, [1024, 128 * 512], [4096], [32, 64])
-    assert args[-4] == ("tensor map", 0x20000, _tma.FLOAT32, [1024, 2048], [4096], [32, 64])
+    assert args[:3] == (0x10000, 0x20000, 0x30000) and args[-4:] == (512 * 1024, 0, 512 * 2048, 128)
+    assert args[-6] == ("tensor map", 0x10000, _tma.FLOAT32, [1024, 128 * 512], [4096], [32, 64])
+    assert args[-5] == ("tensor map", 0x20000, _tma.FLOAT32, [1024, 2048], [4096], [32, 64])
     assert gemm_kernels.batched_call(op(128, 1024), op(128, 1024), "highest", 2, 0, 0) is None  # split K
     assert gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024 + 4, 0) is None  # partial rows
     assert gemm_kernels.batched_call(op(512, 1022), op(2048, 1022), "highest", 128, 0, 0) is None  # mma.sync
@@ -400,8 +401,8 @@ def test_stack_is_one_launch_on_hopper(monkeypatch):
     assert gemm_kernels.batched_call(bt, a, "highest", 128, 1024 * 2048, 512 * 1024) is None
     (fn, grid, block, args, smem), = gemm_kernels.batched_call(
         bt, a, "highest", 128, 1024 * 2048, 512 * 1024, transposed_c=True)(0x20000, 0x10000, 0x30000)
-    assert grid == (2048 // bm * 512 // bn, 128) and args[9] == 2048  # ldc: the stored (512, 2048)
-    assert args[-5] == ("tensor map", 0x20000, _tma.FLOAT32, [2048, 128 * 1024], [8192], [32, 32])
+    assert grid == (132, 1) and args[9] == 2048  # persistent; ldc: the stored (512, 2048)
+    assert args[-6] == ("tensor map", 0x20000, _tma.FLOAT32, [2048, 128 * 1024], [8192], [32, 32])
     bt = op(2048, 1000, ptr=0x20000, transposed=True)  # K % 32: a slice would cross matrices
     assert gemm_kernels.batched_call(bt, op(512, 1000), "highest", 128, 1000 * 2048, 0,
                                      transposed_c=True) is None
