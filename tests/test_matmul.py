@@ -401,23 +401,28 @@ def _stack_case(kind):
 def test_stack_on_one_launch(kind, precision, monkeypatch):
     """A stack of products on ours: on Hopper, one launch with the matrix in the grid
     where each operand's matrices lie one stride apart (broadcast: 0), else a launch per
-    matrix; against float64 either way (each result row and column of every matrix)."""
+    matrix; against float64 either way (each result row and column of every matrix).
+    A row-major b whose rows start and step on 16 bytes, with K a multiple of 32, runs
+    swapped (b read in place, each product stored transposed)."""
     from cupykern import gemm, gemm_kernels, gemm_route
 
     a, b, one = _stack_case(kind)
+    swapped = kind in ("batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)", "two batch dims")
     if kind.startswith("N 1"):
         for n in (1, 3, 5):
             with gemm_route.forced_route(gemm_route.OURS):
                 _check(cupykern.matmul(a, b[..., :n], precision=precision), a, b[..., :n],
                        1e-6 if precision == "highest" else 4e-3)
-    stacks = []
+    stacks = []  # (plan, transposed_c) of each batched_call
     real = gemm_kernels.batched_call
-    monkeypatch.setattr(gemm, "batched_call", lambda *args: stacks.append(real(*args)) or stacks[-1])
+    monkeypatch.setattr(gemm, "batched_call", lambda *args, transposed_c=False: stacks.append(
+        (real(*args, transposed_c=transposed_c), transposed_c)) or stacks[-1][0])
     with gemm_route.forced_route(gemm_route.OURS):
         got = cupykern.matmul(a, b, precision=precision)
     _check(got, a, b, 1e-6 if precision == "highest" else 4e-3)
     if torch.cuda.get_device_capability() == (9, 0):
-        assert any(s is not None for s in stacks) == one, kind
+        assert any(s is not None for s, _ in stacks) == one, kind
+        assert any(s is not None and t for s, t in stacks) == swapped, kind
 
 
 @pytest.mark.gpu
