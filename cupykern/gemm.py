@@ -387,8 +387,8 @@ def _matmul_gpu(ao, bo, prec, shape):
 
 def _stack_on_ours(ao, a, b, prec):
     """A stack of products (batch dims broadcast) on our 2-D GEMM (float32 "highest"
-    3xTF32, CuPy bfloat16): on Hopper, a row-major b read in place by the swapped product
-    (:func:`_stack_swapped`); otherwise each operand is first made K-major in one copy
+    3xTF32, CuPy bfloat16): on Hopper, one launch reading both operands in place where
+    :func:`_stack_call` plans it; otherwise each operand is first made K-major in one copy
     where it is not (b: its transpose), so that every matrix reads alike; then one launch
     with the matrix in the grid (Hopper's wgmma,
     :func:`~cupykern.gemm_kernels.batched_call`, where each operand's matrices lie one
@@ -396,9 +396,12 @@ def _stack_on_ours(ao, a, b, prec):
     matrix with its offsets, in one batch."""
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     M, N = a.shape[-2], b.shape[-1]
-    swapped = _stack_swapped(ao, a, b, prec, batch)
-    if swapped is not None:
-        return swapped
+    call = _stack_call(ao, a, b, prec, batch)
+    if call is not None:
+        place = Place(ao)
+        c = empty(ao, batch + (M, N))
+        launch_all(place, call(place.ptr(a), place.ptr(b), place.ptr(c)))
+        return c
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
     at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
     isz = ITEMSIZE[ao.dtype]
@@ -429,31 +432,53 @@ def _stack_on_ours(ao, a, b, prec):
     return c
 
 
-def _stack_swapped(ao, a, b, prec, batch):
-    """The stack ``a @ b`` as ``(b^T a^T)^T`` on one launch (Hopper TF32 / 3xTF32,
-    :func:`~cupykern.gemm_kernels.batched_call` with ``transposed_c``): gemm_wgmma reads
-    each row-major matrix of ``b`` as a transposed A by TMA and stores each product
-    transposed, so b's transpose is never copied (1 GB each way at (128, 512, 1024) @
-    (128, 1024, 2048)). None where it does not run so: b's matrices not row-major, a's
-    not read in place, an operand without one stride from a matrix to the next, or the
-    kernel declines (another arch or dtype, split K, K not a multiple of its K slice)."""
+def _stack_call(ao, a, b, prec, batch):
+    """``call(a_ptr, b_ptr, c_ptr) -> launches`` of the stack ``a @ b`` (its first
+    elements; c C-contiguous) on one launch of Hopper's gemm_wgmma that reads both operands
+    in place (:func:`~cupykern.gemm_kernels.batched_call`): b's matrices K-major already (a
+    transposed view), or row-major (as a batched b usually is) and computed as ``(b^T
+    a^T)^T``, each read as a transposed A by TMA and each product stored transposed (TF32 /
+    3xTF32), so that b's transpose is never copied (1 GB each way at (128, 512, 1024) @
+    (128, 1024, 2048)). None where an operand needs a copy, has no one stride from a
+    matrix to the next, or the kernel declines (another arch or dtype, split K, K not a
+    multiple of its K slice when swapped)."""
     if _loader.device_cc(ao.device) != 90:
         return None
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    bt = operand(_broadcast_to(_swap_last(b), batch + (N, K)), "b")
     at = operand(_broadcast_to(a, batch + (M, K)), "a")
-    b0, a0 = (_matrix(o, o.shape[-2:], o.strides[-2:]) for o in (bt, at))
-    if not (_in_place(at) and (layout(b0) or (False,))[0]):
+    bt = operand(_broadcast_to(_swap_last(b), batch + (N, K)), "b")
+    a0, b0 = (_matrix(o, o.shape[-2:], o.strides[-2:]) for o in (at, bt))
+    lay = layout(b0)
+    if lay is None or not _in_place(at) or not (lay[0] or _in_place(bt)):
         return None
-    strides = (bt.strides[:-2], at.strides[:-2])
-    steps = _stack_steps(batch, strides, ITEMSIZE[ao.dtype])
-    stack = steps and batched_call(b0, a0, prec, math.prod(batch), *steps, transposed_c=True)
-    if not stack:
+    steps = _stack_steps(batch, (at.strides[:-2], bt.strides[:-2]), ITEMSIZE[ao.dtype])
+    if not steps:
         return None
-    place = Place(ao)
-    c = empty(ao, batch + (M, N))
-    launch_all(place, stack(b0.ptr, a0.ptr, place.ptr(c)))
-    return c
+    count = math.prod(batch)
+    if not lay[0]:
+        return batched_call(a0, b0, prec, count, *steps)
+    stack = batched_call(b0, a0, prec, count, steps[1], steps[0], transposed_c=True)
+    return stack and (lambda ap, bp, cp: stack(bp, ap, cp))
+
+
+def _stack_plan(ao, bo, prec, shape):
+    """``run(a, b) -> a @ b`` for calls like this stack where :func:`_stack_call` runs it
+    (planned once: a new output and one launch a call), else None. Unplanned, a small
+    stack's call took ~144 us of Python (CPU, (96, 512, 64) @ (96, 64, 512)), more than
+    SGEMM's whole call on an H200 (102 us)."""
+    a, b = _as_matrices(ao, bo)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    call = _stack_call(ao, a, b, prec, batch)
+    if call is None:
+        return None
+    place, out = Place(ao), batch + (a.shape[-2], b.shape[-1])
+    ptr = place.ptr  # (a and b start where their matrix views do)
+
+    def run(a, b, *_):
+        c = empty(place, out)
+        launch_all(place, call(ptr(a), ptr(b), ptr(c)))
+        return c.reshape(shape)
+    return run
 
 
 def _swap_last(t):
@@ -502,10 +527,11 @@ def _broadcast_to(t, shape):
 
 def _matmul_fresh(checked, a, b, precision, out, grad=False):
     """``run(a, b) -> a @ b`` for calls like this one (``checked``: their validation),
-    planned once: the vendor's call, or our planned 2-D GEMM
-    (:func:`~cupykern.gemm_operands.mm_plan`, a folded stack's too); None where the call
-    needs the general path (CPU, empty, a stack on ours, an operand copied otherwise).
-    With ``grad``, as :func:`_fresh`'s."""
+    planned once: the vendor's call, our planned 2-D GEMM
+    (:func:`~cupykern.gemm_operands.mm_plan`, a folded stack's too), or a stack's one
+    launch in place (:func:`_stack_plan`); None where the call needs the general path
+    (CPU, empty, a stack whose operands are copied, an operand copied otherwise). With
+    ``grad``, as :func:`_fresh`'s."""
     ao, bo, prec, shape, _ = checked
     if ao.kind == "cpu" or 0 in shape or ao.shape[-1] == 0:
         return None
@@ -513,7 +539,11 @@ def _matmul_fresh(checked, a, b, precision, out, grad=False):
         K = ao.shape[-1]
         N = bo.shape[-1] if bo.ndim > 1 else 1
         return vendor_matmul(ao.kind, prec, (ao.size // K, N, K, ao.dtype, bo.ndim > 1))
-    if grad or bo.ndim != 2:
+    if grad:
+        return None
+    if bo.ndim > 2 or (bo.ndim == 2 and ao.ndim > 2 and _folded(ao, bo) is None):
+        return _stack_plan(ao, bo, prec, shape)
+    if bo.ndim != 2:
         return None
     if ao.ndim == 2:
         return on_arrays(mm_plan(ao, bo, prec))

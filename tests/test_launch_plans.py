@@ -146,6 +146,12 @@ def _calls():
     # a broadcast stack: b's transpose copied once, one launch per matrix at its offsets
     yield ("matmul stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
            lambda: [r(3, 1, 5, 24), r(2, 24, 8)], 1)
+    # stacks read in place (Hopper: one launch, planned): b row-major (the swapped
+    # product) and b K-major (a transposed view)
+    yield ("matmul stack, b row-major", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
+           lambda: [r(3, 70, 64), r(3, 64, 140)], 1)
+    yield ("matmul stack, b K-major", lambda a: cupykern.gemm.matmul_core(*a, "high"),
+           lambda: [r(3, 70, 64), r(3, 140, 64).mT], 1)
     yield ("matmul folded stack", lambda a: cupykern.gemm.matmul_core(*a, "highest"),
            lambda: [r(3, 5, 24), r(24, 8)], 1)
     yield ("mm transposed a", lambda a: cupykern.gemm_operands.mm(*a, "highest"),
