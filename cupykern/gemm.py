@@ -39,7 +39,8 @@ from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_
                      empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
-from .gemm_kernels import batched_call, gemm, gemm_call, gemm_kernel, layout, one_launch, workspace
+from .gemm_kernels import (Stack, batched_call, gemm, gemm_call, gemm_kernel, layout, one_launch,
+                           workspace)
 from .gemm_operands import (copy_plan, fresh_like, matrix, mm, mm_plan, on_arrays, padded_ld,
                              planned_gemm)
 from .gemm_route import OURS, VENDOR, register_plans, route_of
@@ -298,7 +299,11 @@ def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b, prec))
+    parts = None if a.ndim == b.ndim == 2 else _in_place_stack(
+        ao, a, b, prec, np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    planned = parts is not None and one_launch(parts[0], parts[1], prec, *parts[2:])
+    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b, prec),
+                    planned_stack=planned)
 
 
 def _one_launch(ao, a, b, prec) -> int:
@@ -312,8 +317,7 @@ def _one_launch(ao, a, b, prec) -> int:
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (a0, sa), (b0, sb) = (_as_read(t, batch) for t in (a, _swap_last(b)))
     steps = _stack_steps(batch, (sa, sb), ITEMSIZE[a0.dtype])
-    count = math.prod(batch)
-    return count if steps and one_launch(a0, b0, prec, count, *steps) else 1
+    return steps.count if steps and one_launch(a0, b0, prec, steps) else 1
 
 
 def _as_read(t, batch):
@@ -342,14 +346,21 @@ def _matrix(o, shape, strides, ptr=None):
 
 
 def _stack_steps(batch, strides, isz):
-    """Each operand's one element stride from a matrix to the next (:func:`_stack_stride`;
-    ``strides``: the operands' strides over ``batch``), or None where some has none or a
-    matrix starts off its first one's 16-byte alignment (:func:`_misaligned`): what one
-    launch of the stack (:func:`~cupykern.gemm_kernels.batched_call`) needs first."""
+    """The :class:`~cupykern.gemm_kernels.Stack` of a stack's one launch
+    (:func:`~cupykern.gemm_kernels.batched_call`; ``strides``: the operands' element
+    strides over ``batch``): each operand's stride from a matrix to the next
+    (:func:`_stack_stride`) over one level of batch dims, else over two (the first dims
+    an outer level, the rest an inner one: attention's (batch, head) views), or None
+    where neither walks every operand or a matrix starts off its first one's 16-byte
+    alignment (:func:`_misaligned`)."""
     if _misaligned(batch, strides, isz):
         return None
-    steps = [_stack_stride(batch, s) for s in strides]
-    return None if None in steps else steps
+    for cut in range(len(batch)):  # batch[:cut] the outer level, batch[cut:] the inner
+        steps = [(_stack_stride(batch[cut:], s[cut:]), _stack_stride(batch[:cut], s[:cut]))
+                 for s in strides]
+        if None not in (step for pair in steps for step in pair):
+            return Stack(math.prod(batch), math.prod(batch[cut:]), *steps)
+    return None
 
 
 def _misaligned(batch, strides, isz) -> bool:
@@ -414,7 +425,7 @@ def _stack_on_ours(ao, a, b, prec):
         return c
     place = Place(ao)
     steps = _stack_steps(batch, strides, isz)
-    stack = steps and batched_call(a0, b0, prec, math.prod(batch), *steps)
+    stack = steps and batched_call(a0, b0, prec, steps)
     if stack:
         launch_all(place, stack(a0.ptr, b0.ptr, place.ptr(c)))
         return c
@@ -435,13 +446,25 @@ def _stack_on_ours(ao, a, b, prec):
 def _stack_call(ao, a, b, prec, batch):
     """``call(a_ptr, b_ptr, c_ptr) -> launches`` of the stack ``a @ b`` (its first
     elements; c C-contiguous) on one launch of Hopper's gemm_wgmma that reads both operands
-    in place (:func:`~cupykern.gemm_kernels.batched_call`): b's matrices K-major already (a
+    in place (:func:`_in_place_stack`), or None."""
+    parts = _in_place_stack(ao, a, b, prec, batch)
+    if parts is None:
+        return None
+    first, second, steps, swapped = parts
+    stack = batched_call(first, second, prec, steps, transposed_c=swapped)
+    return stack if stack is None or not swapped else (lambda ap, bp, cp: stack(bp, ap, cp))
+
+
+def _in_place_stack(ao, a, b, prec, batch):
+    """``(first, second, steps, swapped)``: :func:`~cupykern.gemm_kernels.batched_call`'s
+    operands for the stack ``a @ b`` read in place: b's matrices K-major already (a
     transposed view), or row-major (as a batched b usually is) and computed as ``(b^T
-    a^T)^T``, each read as a transposed A by TMA and each product stored transposed (TF32 /
-    3xTF32), so that b's transpose is never copied (1 GB each way at (128, 512, 1024) @
-    (128, 1024, 2048)). None where an operand needs a copy, has no one stride from a
-    matrix to the next, or the kernel declines (another arch or dtype, split K, K not a
-    multiple of its K slice when swapped)."""
+    a^T)^T`` (``swapped``), each read as a transposed A by TMA and each product stored
+    transposed (TF32 / 3xTF32), so that b's transpose is never copied (1 GB each way at
+    (128, 512, 1024) @ (128, 1024, 2048)). None where an operand needs a copy or the
+    matrices have no strides of one launch (:func:`_stack_steps`); the kernel may still
+    decline (another arch or dtype, split K, K not a multiple of its K slice when
+    swapped: :func:`~cupykern.gemm_kernels.one_launch`)."""
     if _loader.device_cc(ao.device) != 90:
         return None
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -454,11 +477,7 @@ def _stack_call(ao, a, b, prec, batch):
     steps = _stack_steps(batch, (at.strides[:-2], bt.strides[:-2]), ITEMSIZE[ao.dtype])
     if not steps:
         return None
-    count = math.prod(batch)
-    if not lay[0]:
-        return batched_call(a0, b0, prec, count, *steps)
-    stack = batched_call(b0, a0, prec, count, steps[1], steps[0], transposed_c=True)
-    return stack and (lambda ap, bp, cp: stack(bp, ap, cp))
+    return (b0, a0, steps.swapped(), True) if lay[0] else (a0, b0, steps, False)
 
 
 def _stack_plan(ao, bo, prec, shape):

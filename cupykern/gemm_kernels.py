@@ -305,24 +305,50 @@ def gemm_kernel(a, b, precision: str, transposed_c: bool = False) -> Gemm:
                   cfg)._replace(maps=maps, a_mn=a_mn, transposed_c=transposed_c)
 
 
+class Stack(NamedTuple):
+    """A stack of ``count`` products on one launch (:func:`batched_call`): matrix i of an
+    operand starts ``i // inner * outer + i % inner * step`` elements after its first,
+    ``a`` and ``b`` each a ``(step, outer)`` pair. One level of batch strides has ``inner
+    == count``; two are attention's (batch, head) views of one projection's output, whose
+    heads step along a row and whose batches step over rows."""
+    count: int
+    inner: int
+    a: tuple
+    b: tuple
+
+    def swapped(self) -> "Stack":
+        return self._replace(a=self.b, b=self.a)
+
+
+def _stack_args(stack, sc: int) -> tuple:
+    """gemm_wgmma's last arguments for ``stack`` (outputs ``sc`` elements apart): sa, sb,
+    sc, count, sa_o, sb_o, inner."""
+    (sa, sa_o), (sb, sb_o) = stack.a, stack.b
+    count, inner = (scalar(v, "int") for v in (stack.count, stack.inner))
+    return sa, sb, sc, count, sa_o, sb_o, inner
+
+
+_ONE_PRODUCT = _stack_args(Stack(1, 1, (0, 0), (0, 0)), 0)
+
+
 def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int, K: int,
-                 lda: int, ldb: int, stack=(0, 0, 0, 1), k_rows: int = 0):
+                 lda: int, ldb: int, stack=None, k_rows: int = 0, extra=(0, 0)):
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: its trailing arguments, the tensor maps of A (M
     x K) and B (N x K) in boxes of BOX rows of one K slice (a transposed A: its K x M
-    storage in boxes of one K slice x 32 columns), or two unused ones without TMA, and
-    the ``stack`` strides and count (sa, sb, sc, count) of :func:`batched_call` (one
-    product: 0, 0, 0, 1). M and N
-    count every row the maps reach (a stack's: all its matrices'); a transposed A's
-    stack reaches ``k_rows`` rows of its storage (default K)."""
-    stack = (*stack[:3], scalar(stack[3], "int"))
+    storage in boxes of one K slice x 32 columns), or two unused ones without TMA, then
+    ``stack``, :func:`_stack_args` (None: one product's). M and N count every
+    row the maps reach (a stack's: all its matrices'); a transposed A's stack reaches
+    ``k_rows`` rows of its storage (default K); ``extra``: columns A's and B's maps reach
+    past the first matrix's (a stack whose matrices start past column 0)."""
+    stack = stack or _ONE_PRODUCT
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE, *stack)
     dt = _MAP_DTYPE[dtype, mode]
     k = cfg["KS"]  # the kernel's K slice: one 128-byte swizzled row
     # (a transposed A's boxes are k x k: its M rows are 128-byte swizzled rows too)
-    ma = _tma.row_maps(k_rows or K, M, lda, k, k, dt) if ta else \
-        _tma.row_maps(M, K, lda, cfg["BOX"], k, dt)
-    mb = _tma.row_maps(N, K, ldb, cfg["BOX"], k, dt)
+    ma = _tma.row_maps(k_rows or K, M + extra[0], lda, k, k, dt) if ta else \
+        _tma.row_maps(M, K + extra[0], lda, cfg["BOX"], k, dt)
+    mb = _tma.row_maps(N, K + extra[1], ldb, cfg["BOX"], k, dt)
     return lambda ap, bp: (ma(ap), mb(bp), *stack)
 
 
@@ -386,26 +412,26 @@ def gemm_call(kernel: Gemm, a, b, ldc: int):
         (*reduce_, (ws, s_, m_, n_, cp, ldc, bias, alpha, beta, part), 0))
 
 
-def batched_call(a, b, precision: str, count: int, sa: int, sb: int, transposed_c: bool = False):
-    """``call(a_ptr, b_ptr, c_ptr) -> launches``: a stack of ``count`` products ``a_i @
-    b_i.T`` into C-contiguous (M, N) outputs one after another (``transposed_c``: their
+def batched_call(a, b, precision: str, stack: Stack, transposed_c: bool = False):
+    """``call(a_ptr, b_ptr, c_ptr) -> launches``: the ``stack`` of products ``a_i @ b_i.T``
+    into C-contiguous (M, N) outputs one after another (``transposed_c``: their
     transposes, (N, M), with ``a`` read transposed by TMA: a matmul's row-major b as A),
     on one launch of gemm_wgmma (grid y: the matrix; ``transposed_c``: persistent CTAs
-    taking the stack's tiles matrix by matrix). ``a`` and ``b``: 2-D Operands of
-    the first matrices; each next one starts ``sa`` / ``sb`` elements on (0: the same
-    matrix throughout). None where the stack does not run so (:func:`_batched`). H200,
+    taking the stack's tiles matrix by matrix). ``a`` and ``b``: 2-D Operands of the
+    first matrices. None where the stack does not run so (:func:`_batched`). H200,
     float32 "highest", (128, 512, 1024) @ (128, 1024, 2048): one launch per matrix (64
     tiles each on 132 SMs) ran at 0.77x eager's batched SGEMM."""
-    plan = _batched(a, b, precision, count, sa, sb, transposed_c)
+    plan = _batched(a, b, precision, stack, transposed_c)
     if plan is None:
         return None
-    choice, tiles, rows_a, rows_b = plan
+    choice, tiles, rows_a, rows_b, extra = plan
     cfg, (M, K), N = choice.cfg, a.shape, b.shape[0]
     mode = _tc_mode(a.dtype, precision, True)
     maps = _tensor_maps(choice.tma, transposed_c, a.dtype, mode, cfg, M if transposed_c else rows_a,
-                        rows_b, K, choice.lda, choice.ldb, (sa, sb, M * N, count),
-                        rows_a if transposed_c else 0)
+                        rows_b, K, choice.lda, choice.ldb, _stack_args(stack, M * N),
+                        rows_a if transposed_c else 0, extra)
     fn = _loader.function(_WGMMA_FILE, choice.expr, a.device, cfg["SMEM"])
+    count = stack.count
     if transposed_c:  # persistent over the stack's tiles, matrix by matrix (whole clusters)
         sms = _loader.sm_count(a.device) // choice.cluster * choice.cluster
         launch = (fn, (min(tiles * count, sms), 1), (cfg["THREADS"],))
@@ -416,38 +442,53 @@ def batched_call(a, b, precision: str, count: int, sa: int, sb: int, transposed_
     return lambda ap, bp, cp: ((*launch, (ap, bp, cp) + sizes + maps(ap, bp), cfg["SMEM"]),)
 
 
-def _batched(a, b, precision: str, count: int, sa: int, sb: int, transposed_c: bool = False):
-    """``(choice, tiles, rows_a, rows_b)`` of :func:`batched_call`'s launch (tiles per
-    matrix; rows of the stack's TMA maps: a transposed A's K rows), or None where the
-    stack does not run on one: another kernel than wgmma, a split K (few tiles in all),
-    a transposed A by TMA unless ``transposed_c`` (and then only with that, and K a
-    multiple of the K slice: a slice past K would read the next matrix's rows), more
-    matrices than a grid's y, or, by TMA, strides of partial rows or a stack past a
-    map's int32 rows. Loads nothing (the route asks it)."""
+def _batched(a, b, precision: str, stack: Stack, transposed_c: bool = False):
+    """``(choice, tiles, rows_a, rows_b, extra)`` of :func:`batched_call`'s launch (tiles
+    per matrix; rows of the stack's TMA maps, a transposed A's K rows; columns past the
+    first matrix's, :func:`_reach`), or None where the stack does not run on one: another
+    kernel than wgmma, a split K (few tiles in all), a transposed A by TMA unless
+    ``transposed_c`` (and then only with that), more matrices than a grid's y, or, by
+    TMA, a stack past a map's int32 rows or matrices that start past column 0 of a row
+    but not within it, or do with K not a multiple of the K slice (a slice past K would
+    read the next matrix's; so too a transposed A's K rows). Loads nothing (the route
+    asks it)."""
     choice = _choose(a, b, precision, transposed_c)
-    cfg = choice.cfg
+    cfg, count = choice.cfg, stack.count
     if cfg not in _WGMMA.values() or choice.a_mn != transposed_c or not 0 < count <= MAX_GRID_Y:
         return None
     (M, K), N = a.shape, b.shape[0]
     tiles = _tiles(M, N, cfg)
     if _splits(a, tiles * count, cfg) > 1 or (transposed_c and K % cfg["KS"]):
         return None
-    rows_a, rows_b = M, N
+    rows_a, rows_b, extra = M, N, (0, 0)
     if choice.tma:
         lda, ldb, isz = choice.lda, choice.ldb, ITEMSIZE[a.dtype]
-        if sa % lda or sb % ldb:
+        (ra, ca), (rb, cb) = (_reach(stack, s, ld) for s, ld in ((stack.a, lda), (stack.b, ldb)))
+        if ra is None or rb is None or ((ca or cb) and K % cfg["KS"]):
             return None
-        rows_a = (K if transposed_c else M) + (count - 1) * (sa // lda)
-        rows_b = N + (count - 1) * (sb // ldb)
-        if not (_tma.fits(rows_a, M if transposed_c else K, lda, isz)
-                and _tma.fits(rows_b, K, ldb, isz)):
+        rows_a = (K if transposed_c else M) + ra
+        rows_b, extra = N + rb, (ca, cb)
+        if not (_tma.fits(rows_a, (M if transposed_c else K) + ca, lda, isz)
+                and _tma.fits(rows_b, K + cb, ldb, isz)):
             return None
-    return choice, tiles, rows_a, rows_b
+    return choice, tiles, rows_a, rows_b, extra
 
 
-def one_launch(a, b, precision: str, count: int, sa: int, sb: int) -> bool:
+def _reach(stack: Stack, steps, ld: int):
+    """``(row, column)``: the furthest map row and column at which a matrix of ``stack``
+    starts in an operand of row stride ``ld`` stepping by ``steps`` (the kernel's off /
+    ld, off % ld); (None, None) for a negative offset."""
+    step, outer = steps
+    offs = (np.arange(stack.count // stack.inner, dtype=np.int64)[:, None] * outer
+            + np.arange(stack.inner, dtype=np.int64) * step)
+    if offs.min() < 0:
+        return None, None
+    return int((offs // ld).max()), int((offs % ld).max())
+
+
+def one_launch(a, b, precision: str, stack: Stack, transposed_c: bool = False) -> bool:
     """Whether :func:`batched_call` runs the stack on one launch (without loading it)."""
-    return _batched(a, b, precision, count, sa, sb) is not None
+    return _batched(a, b, precision, stack, transposed_c) is not None
 
 
 def workspace(place, kernel: Gemm):

@@ -145,6 +145,7 @@ _VENDOR_DTYPES = {"torch": ("float16", "bfloat16", "float32", "float64"),
 _ROUTE = {"HIGHEST_MIN_M": 64, "HIGHEST_MIN_N": 128, "HIGHEST_MIN_K": 128,
           "HIGHEST_SMALL_K_MIN_MN": 2 ** 26,
           "HIGHEST_MIN_WORK": 2 ** 30, "HIGHEST_MIN_WORK_CUPY": 2 ** 28,
+          "STACK_MIN_WORK": 2 ** 29, "STACK_GRAD_MIN_WORK": 3 * 2 ** 31,
           "MISALIGNED_MIN_WORK": 2 ** 30, "HALF_MISALIGNED_MIN_K": 512,
           "MISALIGNED_GRAD_MIN_WORK": 2 ** 33, "HIGHEST_GRAD_MIN_WORK": 3 * 2 ** 31,
           "TF32_MISALIGNED_MIN_N": 1000,
@@ -161,7 +162,9 @@ class GemmProblem(NamedTuple):
     wgmma: :func:`route_of`), ``grad`` (a torch call that autograd records, in plain
     eager mode: the vendor's is then torch's own op and backward) and ``count`` (the
     products of a stack that ours runs on one launch: the bounds on work, which are the
-    host's, count them all; those on M, N and K, the tiles', one product).
+    host's, count them all; those on M, N and K, the tiles', one product) and
+    ``planned_stack`` (that stack reads both operands in place: planned once per call
+    signature, a new output and one launch a call, gemm._stack_plan).
     """
     M: int
     N: int
@@ -173,6 +176,7 @@ class GemmProblem(NamedTuple):
     aligned: bool = True
     grad: bool = False
     count: int = 1
+    planned_stack: bool = False
 
 
 def route(p: GemmProblem) -> str:
@@ -182,7 +186,7 @@ def route(p: GemmProblem) -> str:
     N."""
     if _FORCED[0] is not None:
         return _FORCED[0]
-    M, N, K, dtype, precision, kind, cc, aligned, grad, count = p
+    M, N, K, dtype, precision, kind, cc, aligned, grad, count, planned_stack = p
     if dtype not in _VENDOR_DTYPES.get(kind, ()):
         return OURS  # (CuPy bfloat16)
     # Below sm_80 ours runs on CUDA cores only, as cuBLAS's SGEMM/DGEMM do, while cuBLAS
@@ -295,6 +299,19 @@ def route(p: GemmProblem) -> str:
         # ms at 2**33 (1.24-1.26x SGEMM's), 44.3 ms (1.43x) at 2**32, 43.7 ms (1.45x) at 2**31,
         # where its 768x768 projections (0.75x alone: a model's queue hides their host
         # time, a lone step does not) join.
+        # A stack planned on one launch (``planned_stack``) from STACK_MIN_WORK, whatever its
+        # K and N of at least HIGHEST_MIN_M: the other rules price ours' unplanned stacks and
+        # a 2-D product's tiles, not attention's products, which its planned launch takes
+        # at 1.2-2.2x SGEMM (H200, ours forced, planned, against eager's batched SGEMM,
+        # events around each call, medians of 15, heads x T x d, QK^T / PV):
+        # 12x1024x64 (2**29.6) 1.19 / 1.18x, 96x512x64 (2**30.6) 1.24 / 1.22x, 48x512x128
+        # 1.29 / 1.41x, 96x1024x128 1.54 / 1.98x, 384x1024x128 1.57 / 2.17x; below it both
+        # are host-bound: 12x128x64 0.73 / 0.68x, 48x256x64 0.87 / 0.82x, 96x256x64
+        # (2**28.6) 1.00 / 0.69x. A recorded one, from STACK_GRAD_MIN_WORK (as 2-D products:
+        # its backward's products pay the op's host time too).
+        if (planned_stack and aligned and min(M, N) >= c["HIGHEST_MIN_M"]
+                and work >= c["STACK_GRAD_MIN_WORK" if grad else "STACK_MIN_WORK"]):
+            return OURS
         small_k = K < c["HIGHEST_MIN_K"] and M * N < c["HIGHEST_SMALL_K_MIN_MN"]
         if (M < c["HIGHEST_MIN_M"] or N < c["HIGHEST_MIN_N"] or small_k
                 or work < c["HIGHEST_MIN_WORK_CUPY" if kind == "cupy" else "HIGHEST_MIN_WORK"]
@@ -438,11 +455,12 @@ def _drop_plans():
 
 
 def route_of(ao, bo_nk, precision: str, grad: bool = False, count: int = 1,
-             in_place: bool = False) -> str:
+             in_place: bool = False, planned_stack: bool = False) -> str:
     """:func:`route` for GPU Operands ``ao`` (M, K) and ``bo_nk`` (N, K) as the GEMM reads
     them (float32: ``aligned`` where Hopper runs ours on wgmma, :func:`_on_wgmma`, after
     the copies a plain product makes, or, ``in_place``, reading them as given: a fused
-    op's forward), of a stack of ``count`` such products on one launch."""
+    op's forward), of a stack of ``count`` such products on one launch (``planned_stack``:
+    as :class:`GemmProblem`'s)."""
     (M, K), N = ao.shape, bo_nk.shape[0]
     cc = _loader.device_cc(ao.device)
     aligned = True
@@ -453,7 +471,8 @@ def route_of(ao, bo_nk, precision: str, grad: bool = False, count: int = 1,
         else:  # 16-bit wgmma reads both in place, where _choose takes it
             aligned = (all(read_mode(o, work)[0] == "view" for o in (ao, bo_nk))
                        and half_wgmma(ao, bo_nk, precision))
-    which = route(GemmProblem(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad, count))
+    which = route(GemmProblem(M, N, K, ao.dtype, precision, ao.kind, cc, aligned, grad, count,
+                              planned_stack))
     if which == VENDOR and not vendor_of(ao.kind).takes(ao.dtype, precision):
         return OURS
     return which

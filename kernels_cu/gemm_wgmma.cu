@@ -452,7 +452,7 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
            int K, int kchunk, long long lda, long long ldb, long long ldc, const T* __restrict__ bias,
            const float* __restrict__ alpha, const float* __restrict__ beta, float* __restrict__ part,
            const __grid_constant__ TmaMap ma, const __grid_constant__ TmaMap mb, long long sa,
-           long long sb, long long sc, int count) {
+           long long sb, long long sc, int count, long long sa_o, long long sb_o, int inner) {
 #ifdef __CUDA_ARCH__  // (NVRTC compiles device code only; an nvcc host pass has no arch)
   // Dependent on MODE, so it fires only where gemm_wgmma is instantiated.
   static_assert(CK_WGMMA || MODE < 0, "gemm_wgmma needs sm_90a (wgmma, setmaxnreg)");
@@ -490,23 +490,25 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // A stack of `count` products (gemm_kernels.batched_call): blockIdx.y is the matrix
-  // (TC: each tile's, see above), whose A, B and C start sa, sb, sc elements after the
-  // previous one's (0: one matrix broadcast over the stack). TMA's maps span the whole
-  // stack: matrix y's rows start at map row y * sa / lda (whole rows: the host checks it).
-  // A tile's rows past M (N) read the next matrix's rows, or zeros past the map, and
-  // reach only the output rows (columns) past M (N), which the stores mask. A transposed
-  // A by TMA (A_MN) holds K in the map's rows: matrix y's start at row y * sa / lda, and
-  // its K is a multiple of KS (the host checks it), so that no slice reads the next
-  // matrix's rows. A stack takes no split K; a single product passes sa = sb = sc = 0,
-  // count = 1.
+  // (TC: each tile's, see above). Matrix y of A starts (y / inner) * sa_o + (y % inner) * sa
+  // elements after the first one's (two levels of batch strides: attention's (batch, head)
+  // views of one projection; one level: inner == count; 0: one matrix broadcast), B's
+  // likewise, C's y * sc. TMA's maps span the whole stack: matrix y's first element is
+  // the map's row off / ld, column off % ld, the column added to the K coordinate (A_MN:
+  // to the M coordinate). A tile's rows past M (N) read the next matrix's rows or
+  // columns, or zeros past the map, and reach only the output rows (columns) past M (N),
+  // which the stores mask. Where a matrix starts past column 0, or A_MN's K rows lie
+  // in the map's rows, K is a multiple of KS (the host checks it), so that no slice reads
+  // another matrix's K. A stack takes no split K; a single product passes sa = sb = sc =
+  // sa_o = sb_o = 0, count = inner = 1.
   const int tiles = ((M + BM - 1) / BM) * ((N + BN - 1) / BN);  // a matrix's
   const auto matrix_of = [&](int tile) -> long long { return TC ? tile / tiles : blockIdx.y; };
-  if constexpr (!TC) {  // (TC: TMA rows and c per tile)
-    a += blockIdx.y * sa;
-    b += blockIdx.y * sb;
+  const auto offset = [&](long long y, long long s, long long s_o) { return y / inner * s_o + y % inner * s; };
+  if constexpr (!TC) {  // (TC: TMA coordinates and c per tile)
+    a += offset(blockIdx.y, sa, sa_o);
+    b += offset(blockIdx.y, sb, sb_o);
     c += blockIdx.y * sc;
   }
-  const auto map_row = [&](long long mat, long long s, long long ld) { return TMA ? (int)(mat * s / ld) : 0; };
   // Split K: TMA addresses the whole tensor from kbase; kchunk is a multiple of the
   // K slice KS (gemm.py, _split), so no slice reaches the next chunk. (16-bit: this
   // chunk's slab of float sums in the workspace c. TC: slabs of the stored N x M.)
@@ -557,11 +559,12 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
       if (tid == 0) {
         const unsigned landed0 = MODE == 0 ? loaded0 : full0;
         for (int tile = blockIdx.x, it = 0; tile < end; tile += gridDim.x)
-        for (int kt = 0, m0, n0, ra, rb; kt < ktiles; ++kt, ++it) {
-          if (kt == 0) {
+        for (int kt = 0, m0, n0, ra, rb, ca, cb; kt < ktiles; ++kt, ++it) {
+          if (kt == 0) {  // the tile's matrix: its first elements' map rows and columns
             origin(tile, m0, n0);
-            ra = map_row(matrix_of(tile), sa, lda);
-            rb = map_row(matrix_of(tile), sb, ldb);
+            const long long oa = offset(matrix_of(tile), sa, sa_o), ob = offset(matrix_of(tile), sb, sb_o);
+            ra = (int)(oa / lda), ca = (int)(oa % lda);
+            rb = (int)(ob / ldb), cb = (int)(ob % ldb);
           }
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) + 1) & 1);
@@ -569,18 +572,18 @@ gemm_wgmma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, 
           mbar_arrive_expect_tx(bar, C::A_BYTES + C::B_BYTES);  // whole boxes, zero-filled or not
           if constexpr (A_MN) {  // boxes of 32 M (the map's columns) x the slice's 32 K rows
 #pragma unroll
-            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, m0 + r, ra + kbase + kt * KS, bar);
+            for (int r = 0; r < BM; r += 32) tma_load(st + r * 128, ma, ca + m0 + r, ra + kbase + kt * KS, bar);
           } else {
 #pragma unroll
-            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, kbase + kt * KS, ra + m0 + r, bar);
+            for (int r = 0; r < BM; r += BOX) tma_load(st + r * 128, ma, ca + kbase + kt * KS, ra + m0 + r, bar);
           }
           if constexpr (CL > 1) {  // this CTA's 1/CL of B, to every CTA of the cluster (same n0)
 #pragma unroll
             for (int r = rank * (BN / CL); r < (rank + 1) * (BN / CL); r += BOX)
-              tma_load_multicast(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, rb + n0 + r, bar, (1 << CL) - 1);
+              tma_load_multicast(st + C::A_BYTES + r * 128, mb, cb + kbase + kt * KS, rb + n0 + r, bar, (1 << CL) - 1);
           } else {
 #pragma unroll
-            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, kbase + kt * KS, rb + n0 + r, bar);
+            for (int r = 0; r < BN; r += BOX) tma_load(st + C::A_BYTES + r * 128, mb, cb + kbase + kt * KS, rb + n0 + r, bar);
           }
         }
         // The peers' consumers arrive on this CTA's barriers until their last slices:

@@ -227,6 +227,19 @@ ROUTES = [
     (GemmProblem(512, 2048, 1024, "float32", "highest", "torch", 90, True, count=128), "ours"),
     (GemmProblem(512, 512, 64, "float32", "highest", "torch", 90, True, count=96), "vendor"),
     (GemmProblem(512, 512, 512, "float32", "highest", "torch", 90, True, count=2), "vendor"),
+    # a stack planned in place on one launch: attention's products from 2**29
+    (GemmProblem(512, 512, 64, "float32", "highest", "torch", 90, True, count=96,
+                 planned_stack=True), "ours"),
+    (GemmProblem(512, 64, 512, "float32", "highest", "torch", 90, True, count=96,
+                 planned_stack=True), "ours"),
+    (GemmProblem(256, 256, 64, "float32", "highest", "torch", 90, True, count=96,
+                 planned_stack=True), "vendor"),
+    (GemmProblem(512, 32, 512, "float32", "highest", "torch", 90, True, count=96,
+                 planned_stack=True), "vendor"),
+    (GemmProblem(512, 512, 64, "float32", "highest", "torch", 90, True, True, count=96,
+                 planned_stack=True), "vendor"),  # recorded: STACK_GRAD_MIN_WORK
+    (GemmProblem(512, 512, 64, "float32", "highest", "torch", 90, False, count=96,
+                 planned_stack=True), "vendor"),
     (GemmProblem(1024, 8192, 8192, "bfloat16", "highest", "cupy", 90, True), "ours"),  # no CuPy bf16 GEMM
     (GemmProblem(1024, 8192, 8192, "float16", "highest", "cupy", 90, True), "vendor"),
     (GemmProblem(1, 4096, 4096, "float64", "highest", "cupy", 90, True), "vendor"),

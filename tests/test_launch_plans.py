@@ -246,8 +246,8 @@ def test_dx_reads_w_in_place_on_hopper(launches):
         assert gemm[0].startswith("gemm_wgmma<float, 1, true, false, true, 64,")  # TA, TC
         assert gemm[3][:3] == (1, 0, ("new", 0))  # A = W, B = dy, C = the result
         assert gemm[3][3:6] == (4352, 130, 300) and gemm[3][9] == 4352  # M, N, K; ldc
-        assert gemm[3][-6] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
-        assert gemm[3][-4:] == (0, 0, 0, 1)  # one product: no stack strides, count 1
+        assert gemm[3][-9] == ("tensor map", 1, [4352, 300], [4352 * 4], [32, 32])
+        assert gemm[3][-7:] == (0, 0, 0, 1, 0, 0, 1)  # one product: no stack strides, count 1
     else:
         assert names[0] == "transpose_copy" and log[0][3][0] == 1  # W's transpose, copied
     cupykern.gemm_operands.mm(dy, w[:, :40], "high")  # 1 tile: K split
@@ -286,7 +286,7 @@ def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctyp
                            f"{cfg['SMEM']}, 64>") and choice.cluster == 2
     assert choice.maps(0x10000, 0x20000) == (
         ("tensor map", 0x10000, map_type, [1024, 8 * bm], [2048], [64, 64]),
-        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]), 0, 0, 0, 1)
+        ("tensor map", 0x20000, map_type, [1024, 9 * bn], [2048], [64, 64]), 0, 0, 0, 1, 0, 0, 1)
     kernel = gemm_kernels.gemm_kernel(a, b, "highest")
     assert (kernel.grid, kernel.block, kernel.smem, kernel.bm, kernel.splits) == ((72,), (384,), cfg["SMEM"], bm, 1)
     assert gemm_kernels._choose(op(3 * bm, 1024), b, "high").cluster == 1  # an odd count of M tiles
@@ -330,7 +330,7 @@ def test_stack_copies_and_multiplies_in_one_launch_each(launches):
         (name, grid, _, args, _), = products
         assert name.startswith("gemm_wgmma<float, 0,") and grid == (2 * 3, 4)
         assert args[:3] == (a.data_ptr(), copy[3][1], out.data_ptr())
-        assert args[-4:] == (256 * 100, 100 * 300, 256 * 300, 4)
+        assert args[-7:] == (256 * 100, 100 * 300, 256 * 300, 4, 0, 0, 4)
     else:
         assert len(products) == 4 and all(p[1] == products[0][1] for p in products)
         assert [p[3][0] - a.data_ptr() for p in products] == [i * 256 * 100 * 4 for i in range(4)]
@@ -356,9 +356,9 @@ def test_stack_of_row_major_b_runs_swapped_on_hopper(launches):
     assert grid == (4 * 3 * 2, 1)  # 4 x (300 / 128) x (256 / 128) tiles, persistent CTAs
     assert args[:3] == (b.data_ptr(), a.data_ptr(), out.data_ptr())
     assert args[3:6] == (300, 256, 128) and args[9] == 300  # M, N, K of b^T a^T; ldc
-    assert args[-6] == ("tensor map", b.data_ptr(), [300, 4 * 128], [300 * 4], [32, 32])
-    assert args[-5] == ("tensor map", a.data_ptr(), [128, 4 * 256], [128 * 4], [32, 64])
-    assert args[-4:] == (128 * 300, 256 * 128, 256 * 300, 4)
+    assert args[-9] == ("tensor map", b.data_ptr(), [300, 4 * 128], [300 * 4], [32, 32])
+    assert args[-8] == ("tensor map", a.data_ptr(), [128, 4 * 256], [128 * 4], [32, 64])
+    assert args[-7:] == (128 * 300, 256 * 128, 256 * 300, 4, 0, 0, 4)
     log.clear()
     bt = torch.randn(4, 300, 128).mT  # K-major already
     out = gemm.matmul_core(a, bt, "highest")
@@ -387,31 +387,67 @@ def test_stack_is_one_launch_on_hopper(monkeypatch):
     """A stack of float32 "highest" products runs gemm_wgmma once, the matrix in the
     grid's y: its tensor maps span every matrix's rows (matrix i's at row i * stride /
     ld) and the kernel takes the stack strides (a broadcast operand's is 0). A stack
-    whose tiles split K, whose strides are partial rows, or that runs on another kernel
-    is None (one launch per matrix)."""
+    whose tiles split K, whose matrices start past a row's room, or that runs on another
+    kernel is None (one launch per matrix)."""
     from cupykern import gemm_kernels
+    from cupykern.gemm_kernels import Stack
+
+    def stack(count, sa, sb, inner=None, outer=(0, 0)):
+        return Stack(count, inner or count, (sa, outer[0]), (sb, outer[1]))
 
     op = _fake_hopper(monkeypatch, "float32")
     bm, bn = gemm_kernels._WGMMA[0]["BM"], gemm_kernels._WGMMA[0]["BN"]
     a, b = op(512, 1024), op(2048, 1024, ptr=0x20000)  # (128, 512, 1024) @ (128, 1024, 2048)^T
-    call = gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024, 0)
+    call = gemm_kernels.batched_call(a, b, "highest", stack(128, 512 * 1024, 0))
     (fn, grid, block, args, smem), = call(0x10000, 0x20000, 0x30000)
     assert grid == (512 // bm * 2048 // bn, 128) and block == (384,)
-    assert args[:3] == (0x10000, 0x20000, 0x30000) and args[-4:] == (512 * 1024, 0, 512 * 2048, 128)
-    assert args[-6] == ("tensor map", 0x10000, _tma.FLOAT32, [1024, 128 * 512], [4096], [32, 64])
-    assert args[-5] == ("tensor map", 0x20000, _tma.FLOAT32, [1024, 2048], [4096], [32, 64])
-    assert gemm_kernels.batched_call(op(128, 1024), op(128, 1024), "highest", 2, 0, 0) is None  # split K
-    assert gemm_kernels.batched_call(a, b, "highest", 128, 512 * 1024 + 4, 0) is None  # partial rows
-    assert gemm_kernels.batched_call(op(512, 1022), op(2048, 1022), "highest", 128, 0, 0) is None  # mma.sync
+    assert args[:3] == (0x10000, 0x20000, 0x30000)
+    assert args[-7:] == (512 * 1024, 0, 512 * 2048, 128, 0, 0, 128)
+    assert args[-9] == ("tensor map", 0x10000, _tma.FLOAT32, [1024, 128 * 512], [4096], [32, 64])
+    assert args[-8] == ("tensor map", 0x20000, _tma.FLOAT32, [1024, 2048], [4096], [32, 64])
+    split = stack(2, 0, 0)
+    assert gemm_kernels.batched_call(op(128, 1024), op(128, 1024), "highest", split) is None
+    partial = stack(128, 512 * 1024 + 4, 0)  # matrix i starts 4i columns on: past its row's room
+    assert gemm_kernels.batched_call(a, b, "highest", partial) is None
+    assert gemm_kernels.batched_call(op(512, 1022), op(2048, 1022), "highest",
+                                     stack(128, 0, 0)) is None  # mma.sync
     bt = op(2048, 1024, ptr=0x20000, transposed=True)  # a row-major b as the swapped A
-    assert gemm_kernels.batched_call(bt, a, "highest", 128, 1024 * 2048, 512 * 1024) is None
+    swapped = stack(128, 1024 * 2048, 512 * 1024)
+    assert gemm_kernels.batched_call(bt, a, "highest", swapped) is None
     (fn, grid, block, args, smem), = gemm_kernels.batched_call(
-        bt, a, "highest", 128, 1024 * 2048, 512 * 1024, transposed_c=True)(0x20000, 0x10000, 0x30000)
+        bt, a, "highest", swapped, transposed_c=True)(0x20000, 0x10000, 0x30000)
     assert grid == (132, 1) and args[9] == 2048  # persistent; ldc: the stored (512, 2048)
-    assert args[-6] == ("tensor map", 0x20000, _tma.FLOAT32, [2048, 128 * 1024], [8192], [32, 32])
+    assert args[-9] == ("tensor map", 0x20000, _tma.FLOAT32, [2048, 128 * 1024], [8192], [32, 32])
     bt = op(2048, 1000, ptr=0x20000, transposed=True)  # K % 32: a slice would cross matrices
-    assert gemm_kernels.batched_call(bt, op(512, 1000), "highest", 128, 1000 * 2048, 0,
+    assert gemm_kernels.batched_call(bt, op(512, 1000), "highest", stack(128, 1000 * 2048, 0),
                                      transposed_c=True) is None
+
+
+def test_two_level_stack_is_one_launch_on_hopper(monkeypatch):
+    """Attention's (batch, head) views of one projection (B, T, 3, H, D): head h of batch
+    i starts h * D columns and i * T rows on, so the stack takes two levels of strides and
+    its maps reach every head's columns (K a multiple of the K slice: no slice reads the
+    next head's). A K that is not, or a head that runs past its row's end, is None."""
+    from cupykern import gemm_kernels
+    from cupykern.gemm_kernels import Stack
+
+    op = _fake_hopper(monkeypatch, "float32")
+    B, T, H, D = 8, 512, 12, 64
+    ld = 3 * H * D
+    q, k = op(T, D, ld=ld), op(T, D, ptr=0x20000, ld=ld)  # q @ k^T, heads in the grid
+    heads = Stack(B * H, H, (D, T * ld), (D, T * ld))
+    (fn, grid, block, args, smem), = gemm_kernels.batched_call(q, k, "highest", heads)(
+        0x10000, 0x20000, 0x30000)
+    assert grid[1] == B * H and args[-7:] == (D, D, T * T, B * H, T * ld, T * ld, H)
+    rows, cols = B * T, H * D  # every batch's rows, every head's columns
+    assert args[-9] == ("tensor map", 0x10000, _tma.FLOAT32, [cols, rows], [ld * 4], [32, 64])
+    assert args[-8] == ("tensor map", 0x20000, _tma.FLOAT32, [cols, rows], [ld * 4], [32, 64])
+    odd = Stack(B * H, H, (40, T * ld), (40, T * ld))  # K = 40: a slice would read the next head
+    assert gemm_kernels.batched_call(op(T, 40, ld=ld), op(T, 40, ptr=0x20000, ld=ld), "highest",
+                                     odd) is None
+    wide = Stack(B * H, H, (D, T * 700), (D, T * 700))  # head 11's 64 columns past a row of 700
+    assert gemm_kernels.batched_call(op(T, D, ld=700), op(T, D, ptr=0x20000, ld=700), "highest",
+                                     wide) is None
 
 
 @pytest.mark.parametrize("g", ["transposed", "expanded"])

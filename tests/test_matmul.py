@@ -304,8 +304,9 @@ def test_torch_a_with_numpy_b_names_b():
 
 def test_stack_strides(monkeypatch):
     """GPU-free: a stack runs on one launch where each operand's matrices, as the GEMM
-    reads them (K-major: a copy's where not), lie one stride apart: broadcast dims give 0,
-    size-1 dims do not count, and a broadcast against a stepped dim leaves no one stride."""
+    reads them (K-major: a copy's where not), lie one stride apart, or two (an outer and
+    an inner level of batch dims): broadcast dims give 0, size-1 dims do not count, and a
+    broadcast against a stepped dim leaves no one stride but two levels."""
     from cupykern import _array, _loader, gemm
 
     assert gemm._stack_stride((2, 3), (15, 5)) == 5
@@ -324,10 +325,20 @@ def test_stack_strides(monkeypatch):
     assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 6
     # b one matrix for all: stride 0
     assert gemm._one_launch(ao, a, torch.randn(1, 1, 64, 128), "highest") == 6
-    # b's (0, 8192) over (2, 3): no one stride
-    assert gemm._one_launch(ao, a, torch.randn(3, 64, 128), "highest") == 1
+    # b's (0, 8192) over (2, 3): no one stride, two levels
+    assert gemm._one_launch(ao, a, torch.randn(3, 64, 128), "highest") == 6
     # (2, 1) against (1, 3)
-    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 64, 128), "highest") == 1
+    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 64, 128), "highest") == 6
+    steps = gemm._stack_steps((2, 3), ((3 * 8192, 0), (0, 8192)), 4)
+    assert steps == (6, 3, (0, 3 * 8192), (8192, 0))  # count, inner, (step, outer) each
+    assert gemm._stack_steps((2, 3), ((3 * 8192, 8192), (3 * 8192, 8192)), 4) == (
+        6, 6, (8192, 0), (8192, 0))  # one level where one walks all
+    # (2, 3, 4) over three levels: no two walk it
+    assert gemm._stack_steps((2, 3, 4), ((0, 4096, 0), (0, 0, 8192)), 4) is None
+    # attention's q, k (B, T, 3, H, D) -> (B, H, T, D): heads along a row, batches over rows
+    qkv = torch.randn(2, 128, 3, 4, 64)
+    q, k = qkv.permute(2, 0, 3, 1, 4)[:2]
+    assert gemm._one_launch(_array.operand(q, "a"), q, k.mT, "highest") == 8
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
     assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 1  # Hopper's wgmma only
 
@@ -383,8 +394,13 @@ def _stack_case(kind):
     if kind == "stride of partial rows":  # matrices 4 floats apart past their rows: a launch each
         buf = rand(3 * (100 * 64 + 4))
         return buf.as_strided((3, 100, 64), (100 * 64 + 4, 64, 1)), rand(3, 64, 250), False
-    if kind == "broadcast in two dims":  # (2, 1) against (3,): no one stride
-        return rand(2, 1, 64, 256), rand(3, 256, 130), False
+    if kind == "broadcast in two dims":  # (2, 1) against (3,): no one stride, two levels (b's
+        return rand(2, 1, 64, 256), rand(3, 256, 130), True  # rows of 130: its K-major copy)
+    if kind.startswith("attention"):  # (batch, head) views of one projection: two levels
+        q, k, v = rand(2, 130, 3, 4, 64).permute(2, 0, 3, 1, 4)
+        if kind == "attention QK^T":
+            return q, k.mT, True
+        return rand(2, 4, 130, 128), v[..., :128, :], True  # PV: b read swapped
     if kind == "K 3":  # copied into rows of 4 (zeros past K), read by TMA
         return rand(3, 70, 3), rand(3, 3, 140), True
     if kind == "K 1025":
@@ -396,7 +412,8 @@ def _stack_case(kind):
 @pytest.mark.parametrize("kind", ["batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)",
                                   "two batch dims", "N 1, 3, 5, 4097", "transposed b",
                                   "offset 16 bytes", "stride of partial rows",
-                                  "broadcast in two dims", "K 3", "K 1025"])
+                                  "broadcast in two dims", "K 3", "K 1025",
+                                  "attention QK^T", "attention PV"])
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_stack_on_one_launch(kind, precision, monkeypatch):
     """A stack of products on ours: on Hopper, one launch with the matrix in the grid
@@ -407,7 +424,8 @@ def test_stack_on_one_launch(kind, precision, monkeypatch):
     from cupykern import gemm, gemm_kernels, gemm_route
 
     a, b, one = _stack_case(kind)
-    swapped = kind in ("batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)", "two batch dims")
+    swapped = kind in ("batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)", "two batch dims",
+                       "attention PV")
     if kind.startswith("N 1"):
         for n in (1, 3, 5):
             with gemm_route.forced_route(gemm_route.OURS):

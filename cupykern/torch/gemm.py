@@ -462,15 +462,16 @@ def matmul(a, b, *, precision=None, out=None):
 
         def problem(prec):
             # as the route of a stack reads it: all rows folded where b is a matrix, else
-            # one matrix, of a stack of all of them on one launch (the most the route counts
-            # in its work: the vendor's at that is the vendor's at any count)
+            # one matrix, of a stack of all of them on one planned launch (the most the
+            # route gives ours: the vendor's at that is the vendor's at any count and layout)
             K = a.shape[-1]
             M = (a.numel() // K if K else 0) if b.dim() == 2 else a.shape[-2] if a.dim() > 1 else 1
             N = b.shape[-1] if b.dim() > 1 else 1
             count = 1 if b.dim() == 2 else math.prod(
                 torch.broadcast_shapes(a.shape[:-2], b.shape[:-2] if b.dim() > 2 else ()))
             return GemmProblem(M, N, K, _name(dtype), prec, "torch",
-                               _loader.device_cc(a.get_device()), count=count)
+                               _loader.device_cc(a.get_device()), count=count,
+                               planned_stack=count > 1)
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
                      _remember("matmul", key, (torch.matmul,), problem))
     prec = resolve_precision(precision)
