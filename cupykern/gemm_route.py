@@ -307,8 +307,15 @@ def route(p: GemmProblem) -> str:
         # 12x1024x64 (2**29.6) 1.19 / 1.18x, 96x512x64 (2**30.6) 1.24 / 1.22x, 48x512x128
         # 1.29 / 1.41x, 96x1024x128 1.54 / 1.98x, 384x1024x128 1.57 / 2.17x; below it both
         # are host-bound: 12x128x64 0.73 / 0.68x, 48x256x64 0.87 / 0.82x, 96x256x64
-        # (2**28.6) 1.00 / 0.69x. A recorded one, from STACK_GRAD_MIN_WORK (as 2-D products:
-        # its backward's products pay the op's host time too).
+        # (2**28.6) 1.00 / 0.69x. As routed, with q, k, v (batch, head) views of one
+        # projection (two levels of strides), another H200 host: B x H x T x d 1x12x1024x64
+        # 1.15 / 1.20x, 8x12x512x64 1.20 / 1.29x, 4x12x512x128 1.35 / 1.62x, 8x12x1024x128
+        # 1.82 / 2.24x, error against float64 at or below SGEMM's. A recorded one from
+        # STACK_GRAD_MIN_WORK, as 2-D products: its backward's transposed-A products
+        # (q^T ds, p^T g) copy an operand, unplanned. A lone attention step (forward and
+        # backward, helper / plain torch, same H200) at 2**29: 8x12x512x64 0.55x, 4x12x1024x64
+        # 0.87x; at 3 * 2**31 (torch's products) 0.81x, 0.93x. (A BERT-base step, whose
+        # queue hides host time, ran 43.6 ms at 2**29 against 46.2-48.9 at 3 * 2**31.)
         if (planned_stack and aligned and min(M, N) >= c["HIGHEST_MIN_M"]
                 and work >= c["STACK_GRAD_MIN_WORK" if grad else "STACK_MIN_WORK"]):
             return OURS
@@ -341,10 +348,11 @@ def route(p: GemmProblem) -> str:
 
 def vendor_any_layout(p: GemmProblem) -> bool:
     """Whether :func:`route` gives ``p`` to the vendor whatever its operands' layout and
-    alignment and whether autograd records the call (``grad`` only ever moves a product
-    to the vendor): a plan of such a product holds for any call of its shapes, dtype and
-    precision (the torch layer's shape-keyed plans, which read no strides)."""
-    return all(route(p._replace(aligned=a, grad=False)) == VENDOR for a in (True, False))
+    alignment, and ``p.grad`` False unless the caller's key holds whether autograd records
+    the call (``grad`` only ever moves a product to the vendor): a plan of such a product
+    holds for any call of its shapes, dtype and precision (the torch layer's shape-keyed
+    plans, which read no strides)."""
+    return all(route(p._replace(aligned=a)) == VENDOR for a in (True, False))
 
 
 def padded_n(M: int, N: int, K: int, dtype: str) -> int:

@@ -122,6 +122,36 @@ def test_grad_after_a_plan_without(plans):
         assert torch.equal(got.grad, want.grad)
 
 
+def test_attention_stack_is_planned_apart_when_recorded(plans):
+    """An attention-sized stack ((batch, head) views, 2**30.6 multiply-adds) that one
+    planned launch of ours takes unrecorded is torch's matmul when autograd records it
+    (gemm_route's STACK_GRAD_MIN_WORK): the shape-keyed plans hold the recorded call
+    alone (no plan lookup a call), and an unrecorded call of the same shapes still runs
+    ours; both match float64 and the recorded one gives torch's gradients."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(8, 512, 3, 12, 64, device="cuda", generator=g)
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4)
+    want = q.double() @ k.mT.double()
+    for _ in range(2):
+        torch.testing.assert_close(cupykern.matmul(q, k.mT).double(), want, atol=1e-4, rtol=0)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert not plans["matmul"] or not hopper  # (unrecorded: ours, planned by signature)
+    leaf = qkv.clone().requires_grad_()
+    q2, k2, _ = leaf.permute(2, 0, 3, 1, 4)
+    ref = qkv.clone().requires_grad_()
+    q3, k3, _ = ref.permute(2, 0, 3, 1, 4)
+    gy = torch.randn(want.shape, device="cuda", generator=g)
+    for _ in range(2):
+        leaf.grad = None
+        out = cupykern.matmul(q2, k2.mT)
+        out.backward(gy)
+    torch.matmul(q3, k3.mT).backward(gy)
+    assert torch.equal(out, torch.matmul(q3, k3.mT)) and torch.equal(leaf.grad, ref.grad)
+    recorded = [key[-1] for key in plans["matmul"]]
+    assert recorded == ([True] if hopper else [False, True])  # (elsewhere both torch's)
+    assert set(plans["matmul"].values()) == {torch.matmul}
+
+
 def test_matmul_shapes_and_promotion(plans):
     a = torch.randn(3, 40, 64, device="cuda")
     b = torch.randn(64, 24, device="cuda")

@@ -395,7 +395,7 @@ def _stack_case(kind):
         buf = rand(3 * (100 * 64 + 4))
         return buf.as_strided((3, 100, 64), (100 * 64 + 4, 64, 1)), rand(3, 64, 250), False
     if kind == "broadcast in two dims":  # (2, 1) against (3,): no one stride, two levels (b's
-        return rand(2, 1, 64, 256), rand(3, 256, 130), True  # rows of 130: its K-major copy)
+        return rand(2, 1, 300, 256), rand(3, 256, 602), True  # rows of 602: its K-major copy)
     if kind.startswith("attention"):  # (batch, head) views of one projection: two levels
         q, k, v = rand(2, 130, 3, 4, 64).permute(2, 0, 3, 1, 4)
         if kind == "attention QK^T":

@@ -332,12 +332,13 @@ def _call(op, eager_plan, args, precision, remember=None):
 # vendor whatever its layout, alignment and grad (cupykern.gemm_route.vendor_any_layout)
 # and the vendor's form is torch's own op (16-bit linear: _linear_once, which reads the
 # layout it needs itself), an eager call is planned by its shapes, dtype, device, precision
-# (and for float32 the TF32 switch) alone: no strides, pointers or grad state to read
-# before the call. A call that torch's op refuses (operands on two devices or of two dtypes,
-# which the key does not tell apart) goes on to the full path, whose checks name the
-# argument. Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
+# (and for float32 the TF32 switch) alone: no strides or pointers to read before the
+# call. A call that torch's op refuses (operands on two devices or of two dtypes, which
+# the key does not tell apart) goes on to the full path, whose checks name the argument.
+# Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
 # precision, float32 part); matmul (a.shape, a.dtype, a's device, b.shape, precision,
-# float32 part).
+# float32 part, whether autograd records the call: a stack that a planned launch takes
+# is ours unrecorded, and the vendor's recorded up to gemm_route's STACK_GRAD_MIN_WORK).
 # The key's last part is float32's own: the precision it resolves to and torch's TF32
 # switch (the vendor takes float32 only where they agree); None for other dtypes.
 _LINEAR_PLANS: dict = {}
@@ -446,11 +447,12 @@ def matmul(a, b, *, precision=None, out=None):
     if out is None:
         if not _eager():
             return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
-        try:
+        try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
             dtype = a.dtype
+            recorded = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
             key = (a.shape, dtype, a.get_device(), b.shape, precision,
                    (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
-                   if dtype is _FLOAT32 else None)
+                   if dtype is _FLOAT32 else None, recorded)
             run = _MATMUL_PLANS.get(key)
         except (AttributeError, TypeError):
             return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
@@ -470,7 +472,7 @@ def matmul(a, b, *, precision=None, out=None):
             count = 1 if b.dim() == 2 else math.prod(
                 torch.broadcast_shapes(a.shape[:-2], b.shape[:-2] if b.dim() > 2 else ()))
             return GemmProblem(M, N, K, _name(dtype), prec, "torch",
-                               _loader.device_cc(a.get_device()), count=count,
+                               _loader.device_cc(a.get_device()), grad=recorded, count=count,
                                planned_stack=count > 1)
         return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
                      _remember("matmul", key, (torch.matmul,), problem))
