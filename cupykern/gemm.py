@@ -299,9 +299,9 @@ def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    parts = None if a.ndim == b.ndim == 2 else _in_place_stack(
+    parts = None if a.ndim == b.ndim == 2 else _planned_stack(
         ao, a, b, prec, np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    planned = parts is not None and one_launch(parts[0], parts[1], prec, *parts[2:])
+    planned = parts is not None and one_launch(*parts[0][:2], prec, *parts[0][2:])
     return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b, prec),
                     planned_stack=planned)
 
@@ -398,8 +398,9 @@ def _matmul_gpu(ao, bo, prec, shape):
 
 def _stack_on_ours(ao, a, b, prec):
     """A stack of products (batch dims broadcast) on our 2-D GEMM (float32 "highest"
-    3xTF32, CuPy bfloat16): on Hopper, one launch reading both operands in place where
-    :func:`_stack_call` plans it; otherwise each operand is first made K-major in one copy
+    3xTF32, CuPy bfloat16): on Hopper, one launch reading b in place (and a, or its
+    K-major copy) where :func:`_stack_call` plans it; otherwise each operand is first made
+    K-major in one copy
     where it is not (b: its transpose), so that every matrix reads alike; then one launch
     with the matrix in the grid (Hopper's wgmma,
     :func:`~cupykern.gemm_kernels.batched_call`, where each operand's matrices lie one
@@ -409,9 +410,8 @@ def _stack_on_ours(ao, a, b, prec):
     M, N = a.shape[-2], b.shape[-1]
     call = _stack_call(ao, a, b, prec, batch)
     if call is not None:
-        place = Place(ao)
         c = empty(ao, batch + (M, N))
-        launch_all(place, call(place.ptr(a), place.ptr(b), place.ptr(c)))
+        call(a, b, c)
         return c
     at, bt = (_k_major(t) for t in (a, _swap_last(b)))
     at, bt = (operand(_broadcast_to(t, batch + t.shape[-2:]), n) for t, n in ((at, "a"), (bt, "b")))
@@ -444,58 +444,74 @@ def _stack_on_ours(ao, a, b, prec):
 
 
 def _stack_call(ao, a, b, prec, batch):
-    """``call(a_ptr, b_ptr, c_ptr) -> launches`` of the stack ``a @ b`` (its first
-    elements; c C-contiguous) on one launch of Hopper's gemm_wgmma that reads both operands
-    in place (:func:`_in_place_stack`), or None."""
-    parts = _in_place_stack(ao, a, b, prec, batch)
+    """``call(a, b, c)``: queues the stack ``a @ b`` into ``c`` (C-contiguous; arrays that
+    start at their first matrix) on one launch of Hopper's gemm_wgmma (:func:`_planned_stack`:
+    b read in place, a in place or from its K-major copy, made by the call), or None."""
+    parts = _planned_stack(ao, a, b, prec, batch)
     if parts is None:
         return None
-    first, second, steps, swapped = parts
+    (first, second, steps, swapped), copy = parts
     stack = batched_call(first, second, prec, steps, transposed_c=swapped)
-    return stack if stack is None or not swapped else (lambda ap, bp, cp: stack(bp, ap, cp))
+    if stack is None:
+        return None
+    place = Place(ao)
+    ptr = place.ptr
+
+    def call(a, b, c):
+        if copy:
+            a = _k_major(a)  # (held until its product is queued)
+        ap, bp = ptr(a), ptr(b)
+        launch_all(place, stack(bp, ap, ptr(c)) if swapped else stack(ap, bp, ptr(c)))
+    return call
 
 
-def _in_place_stack(ao, a, b, prec, batch):
-    """``(first, second, steps, swapped)``: :func:`~cupykern.gemm_kernels.batched_call`'s
-    operands for the stack ``a @ b`` read in place: b's matrices K-major already (a
-    transposed view), or row-major (as a batched b usually is) and computed as ``(b^T
-    a^T)^T`` (``swapped``), each read as a transposed A by TMA and each product stored
-    transposed (TF32 / 3xTF32), so that b's transpose is never copied (1 GB each way at
-    (128, 512, 1024) @ (128, 1024, 2048)). None where an operand needs a copy or the
-    matrices have no strides of one launch (:func:`_stack_steps`); the kernel may still
-    decline (another arch or dtype, split K, K not a multiple of its K slice when
-    swapped: :func:`~cupykern.gemm_kernels.one_launch`)."""
+def _planned_stack(ao, a, b, prec, batch):
+    """``((first, second, steps, swapped), copy)``: :func:`~cupykern.gemm_kernels.batched_call`'s
+    operands for the stack ``a @ b`` on one launch that reads b in place: b's matrices
+    K-major already (a transposed view), or row-major (as a batched b usually is) and
+    computed as ``(b^T a^T)^T`` (``swapped``), each read as a transposed A by TMA and each
+    product stored transposed (TF32 / 3xTF32), so that b's transpose is never copied (1 GB
+    each way at (128, 512, 1024) @ (128, 1024, 2048)). a is read in place where it is
+    K-major, else (``copy``) from its K-major copy (:func:`_k_major`, whose layout
+    :func:`_as_read` gives), only where a's matrices are no larger than b's (M <= N: a
+    backward's q^T ds, not its p^T g, whose copy would move more bytes than the product
+    reads). None where b needs a copy, a is a vector needing one, or the matrices have no
+    strides of one launch (:func:`_stack_steps`); the kernel may still decline (another
+    arch or dtype, split K, K not a multiple of its K slice when swapped:
+    :func:`~cupykern.gemm_kernels.one_launch`)."""
     if _loader.device_cc(ao.device) != 90:
         return None
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    at = operand(_broadcast_to(a, batch + (M, K)), "a")
     bt = operand(_broadcast_to(_swap_last(b), batch + (N, K)), "b")
-    a0, b0 = (_matrix(o, o.shape[-2:], o.strides[-2:]) for o in (at, bt))
+    b0 = _matrix(bt, bt.shape[-2:], bt.strides[-2:])
     lay = layout(b0)
-    if lay is None or not _in_place(at) or not (lay[0] or _in_place(bt)):
+    if lay is None or not (lay[0] or _in_place(bt)):
         return None
-    steps = _stack_steps(batch, (at.strides[:-2], bt.strides[:-2]), ITEMSIZE[ao.dtype])
+    copy = not _in_place(operand(a, "a"))
+    if copy and (ao.ndim < 2 or M > N):
+        return None
+    a0, sa = _as_read(a, batch)
+    steps = _stack_steps(batch, (sa, bt.strides[:-2]), ITEMSIZE[ao.dtype])
     if not steps:
         return None
-    return (b0, a0, steps.swapped(), True) if lay[0] else (a0, b0, steps, False)
+    return ((b0, a0, steps.swapped(), True) if lay[0] else (a0, b0, steps, False)), copy
 
 
 def _stack_plan(ao, bo, prec, shape):
     """``run(a, b) -> a @ b`` for calls like this stack where :func:`_stack_call` runs it
-    (planned once: a new output and one launch a call), else None. Unplanned, a small
-    stack's call took ~144 us of Python (CPU, (96, 512, 64) @ (96, 64, 512)), more than
-    SGEMM's whole call on an H200 (102 us)."""
+    (planned once: a's copy where it has one, a new output and one launch a call), else
+    None. Unplanned, a small stack's call took ~144 us of Python (CPU, (96, 512, 64) @
+    (96, 64, 512)), more than SGEMM's whole call on an H200 (102 us)."""
     a, b = _as_matrices(ao, bo)
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     call = _stack_call(ao, a, b, prec, batch)
     if call is None:
         return None
     place, out = Place(ao), batch + (a.shape[-2], b.shape[-1])
-    ptr = place.ptr  # (a and b start where their matrix views do)
 
     def run(a, b, *_):
         c = empty(place, out)
-        launch_all(place, call(ptr(a), ptr(b), ptr(c)))
+        call(a, b, c)  # (a and b start where their matrix views do)
         return c.reshape(shape)
     return run
 

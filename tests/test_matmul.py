@@ -339,6 +339,13 @@ def test_stack_strides(monkeypatch):
     qkv = torch.randn(2, 128, 3, 4, 64)
     q, k = qkv.permute(2, 0, 3, 1, 4)[:2]
     assert gemm._one_launch(_array.operand(q, "a"), q, k.mT, "highest") == 8
+    # a backward's q^T ds: q^T copied K-major (M 64 <= N 256), ds read swapped; p^T g
+    # (M 128 > N 64): no planned launch (its copy would move more than the product reads)
+    parts, copy = gemm._planned_stack(_array.operand(q.mT, "a"), q.mT, torch.randn(2, 4, 128, 256),
+                                      "highest", (2, 4))
+    assert copy and parts[3] and parts[2].count == 8
+    p = torch.randn(2, 4, 128, 128)
+    assert gemm._planned_stack(_array.operand(p.mT, "a"), p.mT, k, "highest", (2, 4)) is None
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
     assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 1  # Hopper's wgmma only
 
@@ -400,6 +407,8 @@ def _stack_case(kind):
         q, k, v = rand(2, 130, 3, 4, 64).permute(2, 0, 3, 1, 4)
         if kind == "attention QK^T":
             return q, k.mT, True
+        if kind == "attention q^T ds":  # a backward's: q^T copied K-major, ds read swapped
+            return q[..., :128, :].mT, rand(2, 4, 128, 256), True
         return rand(2, 4, 130, 128), v[..., :128, :], True  # PV: b read swapped
     if kind == "K 3":  # copied into rows of 4 (zeros past K), read by TMA
         return rand(3, 70, 3), rand(3, 3, 140), True
@@ -413,7 +422,7 @@ def _stack_case(kind):
                                   "two batch dims", "N 1, 3, 5, 4097", "transposed b",
                                   "offset 16 bytes", "stride of partial rows",
                                   "broadcast in two dims", "K 3", "K 1025",
-                                  "attention QK^T", "attention PV"])
+                                  "attention QK^T", "attention PV", "attention q^T ds"])
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_stack_on_one_launch(kind, precision, monkeypatch):
     """A stack of products on ours: on Hopper, one launch with the matrix in the grid
@@ -425,7 +434,7 @@ def test_stack_on_one_launch(kind, precision, monkeypatch):
 
     a, b, one = _stack_case(kind)
     swapped = kind in ("batch 1", "b broadcast (stride 0)", "a broadcast (stride 0)", "two batch dims",
-                       "attention PV")
+                       "attention PV", "attention q^T ds")
     if kind.startswith("N 1"):
         for n in (1, 3, 5):
             with gemm_route.forced_route(gemm_route.OURS):
