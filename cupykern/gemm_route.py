@@ -311,11 +311,12 @@ def route(p: GemmProblem) -> str:
         # projection (two levels of strides), another H200 host: B x H x T x d 1x12x1024x64
         # 1.15 / 1.20x, 8x12x512x64 1.20 / 1.29x, 4x12x512x128 1.35 / 1.62x, 8x12x1024x128
         # 1.82 / 2.24x, error against float64 at or below SGEMM's. A recorded one from
-        # STACK_GRAD_MIN_WORK, as 2-D products: its backward's transposed-A products
-        # (q^T ds, p^T g) copy an operand, unplanned. A lone attention step (forward and
-        # backward, helper / plain torch, same H200) at 2**29: 8x12x512x64 0.55x, 4x12x1024x64
-        # 0.87x; at 3 * 2**31 (torch's products) 0.81x, 0.93x. (A BERT-base step, whose
-        # queue hides host time, ran 43.6 ms at 2**29 against 46.2-48.9 at 3 * 2**31.)
+        # STACK_GRAD_MIN_WORK, as 2-D products: a lone attention step (forward and
+        # backward, cupykern.torch.attention's helper / plain torch, same H200, its
+        # backward's q^T ds planned with q^T's copy, p^T g the vendor's) at 2**29:
+        # 8x12x512x64 0.92x, 8x12x256x64 0.91x, 4x12x1024x64 1.17x; at 3 * 2**31 (torch's
+        # products) 1.00x, 0.97x, 0.99x. (A BERT-base step, whose queue hides host time:
+        # 43.2-44.4 ms at 2**29 against 44.4-45.5 at 3 * 2**31, SGEMM's 63.5.)
         if (planned_stack and aligned and min(M, N) >= c["HIGHEST_MIN_M"]
                 and work >= c["STACK_GRAD_MIN_WORK" if grad else "STACK_MIN_WORK"]):
             return OURS
