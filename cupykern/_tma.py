@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+from . import _loader
 from ._geometry import cdiv
 
 # CUtensorMapDataType / Swizzle / L2promotion values (cuda.h)
@@ -97,7 +98,6 @@ class Rows2D:
             # backward thread on device 0 (torch sets no device there when it is already
             # the current one), where the first op of a backward is ours. cudaFree(0) makes
             # the current device's primary context current, as the runtime's first call would.
-            from . import _loader
             _loader.cupy().cuda.runtime.free(0)
             err = _encoder()(*args)
         if err:

@@ -299,25 +299,28 @@ def _matmul_route(ao, bo, prec, grad: bool = False) -> str:
     a, b = _as_matrices(ao, bo)
     a2 = operand(a[(0,) * (a.ndim - 2)], "a")
     b2 = operand(b[(0,) * (b.ndim - 2)], "b")
-    parts = None if a.ndim == b.ndim == 2 else _planned_stack(
-        ao, a, b, prec, np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    planned = parts is not None and one_launch(*parts[0][:2], prec, *parts[0][2:])
-    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, _one_launch(ao, a, b, prec),
-                    planned_stack=planned)
+    count, planned = _one_launch(ao, a, b, prec)
+    return route_of(a2, operand(b2.obj.T, "b"), prec, grad, count, planned_stack=planned)
 
 
-def _one_launch(ao, a, b, prec) -> int:
-    """How many products of the stack ``a @ b`` (matrices) :func:`_stack_on_ours` runs on
-    one launch: all of them where :func:`~cupykern.gemm_kernels.batched_call` would plan
-    them so (Hopper: :func:`_stack_steps`, then its conditions), each operand
-    read as :func:`_k_major` gives it (a copy's rows where it copies); else 1 (a launch
-    each)."""
+def _one_launch(ao, a, b, prec) -> tuple:
+    """``(count, planned)``: how many products of the stack ``a @ b`` (matrices)
+    :func:`_stack_on_ours` runs on one launch, and whether that launch is planned
+    (:func:`_planned_stack`: b read in place); all of them where
+    :func:`~cupykern.gemm_kernels.batched_call` would take them so (Hopper: the planned
+    operands, else each read as :func:`_k_major` gives it, a copy's rows where it copies),
+    else ``(1, False)`` (a launch each)."""
     if a.ndim == b.ndim == 2 or _loader.device_cc(ao.device) != 90:
-        return 1
+        return 1, False
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    parts = _planned_stack(ao, a, b, prec, batch)
+    if parts is not None:
+        (first, second, steps, swapped), _ = parts
+        if one_launch(first, second, prec, steps, swapped):
+            return steps.count, True
     (a0, sa), (b0, sb) = (_as_read(t, batch) for t in (a, _swap_last(b)))
     steps = _stack_steps(batch, (sa, sb), ITEMSIZE[a0.dtype])
-    return steps.count if steps and one_launch(a0, b0, prec, steps) else 1
+    return (steps.count if steps and one_launch(a0, b0, prec, steps) else 1), False
 
 
 def _as_read(t, batch):
@@ -576,14 +579,14 @@ def _matmul_fresh(checked, a, b, precision, out, grad=False):
         return vendor_matmul(ao.kind, prec, (ao.size // K, N, K, ao.dtype, bo.ndim > 1))
     if grad:
         return None
-    if bo.ndim > 2 or (bo.ndim == 2 and ao.ndim > 2 and _folded(ao, bo) is None):
+    flat = _folded(ao, bo)
+    if bo.ndim > 2 or (bo.ndim == 2 and ao.ndim > 2 and flat is None):
         return _stack_plan(ao, bo, prec, shape)
     if bo.ndim != 2:
         return None
     if ao.ndim == 2:
         return on_arrays(mm_plan(ao, bo, prec))
-    flat = _folded(ao, bo)
-    plan = None if flat is None else mm_plan(operand(flat, "a"), bo, prec)
+    plan = None if flat is None else mm_plan(operand(flat, "a"), bo, prec)  # (1-D a: None)
     if plan is None:
         return None
     ptr = plan.place.ptr  # (the folded view starts where a does)

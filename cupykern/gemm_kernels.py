@@ -336,10 +336,10 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
     """gemm_wgmma's ``maps(a_ptr, b_ptr)``: its trailing arguments, the tensor maps of A (M
     x K) and B (N x K) in boxes of BOX rows of one K slice (a transposed A: its K x M
     storage in boxes of one K slice x 32 columns), or two unused ones without TMA, then
-    ``stack``, :func:`_stack_args` (None: one product's). M and N count every
-    row the maps reach (a stack's: all its matrices'); a transposed A's stack reaches
-    ``k_rows`` rows of its storage (default K); ``extra``: columns A's and B's maps reach
-    past the first matrix's (a stack whose matrices start past column 0)."""
+    ``stack``, :func:`_stack_args` (None: one product's). M and N count every row the
+    maps reach (a stack's: all its matrices'); a transposed A's stack reaches ``k_rows``
+    rows of its storage (default K); ``extra``: columns A's and B's maps reach past the
+    first matrix's (a stack whose matrices start past column 0)."""
     stack = stack or _ONE_PRODUCT
     if not tma:
         return lambda ap, bp: (_tma.NONE, _tma.NONE, *stack)
@@ -458,13 +458,14 @@ def _batched(a, b, precision: str, stack: Stack, transposed_c: bool = False):
         return None
     (M, K), N = a.shape, b.shape[0]
     tiles = _tiles(M, N, cfg)
-    if _splits(a, tiles * count, cfg) > 1 or (transposed_c and K % cfg["KS"]):
+    if _splits(a, tiles * count, cfg) > 1:
         return None
     rows_a, rows_b, extra = M, N, (0, 0)
     if choice.tma:
         lda, ldb, isz = choice.lda, choice.ldb, ITEMSIZE[a.dtype]
         (ra, ca), (rb, cb) = (_reach(stack, s, ld) for s, ld in ((stack.a, lda), (stack.b, ldb)))
-        if ra is None or rb is None or ((ca or cb) and K % cfg["KS"]):
+        # (a transposed A is always by TMA: choice.a_mn)
+        if ra is None or rb is None or ((transposed_c or ca or cb) and K % cfg["KS"]):
             return None
         rows_a = (K if transposed_c else M) + ra
         rows_b, extra = N + rb, (ca, cb)

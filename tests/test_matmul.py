@@ -322,13 +322,13 @@ def test_stack_strides(monkeypatch):
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 90)
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
     ao = _array.operand(a, "a")
-    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 6
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest")[0] == 6
     # b one matrix for all: stride 0
-    assert gemm._one_launch(ao, a, torch.randn(1, 1, 64, 128), "highest") == 6
+    assert gemm._one_launch(ao, a, torch.randn(1, 1, 64, 128), "highest")[0] == 6
     # b's (0, 8192) over (2, 3): no one stride, two levels
-    assert gemm._one_launch(ao, a, torch.randn(3, 64, 128), "highest") == 6
+    assert gemm._one_launch(ao, a, torch.randn(3, 64, 128), "highest")[0] == 6
     # (2, 1) against (1, 3)
-    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 64, 128), "highest") == 6
+    assert gemm._one_launch(ao, a[:, :1], torch.randn(1, 3, 64, 128), "highest")[0] == 6
     steps = gemm._stack_steps((2, 3), ((3 * 8192, 0), (0, 8192)), 4)
     assert steps == (6, 3, (0, 3 * 8192), (8192, 0))  # count, inner, (step, outer) each
     assert gemm._stack_steps((2, 3), ((3 * 8192, 8192), (3 * 8192, 8192)), 4) == (
@@ -338,7 +338,7 @@ def test_stack_strides(monkeypatch):
     # attention's q, k (B, T, 3, H, D) -> (B, H, T, D): heads along a row, batches over rows
     qkv = torch.randn(2, 128, 3, 4, 64)
     q, k = qkv.permute(2, 0, 3, 1, 4)[:2]
-    assert gemm._one_launch(_array.operand(q, "a"), q, k.mT, "highest") == 8
+    assert gemm._one_launch(_array.operand(q, "a"), q, k.mT, "highest") == (8, True)  # planned
     # a backward's q^T ds: q^T copied K-major (M 64 <= N 256), ds read swapped; p^T g
     # (M 128 > N 64): no planned launch (its copy would move more than the product reads)
     parts, copy = gemm._planned_stack(_array.operand(q.mT, "a"), q.mT, torch.randn(2, 4, 128, 256),
@@ -347,7 +347,7 @@ def test_stack_strides(monkeypatch):
     p = torch.randn(2, 4, 128, 128)
     assert gemm._planned_stack(_array.operand(p.mT, "a"), p.mT, k, "highest", (2, 4)) is None
     monkeypatch.setattr(_loader, "device_cc", lambda dev: 80)
-    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest") == 1  # Hopper's wgmma only
+    assert gemm._one_launch(ao, a, torch.randn(2, 3, 64, 128), "highest")[0] == 1  # Hopper's wgmma only
 
 
 def test_stack_one_launch_only_where_batched_call_plans_it(monkeypatch):
@@ -361,7 +361,7 @@ def test_stack_one_launch_only_where_batched_call_plans_it(monkeypatch):
     monkeypatch.setattr(_loader, "sm_count", lambda dev: 132)
 
     def count(a, b):
-        return gemm._one_launch(_array.operand(a, "a"), a, b, "highest")
+        return gemm._one_launch(_array.operand(a, "a"), a, b, "highest")[0]
 
     assert count(torch.empty(1, 64, 128).expand(70000, 64, 128),
                  torch.empty(1, 128, 128).expand(70000, 128, 128)) == 1
