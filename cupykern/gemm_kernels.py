@@ -536,8 +536,15 @@ def tile_config(dtype: str, precision: str, device: int) -> dict:
 
 def stores_transposed(a, b, precision: str) -> bool:
     """Whether :func:`gemm_kernel` can compute ``a @ b.T`` with ``transposed_c``: Hopper's
-    TF32 / 3xTF32 kernel reading ``a`` transposed by TMA (split K or not)."""
-    return _choose(a, b, precision, True).a_mn
+    TF32 / 3xTF32 kernel reading ``a`` transposed by TMA (split K or not), as
+    :func:`reads_transposed_a` says."""
+    return reads_transposed_a(a, b, precision)
+
+
+def reads_transposed_a(a, b, precision: str) -> bool:
+    """Whether :func:`gemm_kernel` reads a transposed ``a`` of ``a @ b.T`` in place by TMA
+    (M-major boxes; Hopper's TF32 / 3xTF32 kernel, ``b`` K-major)."""
+    return _choose(a, b, precision).a_mn
 
 
 def transpose_kernel(dtype: str, device: int, rows: int, cols: int, ldd: int | None = None,

@@ -8,7 +8,8 @@ from ._array import (Operand, Place, cached_checked, contiguous, empty, launch_a
                      rows_2d, signature)
 from ._geometry import cdiv, vector_aligned
 from .gemm_checks import check_mm, reference
-from .gemm_kernels import gemm, gemm_call, gemm_kernel, layout, stores_transposed, transpose_kernel, workspace
+from .gemm_kernels import (gemm, gemm_call, gemm_kernel, layout, reads_transposed_a, stores_transposed,
+                           transpose_kernel, workspace)
 
 _mm_plans: dict = {}  # (signatures, precision) -> run(a, b), or None
 
@@ -95,12 +96,17 @@ class Product:
 def planned_gemm(a, b, work: int, precision: str, shape):
     """The :class:`Product` of a new array of ``shape`` (rows of N) holding ``a @ b.T
     (+ bias)`` for 2-D Operands like ``a`` and ``b`` in a product of ``work``
-    multiply-adds: their copies (:func:`_planned_read`), the GEMM and its split K, as
-    launches with their sizes fixed. None where an operand needs a general copy."""
-    reads = [_planned_read(o, work) for o in (a, b)]
-    if None in reads:
+    multiply-adds: their copies (:func:`_planned_read`; a transposed ``a`` is read in
+    place where the kernel loads it by TMA, :func:`_tma_reads_a`), the GEMM and its split
+    K, as launches with their sizes fixed. None where an operand needs a general copy."""
+    read_b = _planned_read(b, work)
+    if read_b is None:
         return None
-    (a, copy_a), (b, copy_b) = reads
+    b, copy_b = read_b
+    read_a = (a, None) if _tma_reads_a(a, b, work, precision) else _planned_read(a, work)
+    if read_a is None:
+        return None
+    a, copy_a = read_a
     kernel, place = gemm_kernel(a, b, precision), Place(a)
     call, ptr = gemm_call(kernel, a, b, b.shape[0]), place.ptr
 
@@ -115,6 +121,15 @@ def planned_gemm(a, b, work: int, precision: str, shape):
         return out
 
     return Product(place, stage)
+
+
+def _tma_reads_a(a, b, work: int, precision: str) -> bool:
+    """Whether a transposed ``a`` of ``a @ b.T`` that :func:`read_mode` would copy is read
+    in place instead: Hopper's TF32 / 3xTF32 kernel loads it by TMA (M-major boxes) where
+    ``b``, as the GEMM reads it (after its copy), is K-major: dW = dy^T @ x then copies
+    x's transpose alone, not dy's too (the TMA read of a transposed A runs as fast as
+    its copy's K-major one, or faster: see :func:`_swaps`)."""
+    return read_mode(a, work)[0] == "transpose" and reads_transposed_a(a, b, precision)
 
 
 def _swaps(a, b, work: int, precision: str) -> bool:

@@ -265,6 +265,24 @@ def test_dx_reads_w_in_place_on_hopper(launches):
     assert raw[1][3][0] == raw[0][3][2] != raw[1][3][4]
 
 
+def test_dw_copies_only_x_on_hopper(launches):
+    """mm(dy^T, x), linear's dW, where copying a transposed operand pays: on Hopper the GEMM
+    reads dy's own storage as its transposed A by TMA, so only x's transpose (its B) is
+    copied; elsewhere both are."""
+    dy, x = torch.randn(512, 256), torch.randn(512, 384)
+    cupykern.gemm_operands.mm(dy.t(), x, "highest")
+    log = _named(launches, [dy, x])
+    copied = [args[0] for fn, _, _, args, _ in log if fn.startswith("transpose_copy")]
+    if _loader.device_cc(0) != 90:
+        assert sorted(copied) == [0, 1]
+        return
+    assert copied == [1]
+    gemm = next(launch for launch in log if launch[0].startswith("gemm_wgmma"))
+    assert gemm[0].startswith("gemm_wgmma<float, 0, true, false, false, 64,")  # TA by TMA
+    assert gemm[3][:2] == (0, ("new", 0))  # A: dy itself; B: x's copy
+    assert gemm[3][3:6] == (256, 384, 512)  # M, N, K
+
+
 @pytest.mark.parametrize("dtype, ctype, map_type", [("float16", "half_t", _tma.FLOAT16),
                                                      ("bfloat16", "bf16_t", _tma.BFLOAT16)])
 def test_16_bit_aligned_products_choose_wgmma_on_hopper(monkeypatch, dtype, ctype, map_type):
