@@ -406,7 +406,8 @@ def _param_array(arena, fmt: str) -> int:
     return params.ctypes.data
 
 
-_API = None  # CuPy's getDevice, setDevice, ctxGetCurrent, launchKernel, memsetAsync, bound once
+_API = None  # CuPy's getDevice, setDevice, ctxGetCurrent, launchKernel, memsetAsync,
+# launchCooperativeKernel, bound once
 
 
 def _api():
@@ -414,12 +415,13 @@ def _api():
     if _API is None:  # (one assignment: threads racing here bind the same tuple)
         cuda = _loader.cupy().cuda
         _API = (cuda.runtime.getDevice, cuda.runtime.setDevice, cuda.driver.ctxGetCurrent,
-                cuda.driver.launchKernel, cuda.runtime.memsetAsync)
+                cuda.driver.launchKernel, cuda.runtime.memsetAsync,
+                cuda.driver.launchCooperativeKernel)
     return _API
 
 
-def _launch_calls(calls, stream: int, zero=()) -> None:
-    get_device, set_device, ctx_current, launch, memset = _API
+def _launch_calls(calls, stream: int, zero=(), cooperative=False) -> None:
+    get_device, set_device, ctx_current, launch, memset, launch_cooperative = _API
     if not ctx_current():  # a thread's first launch: make the device's primary context current
         set_device(get_device())
     for ptr, nbytes in zero:
@@ -435,16 +437,21 @@ def _launch_calls(calls, stream: int, zero=()) -> None:
             fmt = _KERNEL_FORMATS[fn] = _format(tuple(map(type, args)))
         params = by_format.get(fmt) or _param_array(arena, fmt)
         pack(fmt, buf, 0, *args)
-        launch(fn.ptr, *grid, *_PAD[len(grid)], *block, *_PAD[len(block)], smem, stream, params, 0)
+        dims = (*grid, *_PAD[len(grid)], *block, *_PAD[len(block)], smem, stream, params)
+        if cooperative:
+            launch_cooperative(fn.ptr, *dims)
+        else:
+            launch(fn.ptr, *dims, 0)
 
 
-def launch_all(a, calls, zero=()) -> None:
+def launch_all(a, calls, zero=(), cooperative=False) -> None:
     """Launch each ``(fn, grid, block, args, shared_mem)`` in order on ``a``'s device and
     current stream, looked up once, after zeroing each ``(pointer, bytes)`` of ``zero``
     there. ``args``: pointers and ``long long`` as Python ints, other scalars from
-    :func:`scalar`."""
+    :func:`scalar`. ``cooperative``: as cooperative launches (every CTA of a grid resident
+    at once; the driver refuses a grid that cannot be)."""
     with _on(a.device):  # (CuPy's current stream is per device)
-        _launch_calls(calls, stream_ptr(a), zero)
+        _launch_calls(calls, stream_ptr(a), zero, cooperative)
 
 
 class Place:

@@ -109,6 +109,12 @@ def sm_count(device: int) -> int:
     return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_per_block(device: int) -> int:
+    """The most shared memory one CTA may have (bytes, opted in): 227 KB on Hopper."""
+    return int(cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def function(filename: str, expr: str, device: int, dynamic_smem: int = 0):
     """The launchable ``cupy.cuda.function.Function`` for one instantiation.
 

@@ -7,7 +7,10 @@ registers between the reduction and the scaling, so x is read from DRAM once and
 written once (copy-bandwidth bound); the next row loads into shared memory meanwhile.
 Long rows, and few rows (kernels_cu/normalize_long.cu): chunks of every row spread over
 all SMs, two passes (x read twice; the second read hits L2 where x fits it). Every
-family has a fused backward, and adds in a fixed order (deterministic).
+family has a fused backward, and adds in a fixed order (deterministic). Few rows forward
+(kernels_cu/normalize_resident.cu): one cooperative launch, a chunk a CTA, each chunk's
+front kept on chip while the row's CTAs exchange their sums, so x is read once where
+the chip holds it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, 
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE, _SHORT_FILE, _LONG_FILE = "normalize.cu", "normalize_short.cu", "normalize_long.cu"
+_RESIDENT_FILE = "normalize_resident.cu"
 P = {"l1": 1, "l2": 2}
 
 # ---- The dispatcher: which kernel family a geometry gets (_route), in this order.
@@ -42,6 +46,21 @@ P = {"l1": 1, "l2": 2}
 #    same run). A one-pass kernel (each chunk written a fixed number of chunks after its
 #    read, 9fcba98) was slower at every shape (8x4194304 float32 113.8-127.6 us against
 #    114.4; 3x2000001 24.0-26.4 against 20.4): see docs/performance.md.
+# 4. Of those, forward, 2 to RESIDENT_MAX_ROWS rows of at least RESIDENT_MIN_BYTES: one
+#    cooperative launch (normalize_resident.cu), each chunk's front kept on chip (352 KB an
+#    SM: 46 MB on an H200), the rest re-read from L2 where it still holds it. H200, GPU
+#    time (graph replay), two-pass against this, us (clone's): 8x1048576 float32 25.2
+#    against 21.5 (17.4); 4x4194304 float32 54.1 / 42.8 (33.6); 8x4194304 bfloat16 54.8 /
+#    44.5 (33.6); 11x2312175 float32 87.8 / 78.5 (75.8); 7x3381554 79.4 / 75.6 (71.6);
+#    8x4194304 float32 107.0 / 99.3 (64.7). Not taken: one row, whose CTAs all wait for
+#    the slowest (1x33554432 float32 107.5 against 111.8), and less than 32 MB, where its
+#    counters' memset, the CTAs' exchange and one CTA an SM cost more than a second read
+#    (1x4194304 float32 11.2 against 12.1; 4x2097152 bfloat16 11.8 against 13.4; host
+#    included, one launch fewer: 21.3 against 17.0, 21.9 against 17.8). At most 16 rows:
+#    a row takes sms // nrows CTAs, so more rows leave more SMs idle (timed: 4 to 11 rows,
+#    0 to 6 of 132 SMs idle).
+RESIDENT_MIN_BYTES = 2**25
+RESIDENT_MAX_ROWS = 16
 SHORT_MAX_VECTORS = 256
 # The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
 # (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
@@ -111,6 +130,14 @@ _ROWS_PER_CLUSTER = 4  # each cluster walks ~4 rows: its next row loads while it
 # Chunked two-pass kernels: THREADS per CTA, UNROLL vectors in flight per thread; about
 # ITEMS_PER_SM (row, chunk) items per SM, each at least MIN_CHUNK vectors (see 3. above).
 _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
+# Few rows, forward (4. above), per item size: (THREADS, REGS 16-byte vectors a thread
+# kept in registers, UNROLL vectors in flight a thread), one CTA an SM. sm_90 ptxas: 115-126
+# registers a thread, no spills (float64 from 8 vectors on spills: its division's
+# registers). H200, GPU us, (512, 16, 4) / (512, 16, 8) / (1024, 8, 4): 4x4194304 float32
+# 42.8 / 43.8 / 46.5 (without L2 priorities); 8x4194304 bfloat16 44.5 / 45.2 / 50.0 (same);
+# (512, 24, 4) spills (50.9 us at 4x4194304 float32).
+RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
+RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
 
 
 def _kernel_of(cfg) -> tuple:
@@ -151,6 +178,11 @@ def _chunk_exprs(p, dtype, bwd):
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
 
 
+def _resident_expr(p, dtype, cfg):
+    threads, regs, unroll = cfg
+    return f"normalize_resident<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}>"
+
+
 def _short_table(itemsize: int):
     """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units):
     the forward's and the backward's (each direction compiles and accepts all of them)."""
@@ -168,6 +200,8 @@ for _p in P.values():
         for _bwd in (False, True):
             _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
             _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
+        _loader.register(_RESIDENT_FILE, [_resident_expr(_p, _dt, c)
+                                          for c in (RESIDENT[_isz],) + RESIDENT_TUNING])
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -185,7 +219,10 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             capacity C*T*V holds a row; (0, G, UNITS, ROWS, vector units) for the
             short-row kernel (:data:`SHORT_VECTOR`, :data:`SHORT_SCALAR` of x's item
             size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
-            two-pass kernel with chunks of VC 16-byte vectors. ``None`` (default): the
+            two-pass kernel with chunks of VC 16-byte vectors; (-2,) or (-2, THREADS, REGS,
+            UNROLL) (:data:`RESIDENT` of x's item size, :data:`RESIDENT_TUNING`) for the
+            few-rows kernel
+            (at most one row an SM; forward only). ``None`` (default): the
             dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
@@ -272,6 +309,14 @@ def _require_config(config, dtype, backward=False):
     if len(config) == 2 and config[0] == -1:
         if config[1] < 1:
             raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
+        return
+    if config[:1] == (-2,):
+        if backward:
+            raise ValueError(f"config: {config}, the few-rows kernel, computes the forward only")
+        known = (RESIDENT[ITEMSIZE[dtype]],) + RESIDENT_TUNING
+        if config[1:] and config[1:] not in known:
+            raise ValueError(f"config: {config} is not (-2,) or one of the few-rows "
+                             f"configurations (-2, THREADS, REGS, UNROLL) of {dtype}: {known}")
         return
     if len(config) == 5 and config[0] == 0:
         table = _short_table(ITEMSIZE[dtype])
@@ -392,12 +437,18 @@ def _pick_short(ncols: int, dtype: str, backward=False):
 
 def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
     """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
-    configuration, or ``(-1, VC)`` (chunked), per the table at the top of this module."""
+    configuration, ``(-2,)`` (few rows, forward) or ``(-1, VC)`` (chunked), per the table
+    at the top of this module."""
     short = _pick_short(ncols, dtype, backward)
     if short is not None:
         return (0,) + short
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
-    return (-1, _chunk_vectors(nrows, ncols, dtype, sms)) if cfg is None else cfg
+    if cfg is not None:
+        return cfg
+    if (not backward and 2 <= nrows <= min(RESIDENT_MAX_ROWS, sms)
+            and nrows * ncols * ITEMSIZE[dtype] >= RESIDENT_MIN_BYTES):
+        return (-2,)
+    return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:
@@ -419,7 +470,7 @@ def _clusters(cfg, nrows: int, device: int) -> int:
 def _check_capacity(cfg, ncols: int, dtype: str) -> None:
     """ValueError unless a configuration holds a whole row (only a given config can be
     short: the dispatcher picks one that holds it)."""
-    if cfg[0] == -1:
+    if cfg[0] in (-1, -2):
         return
     if cfg[0] == 0:
         need = _row_vectors(ncols, dtype) if cfg[4] else ncols
@@ -461,6 +512,8 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
                            (k2, grid, block, (x, dy, pp, y, nrows, ncols, xs, gs, ys, vc, nchunks), 0)))
 
         return chunked
+    if cfg[0] == -2:
+        return _resident(src, p, nrows, ncols, xs, ys, cfg[1:] or RESIDENT[ITEMSIZE[dt]])
     smem = _staging(cfg, 2 if backward else 1)
     expr = (_backward_expr if backward else _cluster_expr)(p, dt, cfg)
     fn = _loader.function(_FILE, expr, dev, smem)
@@ -468,6 +521,34 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
     if backward:
         return lambda a, x, dy, y: launch(a, fn, grid, block, (x, dy, y, nrows, ncols, xs, gs, ys), smem)
     return lambda a, x, dy, y: launch(a, fn, grid, block, (x, y, nrows, ncols, xs, ys), smem)
+
+
+def _resident(src, p, nrows, ncols, xs, ys, cfg):
+    """``go(place, x, dy, out)`` for the few-rows kernel (forward; dy unused): a cooperative
+    launch of ``sms // nrows`` CTAs a row, each one chunk, its front kept on chip (REGS
+    vectors a thread, then as much shared memory as the chunk needs and a CTA may have)."""
+    threads, regs, unroll = cfg
+    dt, dev = src.dtype, src.device
+    sms = _loader.sm_count(dev)
+    if nrows > sms:
+        raise ValueError(f"config: the few-rows kernel takes at most {sms} rows (one a CTA, "
+                         f"a CTA an SM), got {nrows}")
+    smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
+    fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg), dev, smem_max)
+    cpr = sms // nrows
+    vc = max(1, cdiv(_row_vectors(ncols, dt), cpr))
+    held = min(smem_max // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
+    grid, acc = nrows * cpr, acc_dtype(dt)
+
+    def resident(a, x, dy, y):
+        work = empty(a, (grid + nrows,), acc)  # the chunks' sums, then a counter a row
+        sums = data_ptr(work)
+        counters = sums + grid * ITEMSIZE[acc]
+        launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, vc, cpr,
+                                                   held), held * 16),),
+                   zero=((counters, 4 * nrows),), cooperative=True)
+
+    return resident
 
 
 def _plan(src, xs, ys, p, config=None):

@@ -6,30 +6,6 @@
 // pass 1 ended). Forward and fused backward (formula: Grad) in one pair of kernels.
 #include "normalize.cuh"
 
-// The vectors of item `item`'s chunk: [v0, v1) of its row's 16-byte vectors (RowSplit's
-// grid); chunk 0 also takes the row's head and tail scalars. Chunks are VC vectors.
-struct Chunk {
-  long long row, k, v0, v1;
-  __device__ __forceinline__ Chunk(long long item, long long nchunks, long long vc, long long nvec) {
-    row = item / nchunks, k = item % nchunks;
-    v0 = k * vc;
-    v1 = min(v0 + vc, nvec);
-  }
-  // Loads the UNROLL vectors of x (and, BWD, dy) at v, v + THREADS, ... that lie in the chunk.
-  template <int THREADS, int UNROLL, bool BWD, typename T>
-  __device__ __forceinline__ void load(Vec16<T> (&b)[UNROLL], Vec16<T> (&g)[BWD ? UNROLL : 1],
-                                       const T* xr, const T* gr, int head, long long v) const {
-#pragma unroll
-    for (int i = 0; i < UNROLL; ++i) {
-      const long long w = v + (long long)i * THREADS;
-      if (w < v1) {
-        b[i].u = ld_global_nc_v4(xr + head + w * Vec16<T>::N);
-        if constexpr (BWD) g[i].u = ld_global_nc_v4(gr + head + w * Vec16<T>::N);
-      }
-    }
-  }
-};
-
 // Pass 1: K = 1 (+1 for BWD) partial sums per item, at partial[item * K + j]: the
 // norm terms, and (BWD) dy . x. Grid-stride over the items; UNROLL vectors in flight per
 // thread. Rows of x and dy start alike modulo 16 bytes (the caller checks it).

@@ -541,7 +541,10 @@ ROUTES = [
     ((2, 140001, "float32"), (-1, 1024)),  # 35000 vectors: no cluster holds it
     ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
     ((3, 2000001, "float32"), (-1, 1421)),
-    ((8, 4194304, "float32"), (-1, 7944)),
+    ((8, 4194304, "float32"), (-2,)),  # 2 to 16 rows of >= 32 MB: the few-rows kernel
+    ((16, 2097152, "float32"), (-2,)),
+    ((17, 2097152, "float32"), (-1, 8323)),
+    ((1, 2**24, "float32"), (-1, 3972)),  # (one row: two passes)
     ((100, 200000, "float32"), (-1, 4546)),  # longer than any cluster holds
 ]
 
@@ -550,7 +553,9 @@ ROUTES = [
 def test_normalize_dispatcher_table(geometry, want):
     nz = sys.modules["cupykern.normalize"]
     assert nz._route(*geometry, 90, 132) == want
-    family = min(want[0], 1)  # -1 chunked, 0 short rows, 1 clusters (the backward's own sizes)
+    # -1 chunked (the few-rows kernel's backward too), 0 short rows, 1 clusters (the
+    # backward's own sizes)
+    family = min(max(want[0], -1), 1)
     backward = nz._route(*geometry, 90, 132, backward=True)
     if want[0] == 0 and want[4] and nz._row_vectors(*geometry[1:]) > 128:
         assert backward == (1, 128, 4, False)  # the backward's short rows end at 128 vectors

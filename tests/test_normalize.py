@@ -308,8 +308,8 @@ def test_rows_walked_by_each_cluster(config):
                                atol=TOL[torch.float32] * scale)
 
 
-@pytest.mark.parametrize("config", [(8, 256, 8, True, 16, 1), (8, 256), (8, 256, 8, True, 0)],
-                         ids=str)
+@pytest.mark.parametrize("config", [(8, 256, 8, True, 16, 1), (8, 256), (8, 256, 8, True, 0),
+                                    (-2, 512, 3, 4)], ids=str)
 def test_malformed_config_is_a_value_error(config):
     """A tuning config of the wrong length, or with fewer than one row per cluster, is
     refused by the forward and the fused backward alike (before any GPU work)."""
@@ -319,6 +319,24 @@ def test_malformed_config_is_a_value_error(config):
         cupykern.l2_normalize(x, config=config)
     with pytest.raises(ValueError, match="config: "):
         core.normalize_backward(x, x, 2, 1, config)
+
+
+def test_few_rows_kernel_is_routed_forward_only():
+    """Few rows too long for a cluster: the few-rows kernel forward (2 to 16 rows, at most
+    one an SM, of at least 32 MB), the chunked two-pass kernels backward and for the
+    rest; a given (-2,) config is refused for the backward, before any GPU work."""
+    core = _core()
+    assert core._route(8, 4194304, "float32", 90, 132) == (-2,)
+    assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
+    assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
+    assert core._route(4, 2**22, "float32", 90, 3)[0] == -1  # (more rows than SMs)
+    assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
+    assert core._route(1, 2**24, "float32", 90, 132)[0] == -1  # (one row)
+    assert core._route(2, 2**22 - 4, "float32", 90, 132)[0] == -1  # (under 32 MB)
+    assert core._route(8, 65535, "float32", 90, 132)[0] > 0  # (a cluster holds the row)
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="forward only"):
+        core.normalize_backward(x, x, 2, 1, (-2,))
 
 
 def _grad64(x, g, kind):
@@ -498,6 +516,79 @@ def test_chunked_rows_edges(dtype):
             _check_offset_rows(x, kind, dtype, (-1, vc), f"{kind} ncols {ncols} offset")
 
 
+def _few_rows_shapes(dtype):
+    """(nrows, ncols) for the few-rows kernel on 132 SMs: chunks within a thread's registers,
+    into shared memory, past what the chip holds (the rest re-read); one row an SM."""
+    n = 16 // dtype.itemsize
+    return [(1, 1), (1, 7), (2, 33), (5, 1001), (1, 2**18 * n + 3), (132, 1024 * n + 5),
+            (3, 2**20 * n + 5), (1, 2**22 * n + 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_few_rows_kernel_edges(dtype):
+    """The few-rows kernel (one cooperative launch, each chunk's front kept on chip) and its
+    tuning configurations, against PyTorch: rows from one element to 2**22 vectors, on
+    contiguous rows, rows off 16-byte boundaries (head and tail scalars) and in place;
+    bit-identical on a second run."""
+    core = _core()
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    configs = [(-2,)] + [(-2,) + c for c in core.RESIDENT_TUNING]
+    for shape in _few_rows_shapes(dtype):
+        x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        x[0, -1] = 1  # (a row of one element, not zero: bit-identical compares no nan)
+        for kind in FUNCS:
+            what = f"{kind} {shape}"
+            want = torch_ref(x, kind)
+            for cfg in configs if shape[1] < 2**20 else configs[:1]:
+                y = FUNCS[kind](x, config=cfg)
+                assert_matches(y, want, dtype)
+                assert torch.equal(FUNCS[kind](x, config=cfg), y), f"{what} {cfg}"
+            _check_offset_rows(x, kind, dtype, (-2,), f"{what} offset")
+            y, xi = FUNCS[kind](x, config=(-2,)), x.clone()
+            assert FUNCS[kind](xi, out=xi, config=(-2,)) is xi
+            assert torch.equal(xi, y), f"{what} in place"
+        del x, xi, y, want
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match="at most"):
+        cupykern.l2_normalize(torch.ones(sms + 1, 64, device="cuda", dtype=dtype), config=(-2,))
+
+
+@pytest.mark.gpu
+def test_few_rows_kernel_in_a_cuda_graph_and_on_two_streams():
+    """The few-rows kernel's cooperative launch, its zeroed counters and its workspace
+    captured in a CUDA graph and replayed on new values; and calls on two streams at once
+    (each launch's CTAs all resident: no hang), each result as on one stream."""
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    x = torch.randn(3, 2**22 + 3, device="cuda", generator=gen)
+    assert _core()._route(3, 2**22 + 3, "float32", 90, 132) == (-2,)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cupykern.l2_normalize(x)  # (warm: plans and compiles outside the capture)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cupykern.l2_normalize(x)
+    for _ in range(2):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        graph.replay()
+        assert_matches(y, torch_ref(x, "l2"), torch.float32)
+    xs = [torch.randn(5, 2**21 + 1, device="cuda", generator=gen) for _ in range(2)]
+    want = [cupykern.l1_normalize(v) for v in xs]
+    streams = [torch.cuda.Stream() for _ in xs]
+    got = [[] for _ in xs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(4):
+        for v, s, out in zip(xs, streams, got):
+            with torch.cuda.stream(s):
+                out.append(cupykern.l1_normalize(v))
+    torch.cuda.synchronize()
+    for w, outs in zip(want, got):
+        assert all(torch.equal(o, w) for o in outs)
+
+
 ROUTED = [(4096, 7), (2049, 5), (1000, 33), (513, 64), (300, 255), (100, 300), (64, 1024),
           (40, 1025), (3, 100000), (2, 140001), (1, 2**20 + 3), (2, 65535)]
 
@@ -521,7 +612,7 @@ def test_dispatched_shapes_forward_backward(shape, dtype):
 @pytest.mark.parametrize("ncols", [1, 7, 33, 300, 140001], ids=str)
 def test_special_rows_in_every_family(kind, ncols):
     """Zero, inf, nan and overflowing rows as PyTorch gives them, forward and backward, in
-    the short-row (1, 7, 33, 300) and chunked (140001) kernels."""
+    the short-row (1, 7, 33, 300) and chunked (140001: also the few-rows) kernels."""
     x = torch.rand(6, ncols, device="cuda")
     g = torch.randn(6, ncols, device="cuda")
     # Known limitation (README): L1's fused backward forms g * x, which overflows to nan
@@ -535,6 +626,8 @@ def test_special_rows_in_every_family(kind, ncols):
     x[4] = 3e38
     x[5] = 1e-30
     assert_matches(FUNCS[kind](x), torch_ref(x, kind), torch.float32)
+    if ncols == 140001:  # (and the few-rows kernel's forward)
+        assert_matches(FUNCS[kind](x, config=(-2,)), torch_ref(x, kind), torch.float32)
     xr = x.clone().requires_grad_()
     (got,) = torch.autograd.grad(FUNCS[kind](xr), xr, g)
     (want,) = torch.autograd.grad(torch_ref(xr, kind), xr, g)
@@ -545,7 +638,7 @@ def test_special_rows_in_every_family(kind, ncols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, "scalar", (0, 8, 1, 4, True), (0, 32, 8, 1, True),
-                                    (1, 128, 4), (-1, 3)], ids=str)
+                                    (1, 128, 4), (-1, 3), (-2,)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_nothing_written_outside_the_view(config, dtype):
     """x and out inside nan-filled buffers (rows of a wider array, one element past a
@@ -556,7 +649,7 @@ def test_nothing_written_outside_the_view(config, dtype):
     if config == "scalar":
         config = (0,) + _core().SHORT_SCALAR[dtype.itemsize][0] + (False,)
     ncols = {None: 37, (0, 8, 1, 4, True): 30, (0, 32, 8, 1, True): 1000, (1, 128, 4): 1500,
-             (-1, 3): 1001}.get(config, 7)
+             (-1, 3): 1001, (-2,): 1001}.get(config, 7)
     shape = (70, ncols)
     lay = Layout.make(shape, pads=(0, 5), misalign=1)
     vals = torch.randn(shape, dtype=torch.float64).to(dtype)
