@@ -133,9 +133,9 @@ _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 # Few rows, forward (4. above), per item size: (THREADS, REGS 16-byte vectors a thread
 # kept in registers, UNROLL vectors in flight a thread), one CTA an SM. sm_90 ptxas: 115-126
 # registers a thread, no spills (float64 from 8 vectors on spills: its division's
-# registers). H200, GPU us, (512, 16, 4) / (512, 16, 8) / (1024, 8, 4): 4x4194304 float32
-# 42.8 / 43.8 / 46.5 (without L2 priorities); 8x4194304 bfloat16 44.5 / 45.2 / 50.0 (same);
-# (512, 24, 4) spills (50.9 us at 4x4194304 float32).
+# registers). H200, GPU us, (512, 16, 4) / (512, 16, 8) / (1024, 8, 4) (the last without
+# the kernel's L2 priorities): 4x4194304 float32 42.8 / 43.8 / 46.5; 8x4194304 bfloat16
+# 44.5 / 45.2 / 50.0. (512, 24, 4) spills (50.9 us at 4x4194304 float32, no priorities).
 RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
 RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
 
@@ -221,9 +221,8 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
             two-pass kernel with chunks of VC 16-byte vectors; (-2,) or (-2, THREADS, REGS,
             UNROLL) (:data:`RESIDENT` of x's item size, :data:`RESIDENT_TUNING`) for the
-            few-rows kernel
-            (at most one row an SM; forward only). ``None`` (default): the
-            dispatcher's choice (see ``_route``).
+            few-rows kernel (at most one row an SM; forward only). ``None`` (default):
+            the dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
     torch's current stream). torch tensors go through the custom op
