@@ -96,12 +96,16 @@ normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict
 #pragma unroll
   for (int r = 0; r < REGS; ++r)
     if (ch.v0 + (long long)r * THREADS + tid < ch.v1) add(reg[r]);
-  for (long long v = rest0 + tid; v < ch.v1; v += STEP) {
-    V b[UNROLL];
+  // UNROLL vectors of the rest at v, v + THREADS, ... (those in the chunk)
+  auto load_rest = [&](V (&b)[UNROLL], long long v, unsigned long long priority) {
 #pragma unroll
     for (int i = 0; i < UNROLL; ++i)
       if (v + (long long)i * THREADS < ch.v1)
-        b[i].u = load_v4(xr + rs.head + (v + (long long)i * THREADS) * N, policy.last);
+        b[i].u = load_v4(xr + rs.head + (v + (long long)i * THREADS) * N, priority);
+  };
+  for (long long v = rest0 + tid; v < ch.v1; v += STEP) {
+    V b[UNROLL];
+    load_rest(b, v, policy.last);
 #pragma unroll
     for (int i = 0; i < UNROLL; ++i)
       if (v + (long long)i * THREADS < ch.v1) add(b[i]);
@@ -138,10 +142,7 @@ normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict
     for (long long step = (ch.v1 - rest0 + STEP - 1) / STEP - 1; step >= 0; --step) {
       const long long v = rest0 + step * STEP + tid;
       V b[UNROLL];
-#pragma unroll
-      for (int i = 0; i < UNROLL; ++i)
-        if (v + (long long)i * THREADS < ch.v1)
-          b[i].u = load_v4(xr + rs.head + (v + (long long)i * THREADS) * N, policy.first);
+      load_rest(b, v, policy.first);
 #pragma unroll
       for (int i = 0; i < UNROLL; ++i) {
         const long long w = v + (long long)i * THREADS;
