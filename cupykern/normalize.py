@@ -52,8 +52,10 @@ P = {"l1": 1, "l2": 2}
 #    time (graph replay), two-pass against this, us (clone's): 8x1048576 float32 25.2
 #    against 21.5 (17.4); 4x4194304 float32 54.1 / 42.8 (33.6); 8x4194304 bfloat16 54.8 /
 #    44.5 (33.6); 11x2312175 float32 87.8 / 78.5 (75.8); 7x3381554 79.4 / 75.6 (71.6);
-#    8x4194304 float32 107.0 / 99.3 (64.7). Not taken: one row, whose CTAs all wait for
-#    the slowest (1x33554432 float32 107.5 against 111.8), and less than 32 MB, where its
+#    8x4194304 float32 107.0 / 99.3 (64.7); 2x16777216 float32 107.6 / 98.6 (64.1;
+#    torch.compile 98.8); 4x8388608 107.8 / 98.1; 3x8388608 82.0 / 70.4 (49.4; compile
+#    80.1). Not taken: one row, whose CTAs all wait for the slowest (1x33554432 float32
+#    107.5 against 111.8), and less than 32 MB, where its
 #    counters' memset, the CTAs' exchange and one CTA an SM cost more than a second read
 #    (1x4194304 float32 11.2 against 12.1; 4x2097152 bfloat16 11.8 against 13.4; host
 #    included, one launch fewer: 21.3 against 17.0, 21.9 against 17.8). At most 16 rows:
@@ -61,6 +63,7 @@ P = {"l1": 1, "l2": 2}
 #    0 to 6 of 132 SMs idle).
 RESIDENT_MIN_BYTES = 2**25
 RESIDENT_MAX_ROWS = 16
+_COOPERATIVE_LAUNCH_TOO_LARGE = 720  # (CUresult: a grid larger than can be resident)
 SHORT_MAX_VECTORS = 256
 # The backward holds x and dy: up to 128 vectors a row. H200 GPU time, float32: 65536x512
 # (128 vectors) 103 us with (32, 4, 1) against 128 for a CTA per row; 16384x1024 (256) 74
@@ -138,6 +141,11 @@ _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 # 44.5 / 45.2 / 50.0. (512, 24, 4) spills (50.9 us at 4x4194304 float32, no priorities).
 RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
 RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
+# A few-rows chunk is a whole number of 128-byte lines (8 vectors), so that no line is
+# split between two CTAs. H200, GPU time, chunks of any vector count against whole lines:
+# 2x16777216 float32 112.1 against 98.6 us, 4x8388608 111.3 / 98.1, 3x8388608 78.2 / 70.4
+# (rows whose chunks were already whole lines, such as 8x4194304, unchanged: 99.0 / 99.4).
+RESIDENT_CHUNK_VECTORS = 8
 
 
 def _kernel_of(cfg) -> tuple:
@@ -535,17 +543,32 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
     smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
     fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg), dev, smem_max)
     cpr = sms // nrows
-    vc = max(1, cdiv(_row_vectors(ncols, dt), cpr))
+    line = RESIDENT_CHUNK_VECTORS
+    vc = line * cdiv(max(1, _row_vectors(ncols, dt)), cpr * line)
     held = min(smem_max // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
     grid, acc = nrows * cpr, acc_dtype(dt)
+    place = Place(src)  # (what the two-pass fallback is planned from: no array kept)
+    two_pass = []  # the chunked launcher, once the driver has refused this grid
 
     def resident(a, x, dy, y):
+        if two_pass:
+            return two_pass[0](a, x, dy, y)
         work = empty(a, (grid + nrows,), acc)  # the chunks' sums, then a counter a row
         sums = data_ptr(work)
         counters = sums + grid * ITEMSIZE[acc]
-        launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, vc, cpr,
-                                                   held), held * 16),),
-                   zero=((counters, 4 * nrows),), cooperative=True)
+        try:
+            launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, vc,
+                                                       cpr, held), held * 16),),
+                       zero=((counters, 4 * nrows),), cooperative=True)
+        except _loader.cupy().cuda.driver.CUDADriverError as exc:
+            # Fewer SMs than the device counts are this process's (an MPS client's share,
+            # a green context): the grid cannot be resident at once. The two-pass kernels
+            # compute the same, for this plan's later calls too.
+            if exc.status != _COOPERATIVE_LAUNCH_TOO_LARGE:
+                raise
+            cfg = (-1, _chunk_vectors(nrows, ncols, dt, sms))
+            two_pass.append(_launcher(place, p, nrows, ncols, (xs, 0, ys), cfg, False))
+            two_pass[0](a, x, dy, y)
 
     return resident
 

@@ -192,10 +192,11 @@ def run_normalize():
 
 
 def run_normalize_rows():
-    """The short-row and chunked kernel families (forward and fused backward) with forced
-    configurations: chunks of 3 vectors (a partial last chunk) and every short-row
-    configuration at its capacity and shorter rows, on rows of odd lengths (head and tail
-    scalars differ row to row)."""
+    """The short-row, chunked and few-rows kernel families (forward and fused backward;
+    few-rows: forward) with forced configurations: chunks of 3 vectors (a partial last
+    chunk), the few-rows kernel's chunks from a few vectors to more than the chip holds,
+    and every short-row configuration at its capacity and shorter rows, on rows of odd
+    lengths (head and tail scalars differ row to row)."""
     for dtype in DTYPES:
         isz = dtype.itemsize
         per_vec = 16 // isz
@@ -207,9 +208,19 @@ def run_normalize_rows():
                 gy = dev(randn(3, ncols, seed=13), dtype)
                 check(f"{tag} chunks of 3 ncols {ncols}", fn(x, config=(-1, 3)),
                       norm_ref(host(x), kind), t)
+                check(f"{tag} few rows ncols {ncols}", fn(x, config=(-2,)),
+                      norm_ref(host(x), kind), t)
                 dx, scale = grad_ref(host(x), host(gy), kind)
                 check(f"{tag} backward chunks of 3 ncols {ncols}",
                       nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
+            # the few-rows kernel, a CTA a row: chunks held in registers and shared memory,
+            # and longer than the chip holds (the rest re-read)
+            threads, regs, _ = nz.RESIDENT[isz]
+            smem = (cupykern._loader.max_shared_per_block(0) - 1024) // 16
+            for vectors in (regs * threads + 1000, (regs + smem // threads) * threads + 1000):
+                x = dev(randn(cupykern._loader.sm_count(0), per_vec * vectors + 3, seed=16), dtype)
+                check(f"{tag} few rows {vectors} vectors", fn(x, config=(-2,)),
+                      norm_ref(host(x), kind), t)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):
                 g, units, rows, vec = cfg

@@ -589,6 +589,33 @@ def test_few_rows_kernel_in_a_cuda_graph_and_on_two_streams():
         assert all(torch.equal(o, w) for o in outs)
 
 
+@pytest.mark.gpu
+def test_few_rows_kernel_falls_back_where_its_grid_cannot_be_resident(monkeypatch):
+    """Where the driver refuses the cooperative grid (too few SMs are the process's: an MPS
+    client's share, a green context), the call runs the two-pass kernels instead: their
+    very results, and later calls of that plan go to them without trying again."""
+    import cupy
+    from cupykern import _array
+    core = _core()
+    api = _array._api()
+    refused = []
+
+    def refuse(*args):
+        refused.append(args)
+        raise cupy.cuda.driver.CUDADriverError(core._COOPERATIVE_LAUNCH_TOO_LARGE)
+
+    x = torch.randn(2, 2**22 + 5, device="cuda", generator=torch.Generator(device="cuda").manual_seed(23))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    two_pass = (-1, core._chunk_vectors(2, x.shape[1], "float32", sms))
+    assert core._route(2, x.shape[1], "float32", 90, sms) == (-2,)
+    monkeypatch.setattr(_array, "_API", api[:5] + (refuse,))
+    for kind in FUNCS:
+        want = FUNCS[kind](x, config=two_pass)
+        for _ in range(2):
+            assert torch.equal(FUNCS[kind](x), want), kind
+    assert len(refused) == len(FUNCS)  # (one refusal a plan)
+
+
 ROUTED = [(4096, 7), (2049, 5), (1000, 33), (513, 64), (300, 255), (100, 300), (64, 1024),
           (40, 1025), (3, 100000), (2, 140001), (1, 2**20 + 3), (2, 65535)]
 
