@@ -46,22 +46,24 @@ P = {"l1": 1, "l2": 2}
 #    same run). A one-pass kernel (each chunk written a fixed number of chunks after its
 #    read, 9fcba98) was slower at every shape (8x4194304 float32 113.8-127.6 us against
 #    114.4; 3x2000001 24.0-26.4 against 20.4): see docs/performance.md.
-# 4. Of those, forward, 2 to RESIDENT_MAX_ROWS rows of at least RESIDENT_MIN_BYTES: one
-#    cooperative launch (normalize_resident.cu), each chunk's front kept on chip (352 KB an
-#    SM: 46 MB on an H200), the rest re-read from L2 where it still holds it. H200, GPU
-#    time (graph replay), two-pass against this, us (clone's): 8x1048576 float32 25.2
-#    against 21.5 (17.4); 4x4194304 float32 54.1 / 42.8 (33.6); 8x4194304 bfloat16 54.8 /
-#    44.5 (33.6); 11x2312175 float32 87.8 / 78.5 (75.8); 7x3381554 79.4 / 75.6 (71.6);
-#    8x4194304 float32 107.0 / 99.3 (64.7); 2x16777216 float32 107.6 / 98.6 (64.1;
-#    torch.compile 98.8); 4x8388608 107.8 / 98.1; 3x8388608 82.0 / 70.4 (49.4; compile
-#    80.1). Not taken: one row, whose CTAs all wait for the slowest (1x33554432 float32
-#    107.5 against 111.8), and less than 32 MB, where its
+# 4. Of those, forward, up to RESIDENT_MAX_ROWS rows of at least RESIDENT_MIN_BYTES (one
+#    row: RESIDENT_ONE_ROW_MIN_BYTES): one cooperative launch (normalize_resident.cu), each
+#    chunk's front kept on chip (352 KB an SM: 46 MB on an H200), the rest re-read from L2
+#    where it still holds it. H200, GPU time (graph replay), two-pass against this, us
+#    (clone's): 8x1048576 float32 25.2 against 21.5 (17.4); 4x4194304 float32 54.1 / 42.8
+#    (33.6); 8x4194304 bfloat16 54.8 / 44.5 (33.6); 11x2312175 float32 87.8 / 78.5 (75.8);
+#    7x3381554 79.4 / 75.6 (71.6); 8x4194304 float32 107.0 / 99.3 (64.7); 2x16777216
+#    float32 107.6 / 98.6 (64.1; torch.compile 98.8); 4x8388608 107.8 / 98.1; 3x8388608
+#    82.0 / 70.4 (49.4; compile 80.1); one row: 1x16777216 float32 50.6 / 42.7 (32.6),
+#    1x33554432 104.1 / 99.1 (64.0). Not taken: one row under 64 MB (1x8388608 float32
+#    25.4 / 25.6; 1x16777216 bfloat16 25.5 / 27.2), and less than 32 MB, where its
 #    counters' memset, the CTAs' exchange and one CTA an SM cost more than a second read
 #    (1x4194304 float32 11.2 against 12.1; 4x2097152 bfloat16 11.8 against 13.4; host
 #    included, one launch fewer: 21.3 against 17.0, 21.9 against 17.8). At most 16 rows:
-#    a row takes sms // nrows CTAs, so more rows leave more SMs idle (timed: 4 to 11 rows,
-#    0 to 6 of 132 SMs idle).
+#    a row takes sms // nrows CTAs, so more rows leave more SMs idle (timed: 4 to 16 rows,
+#    0 to 6 of 132 SMs idle). 32 MB is close either way: 2x4194304 float32 25.6 / 25.8.
 RESIDENT_MIN_BYTES = 2**25
+RESIDENT_ONE_ROW_MIN_BYTES = 2**26
 RESIDENT_MAX_ROWS = 16
 _COOPERATIVE_LAUNCH_TOO_LARGE = 720  # (CUresult: a grid larger than can be resident)
 SHORT_MAX_VECTORS = 256
@@ -141,8 +143,9 @@ _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 # 44.5 / 45.2 / 50.0. (512, 24, 4) spills (50.9 us at 4x4194304 float32, no priorities).
 RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
 RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
-# A few-rows chunk is a whole number of 128-byte lines (8 vectors), so that no line is
-# split between two CTAs. H200, GPU time, chunks of any vector count against whole lines:
+# A few-rows chunk is a whole number of 128-byte lines (8 vectors), its boundaries on
+# lines of x (normalize_resident.cu), so that no line is split between two CTAs. H200,
+# GPU time, chunks of any vector count against whole lines (rows starting on a line):
 # 2x16777216 float32 112.1 against 98.6 us, 4x8388608 111.3 / 98.1, 3x8388608 78.2 / 70.4
 # (rows whose chunks were already whole lines, such as 8x4194304, unchanged: 99.0 / 99.4).
 RESIDENT_CHUNK_VECTORS = 8
@@ -452,8 +455,8 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
     if cfg is not None:
         return cfg
-    if (not backward and 2 <= nrows <= min(RESIDENT_MAX_ROWS, sms)
-            and nrows * ncols * ITEMSIZE[dtype] >= RESIDENT_MIN_BYTES):
+    if (not backward and nrows <= min(RESIDENT_MAX_ROWS, sms) and nrows * ncols * ITEMSIZE[dtype]
+            >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)):
         return (-2,)
     return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
 
@@ -544,7 +547,8 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
     fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg), dev, smem_max)
     cpr = sms // nrows
     line = RESIDENT_CHUNK_VECTORS
-    vc = line * cdiv(max(1, _row_vectors(ncols, dt)), cpr * line)
+    # (the longest chunk a row can have: its boundaries up to line - 1 vectors earlier)
+    vc = line * cdiv(_row_vectors(ncols, dt) + line - 1, cpr * line)
     held = min(smem_max // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
     grid, acc = nrows * cpr, acc_dtype(dt)
     place = Place(src)  # (what the two-pass fallback is planned from: no array kept)
@@ -557,8 +561,8 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
         sums = data_ptr(work)
         counters = sums + grid * ITEMSIZE[acc]
         try:
-            launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, vc,
-                                                       cpr, held), held * 16),),
+            launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, cpr,
+                                                       held, line), held * 16),),
                        zero=((counters, 4 * nrows),), cooperative=True)
         except _loader.cupy().cuda.driver.CUDADriverError as exc:
             # Fewer SMs than the device counts are this process's (an MPS client's share,

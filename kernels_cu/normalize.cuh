@@ -79,13 +79,17 @@ template <int P, typename T, typename A> struct Grad {
 
 // The vectors of item `item`'s chunk (normalize_long.cu's items, normalize_resident.cu's
 // CTAs): [v0, v1) of its row's 16-byte vectors (RowSplit's grid); chunk 0 also takes the
-// row's head and tail scalars. Chunks are VC vectors.
+// row's head and tail scalars. Chunks are VC vectors, each boundary `shift` vectors
+// earlier (chunk 0 that many shorter): where the row's first vector lies `shift` vectors
+// past a line and VC is whole lines, every chunk but the first starts on a line (the
+// caller's VC covers nvec + shift in nchunks chunks). Empty where v0 >= v1.
 struct Chunk {
   long long row, k, v0, v1;
-  __device__ __forceinline__ Chunk(long long item, long long nchunks, long long vc, long long nvec) {
+  __device__ __forceinline__ Chunk(long long item, long long nchunks, long long vc, long long nvec,
+                                   long long shift = 0) {
     row = item / nchunks, k = item % nchunks;
-    v0 = k * vc;
-    v1 = min(v0 + vc, nvec);
+    v0 = k ? k * vc - shift : 0;
+    v1 = min((k + 1) * vc - shift, nvec);
   }
   // Loads the UNROLL vectors of x (and, BWD, dy) at v, v + THREADS, ... that lie in the chunk.
   template <int THREADS, int UNROLL, bool BWD, typename T>

@@ -59,7 +59,7 @@ template <int P, typename T, int THREADS, int REGS, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1)
 normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
                    unsigned* __restrict__ arrived, T* __restrict__ y, long long ncols,
-                   long long xs, long long ys, long long vc, long long cpr, long long held) {
+                   long long xs, long long ys, long long cpr, long long held, long long line) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_resident: THREADS must be whole warps, at most 1024");
   static_assert(REGS >= 1 && UNROLL >= 1, "normalize_resident: REGS >= 1, UNROLL >= 1");
   typedef typename acc_of<T>::type A;
@@ -72,7 +72,12 @@ normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict
   const T* xr = x + (item / cpr) * xs;
   T* yr = y + (item / cpr) * ys;
   const RowSplit rs(xr, ncols);
-  const Chunk ch(item, cpr, vc, rs.nvec);
+  // Chunks of whole 128-byte lines of x (`line` vectors, a power of 2), on lines of x
+  // wherever the row starts: no line split between two CTAs. A row starting on a line
+  // (shift 0) has the chunks of its vector count alone.
+  const long long shift = ((size_t)(xr + rs.head) / 16) & (line - 1);
+  const long long vc = line * ((rs.nvec + shift + cpr * line - 1) / (cpr * line));
+  const Chunk ch(item, cpr, vc, rs.nvec, shift);
   const int tid = threadIdx.x;
   const long long smem0 = ch.v0 + (long long)REGS * THREADS, rest0 = smem0 + held;
   A s = 0;

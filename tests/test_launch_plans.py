@@ -541,10 +541,11 @@ ROUTES = [
     ((2, 140001, "float32"), (-1, 1024)),  # 35000 vectors: no cluster holds it
     ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
     ((3, 2000001, "float32"), (-1, 1421)),
-    ((8, 4194304, "float32"), (-2,)),  # 2 to 16 rows of >= 32 MB: the few-rows kernel
+    ((8, 4194304, "float32"), (-2,)),  # up to 16 rows of >= 32 MB: the few-rows kernel
     ((16, 2097152, "float32"), (-2,)),
     ((17, 2097152, "float32"), (-1, 8323)),
-    ((1, 2**24, "float32"), (-1, 3972)),  # (one row: two passes)
+    ((1, 2**24, "float32"), (-2,)),  # (one row of 64 MB)
+    ((1, 2**24, "bfloat16"), (-1, 1986)),  # (one row under 64 MB: two passes)
     ((100, 200000, "float32"), (-1, 4546)),  # longer than any cluster holds
 ]
 

@@ -322,16 +322,17 @@ def test_malformed_config_is_a_value_error(config):
 
 
 def test_few_rows_kernel_is_routed_forward_only():
-    """Few rows too long for a cluster: the few-rows kernel forward (2 to 16 rows, at most
-    one an SM, of at least 32 MB), the chunked two-pass kernels backward and for the
-    rest; a given (-2,) config is refused for the backward, before any GPU work."""
+    """Few rows too long for a cluster: the few-rows kernel forward (up to 16 rows, at most
+    one an SM, of at least 32 MB; one row of at least 64 MB), the chunked two-pass kernels
+    backward and for the rest; a given (-2,) config is refused for the backward, before any GPU work."""
     core = _core()
     assert core._route(8, 4194304, "float32", 90, 132) == (-2,)
     assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
     assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
     assert core._route(4, 2**22, "float32", 90, 3)[0] == -1  # (more rows than SMs)
     assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
-    assert core._route(1, 2**24, "float32", 90, 132)[0] == -1  # (one row)
+    assert core._route(1, 2**24, "float32", 90, 132) == (-2,)  # (one row of 64 MB)
+    assert core._route(1, 2**24 - 4, "float32", 90, 132)[0] == -1  # (one row under 64 MB)
     assert core._route(2, 2**22 - 4, "float32", 90, 132)[0] == -1  # (under 32 MB)
     assert core._route(8, 65535, "float32", 90, 132)[0] > 0  # (a cluster holds the row)
     x = np.ones((2, 3), np.float32)
