@@ -191,7 +191,8 @@ def _chunk_exprs(p, dtype, bwd):
 
 def _resident_expr(p, dtype, cfg):
     threads, regs, unroll = cfg
-    return f"normalize_resident<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}>"
+    return (f"normalize_resident<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
+            f"{RESIDENT_CHUNK_VECTORS}>")
 
 
 def _short_table(itemsize: int):
@@ -546,7 +547,7 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
     smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
     fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg), dev, smem_max)
     cpr = sms // nrows
-    line = RESIDENT_CHUNK_VECTORS
+    line = RESIDENT_CHUNK_VECTORS  # (the kernel's LINE)
     # (the longest chunk a row can have: its boundaries up to line - 1 vectors earlier)
     vc = line * cdiv(_row_vectors(ncols, dt) + line - 1, cpr * line)
     held = min(smem_max // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
@@ -562,7 +563,7 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
         counters = sums + grid * ITEMSIZE[acc]
         try:
             launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, cpr,
-                                                       held, line), held * 16),),
+                                                       held), held * 16),),
                        zero=((counters, 4 * nrows),), cooperative=True)
         except _loader.cupy().cuda.driver.CUDADriverError as exc:
             # Fewer SMs than the device counts are this process's (an MPS client's share,

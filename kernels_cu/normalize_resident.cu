@@ -55,13 +55,14 @@ __device__ __forceinline__ void copies_to_shared_done() {
 #endif
 }
 
-template <int P, typename T, int THREADS, int REGS, int UNROLL>
+template <int P, typename T, int THREADS, int REGS, int UNROLL, int LINE>
 __global__ void __launch_bounds__(THREADS, 1)
 normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
                    unsigned* __restrict__ arrived, T* __restrict__ y, long long ncols,
-                   long long xs, long long ys, long long cpr, long long held, long long line) {
+                   long long xs, long long ys, long long cpr, long long held) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_resident: THREADS must be whole warps, at most 1024");
   static_assert(REGS >= 1 && UNROLL >= 1, "normalize_resident: REGS >= 1, UNROLL >= 1");
+  static_assert(LINE >= 1 && (LINE & (LINE - 1)) == 0, "normalize_resident: LINE (16-byte vectors a chunk boundary falls on) must be a power of 2");
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N;
@@ -72,11 +73,11 @@ normalize_resident(const T* __restrict__ x, typename acc_of<T>::type* __restrict
   const T* xr = x + (item / cpr) * xs;
   T* yr = y + (item / cpr) * ys;
   const RowSplit rs(xr, ncols);
-  // Chunks of whole 128-byte lines of x (`line` vectors, a power of 2), on lines of x
-  // wherever the row starts: no line split between two CTAs. A row starting on a line
-  // (shift 0) has the chunks of its vector count alone.
-  const long long shift = ((size_t)(xr + rs.head) / 16) & (line - 1);
-  const long long vc = line * ((rs.nvec + shift + cpr * line - 1) / (cpr * line));
+  // Chunks of whole lines of x (LINE vectors: 128 bytes), on lines of x wherever the row
+  // starts: no line split between two CTAs. A row starting on a line (shift 0) has the
+  // chunks of its vector count alone.
+  const long long shift = ((size_t)(xr + rs.head) / 16) & (LINE - 1);
+  const long long vc = LINE * ((rs.nvec + shift + cpr * LINE - 1) / (cpr * LINE));
   const Chunk ch(item, cpr, vc, rs.nvec, shift);
   const int tid = threadIdx.x;
   const long long smem0 = ch.v0 + (long long)REGS * THREADS, rest0 = smem0 + held;
