@@ -7,10 +7,10 @@ registers between the reduction and the scaling, so x is read from DRAM once and
 written once (copy-bandwidth bound); the next row loads into shared memory meanwhile.
 Long rows, and few rows (kernels_cu/normalize_long.cu): chunks of every row spread over
 all SMs, two passes (x read twice; the second read hits L2 where x fits it). Every
-family has a fused backward, and adds in a fixed order (deterministic). Few rows forward
+family has a fused backward, and adds in a fixed order (deterministic). Few rows
 (kernels_cu/normalize_resident.cu): one cooperative launch, a chunk a CTA, each chunk's
-front kept on chip while the row's CTAs exchange their sums, so x is read once where
-the chip holds it.
+front kept on chip while the row's CTAs exchange their sums, so x (and, backward, dy) is
+read once where the chip holds it.
 """
 from __future__ import annotations
 
@@ -62,8 +62,19 @@ P = {"l1": 1, "l2": 2}
 #    included, one launch fewer: 21.3 against 17.0, 21.9 against 17.8). At most 16 rows:
 #    a row takes sms // nrows CTAs, so more rows leave more SMs idle (timed: 4 to 16 rows,
 #    0 to 6 of 132 SMs idle). 32 MB is close either way: 2x4194304 float32 25.6 / 25.8.
+# 5. The backward, up to RESIDENT_MAX_ROWS rows (one row too) of x from RESIDENT_MIN_BYTES
+#    to RESIDENT_BACKWARD_MAX_BYTES: the same launch holding x and dy (half the chip each).
+#    H200, GPU time, two-pass against this, us, L2 (x's clone; the ceiling, x and dy read
+#    and dx written, is 1.5x it): 32 MB of x, 2x4194304 float32 41.9 / 37.0 (17.6),
+#    8x1048576 41.9 / 36.5, 1x8388608 44.1 / 36.6, rows of odd lengths too: 7x1198373 42.2 /
+#    38.3, 3x2796203 41.9 / 38.0; 64 MB, 4x4194304 83.5 / 79.4 (32.2), 16x1048576 83.3 /
+#    79.1, 1x16777216 83.3 / 79.2, 8x4194304 bfloat16 83.7 / 79.6 (L1 alike). Past 64 MB
+#    less of x and dy stays on chip and the one launch loses to two: 67 MB, 5x3355443 83.7 /
+#    86.7, 9x1864135 83.7 / 87.6, 12x1398101 84.0 / 84.8; 134 MB, 12x2796203 166.8 / 179.8;
+#    8x4194304 164.0 / 162.5.
 RESIDENT_MIN_BYTES = 2**25
 RESIDENT_ONE_ROW_MIN_BYTES = 2**26
+RESIDENT_BACKWARD_MAX_BYTES = 2**26
 RESIDENT_MAX_ROWS = 16
 _COOPERATIVE_LAUNCH_TOO_LARGE = 720  # (CUresult: a grid larger than can be resident)
 SHORT_MAX_VECTORS = 256
@@ -143,6 +154,8 @@ _CHUNK = {"THREADS": 256, "UNROLL": 4, "ITEMS_PER_SM": 8, "MIN_CHUNK": 1024}
 # 44.5 / 45.2 / 50.0. (512, 24, 4) spills (50.9 us at 4x4194304 float32, no priorities).
 RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
 RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
+# The backward's (x and dy a thread: half the vectors of each in registers).
+RESIDENT_BACKWARD = {2: (512, 8, 4), 4: (512, 8, 4), 8: (512, 2, 4)}
 # A few-rows chunk is a whole number of 128-byte lines (8 vectors), its boundaries on
 # lines of x (normalize_resident.cu), so that no line is split between two CTAs. H200,
 # GPU time, chunks of any vector count against whole lines (rows starting on a line):
@@ -189,10 +202,10 @@ def _chunk_exprs(p, dtype, bwd):
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
 
 
-def _resident_expr(p, dtype, cfg):
+def _resident_expr(p, dtype, cfg, bwd=False):
     threads, regs, unroll = cfg
     return (f"normalize_resident<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
-            f"{RESIDENT_CHUNK_VECTORS}>")
+            f"{RESIDENT_CHUNK_VECTORS}, {_tf(bwd)}>")
 
 
 def _short_table(itemsize: int):
@@ -213,7 +226,8 @@ for _p in P.values():
             _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
             _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
         _loader.register(_RESIDENT_FILE, [_resident_expr(_p, _dt, c)
-                                          for c in (RESIDENT[_isz],) + RESIDENT_TUNING])
+                                          for c in (RESIDENT[_isz],) + RESIDENT_TUNING]
+                         + [_resident_expr(_p, _dt, RESIDENT_BACKWARD[_isz], True)])
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -233,7 +247,7 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
             two-pass kernel with chunks of VC 16-byte vectors; (-2,) or (-2, THREADS, REGS,
             UNROLL) (:data:`RESIDENT` of x's item size, :data:`RESIDENT_TUNING`) for the
-            few-rows kernel (at most one row an SM; forward only). ``None`` (default):
+            few-rows kernel (at most one row an SM). ``None`` (default):
             the dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
@@ -322,9 +336,8 @@ def _require_config(config, dtype, backward=False):
             raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
         return
     if config[:1] == (-2,):
-        if backward:
-            raise ValueError(f"config: {config}, the few-rows kernel, computes the forward only")
-        known = (RESIDENT[ITEMSIZE[dtype]],) + RESIDENT_TUNING
+        known = ((RESIDENT_BACKWARD[ITEMSIZE[dtype]],) if backward
+                 else (RESIDENT[ITEMSIZE[dtype]],) + RESIDENT_TUNING)
         if config[1:] and config[1:] not in known:
             raise ValueError(f"config: {config} is not (-2,) or one of the few-rows "
                              f"configurations (-2, THREADS, REGS, UNROLL) of {dtype}: {known}")
@@ -448,7 +461,7 @@ def _pick_short(ncols: int, dtype: str, backward=False):
 
 def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
     """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
-    configuration, ``(-2,)`` (few rows, forward) or ``(-1, VC)`` (chunked), per the table
+    configuration, ``(-2,)`` (few rows) or ``(-1, VC)`` (chunked), per the table
     at the top of this module."""
     short = _pick_short(ncols, dtype, backward)
     if short is not None:
@@ -456,9 +469,11 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
     if cfg is not None:
         return cfg
-    if (not backward and nrows <= min(RESIDENT_MAX_ROWS, sms) and nrows * ncols * ITEMSIZE[dtype]
-            >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)):
-        return (-2,)
+    if nrows <= min(RESIDENT_MAX_ROWS, sms):
+        nbytes = nrows * ncols * ITEMSIZE[dtype]
+        if (RESIDENT_MIN_BYTES <= nbytes <= RESIDENT_BACKWARD_MAX_BYTES if backward
+                else nbytes >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)):
+            return (-2,)
     return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
 
 
@@ -524,7 +539,8 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
 
         return chunked
     if cfg[0] == -2:
-        return _resident(src, p, nrows, ncols, xs, ys, cfg[1:] or RESIDENT[ITEMSIZE[dt]])
+        table = RESIDENT_BACKWARD if backward else RESIDENT
+        return _resident(src, p, nrows, ncols, strides, cfg[1:] or table[ITEMSIZE[dt]], backward)
     smem = _staging(cfg, 2 if backward else 1)
     expr = (_backward_expr if backward else _cluster_expr)(p, dt, cfg)
     fn = _loader.function(_FILE, expr, dev, smem)
@@ -534,23 +550,26 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
     return lambda a, x, dy, y: launch(a, fn, grid, block, (x, y, nrows, ncols, xs, ys), smem)
 
 
-def _resident(src, p, nrows, ncols, xs, ys, cfg):
-    """``go(place, x, dy, out)`` for the few-rows kernel (forward; dy unused): a cooperative
+def _resident(src, p, nrows, ncols, strides, cfg, backward):
+    """``go(place, x, dy, out)`` for the few-rows kernel (dy unused forward): a cooperative
     launch of ``sms // nrows`` CTAs a row, each one chunk, its front kept on chip (REGS
-    vectors a thread, then as much shared memory as the chunk needs and a CTA may have)."""
+    vectors a thread of x and, backward, of dy, then as much shared memory as the chunk
+    needs and a CTA may have, split between them)."""
     threads, regs, unroll = cfg
+    xs, gs, ys = strides
+    k = 2 if backward else 1  # (arrays held, and partial sums a chunk)
     dt, dev = src.dtype, src.device
     sms = _loader.sm_count(dev)
     if nrows > sms:
         raise ValueError(f"config: the few-rows kernel takes at most {sms} rows (one a CTA, "
                          f"a CTA an SM), got {nrows}")
     smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
-    fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg), dev, smem_max)
+    fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg, backward), dev, smem_max)
     cpr = sms // nrows
     line = RESIDENT_CHUNK_VECTORS  # (the kernel's LINE)
     # (the longest chunk a row can have: its boundaries up to line - 1 vectors earlier)
     vc = line * cdiv(_row_vectors(ncols, dt) + line - 1, cpr * line)
-    held = min(smem_max // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
+    held = min(smem_max // 16 // k // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
     grid, acc = nrows * cpr, acc_dtype(dt)
     place = Place(src)  # (what the two-pass fallback is planned from: no array kept)
     two_pass = []  # the chunked launcher, once the driver has refused this grid
@@ -558,12 +577,12 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
     def resident(a, x, dy, y):
         if two_pass:
             return two_pass[0](a, x, dy, y)
-        work = empty(a, (grid + nrows,), acc)  # the chunks' sums, then a counter a row
+        work = empty(a, (grid * k + nrows,), acc)  # the chunks' sums, then a counter a row
         sums = data_ptr(work)
-        counters = sums + grid * ITEMSIZE[acc]
+        counters = sums + grid * k * ITEMSIZE[acc]
         try:
-            launch_all(a, ((fn, (grid,), (threads,), (x, sums, counters, y, ncols, xs, ys, cpr,
-                                                       held), held * 16),),
+            launch_all(a, ((fn, (grid,), (threads,), (x, dy, sums, counters, y, ncols, xs, gs, ys,
+                                                       cpr, held), held * 16 * k),),
                        zero=((counters, 4 * nrows),), cooperative=True)
         except _loader.cupy().cuda.driver.CUDADriverError as exc:
             # Fewer SMs than the device counts are this process's (an MPS client's share,
@@ -572,7 +591,7 @@ def _resident(src, p, nrows, ncols, xs, ys, cfg):
             if exc.status != _COOPERATIVE_LAUNCH_TOO_LARGE:
                 raise
             cfg = (-1, _chunk_vectors(nrows, ncols, dt, sms))
-            two_pass.append(_launcher(place, p, nrows, ncols, (xs, 0, ys), cfg, False))
+            two_pass.append(_launcher(place, p, nrows, ncols, strides, cfg, backward))
             two_pass[0](a, x, dy, y)
 
     return resident

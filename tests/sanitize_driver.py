@@ -192,8 +192,8 @@ def run_normalize():
 
 
 def run_normalize_rows():
-    """The short-row, chunked and few-rows kernel families (forward and fused backward;
-    few-rows: forward) with forced configurations: chunks of 3 vectors (a partial last
+    """The short-row, chunked and few-rows kernel families (forward and fused backward)
+    with forced configurations: chunks of 3 vectors (a partial last
     chunk), the few-rows kernel's chunks from a few vectors to more than the chip holds,
     and every short-row configuration at its capacity and shorter rows, on rows of odd
     lengths (head and tail scalars differ row to row)."""
@@ -213,14 +213,25 @@ def run_normalize_rows():
                 dx, scale = grad_ref(host(x), host(gy), kind)
                 check(f"{tag} backward chunks of 3 ncols {ncols}",
                       nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
+                check(f"{tag} backward few rows ncols {ncols}",
+                      nz.normalize_backward(x, gy, nz.P[kind], 1, (-2,)), dx, t, scale)
             # the few-rows kernel, a CTA a row: chunks held in registers and shared memory,
-            # and longer than the chip holds (the rest re-read)
-            threads, regs, _ = nz.RESIDENT[isz]
+            # and longer than the chip holds (the rest re-read); the backward holds dy too
             smem = (cupykern._loader.max_shared_per_block(0) - 1024) // 16
-            for vectors in (regs * threads + 1000, (regs + smem // threads) * threads + 1000):
-                x = dev(randn(cupykern._loader.sm_count(0), per_vec * vectors + 3, seed=16), dtype)
-                check(f"{tag} few rows {vectors} vectors", fn(x, config=(-2,)),
-                      norm_ref(host(x), kind), t)
+            for table, arrays in ((nz.RESIDENT, 1), (nz.RESIDENT_BACKWARD, 2)):
+                threads, regs, _ = table[isz]
+                for vectors in (regs * threads + 1000,
+                                (regs + smem // arrays // threads) * threads + 1000):
+                    shape = (cupykern._loader.sm_count(0), per_vec * vectors + 3)
+                    x = dev(randn(*shape, seed=16), dtype)
+                    if arrays == 1:
+                        check(f"{tag} few rows {vectors} vectors", fn(x, config=(-2,)),
+                              norm_ref(host(x), kind), t)
+                        continue
+                    gy = dev(randn(*shape, seed=17), dtype)
+                    dx, scale = grad_ref(host(x), host(gy), kind)
+                    check(f"{tag} backward few rows {vectors} vectors",
+                          nz.normalize_backward(x, gy, nz.P[kind], 1, (-2,)), dx, t, scale)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):
                 g, units, rows, vec = cfg

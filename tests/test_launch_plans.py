@@ -554,14 +554,31 @@ ROUTES = [
 def test_normalize_dispatcher_table(geometry, want):
     nz = sys.modules["cupykern.normalize"]
     assert nz._route(*geometry, 90, 132) == want
-    # -1 chunked (the few-rows kernel's backward too), 0 short rows, 1 clusters (the
-    # backward's own sizes)
+    # -1 chunked or few rows (the backward's own bounds: below), 0 short rows, 1 clusters
+    # (the backward's own sizes)
     family = min(max(want[0], -1), 1)
     backward = nz._route(*geometry, 90, 132, backward=True)
     if want[0] == 0 and want[4] and nz._row_vectors(*geometry[1:]) > 128:
         assert backward == (1, 128, 4, False)  # the backward's short rows end at 128 vectors
     else:
-        assert min(backward[0], 1) == family
+        assert min(max(backward[0], -1), 1) == family
+
+
+@pytest.mark.parametrize("geometry, want", [
+    ((4, 4194304, "float32"), (-2,)),  # x of 32 to 64 MB: the few-rows kernel
+    ((2, 4194304, "float32"), (-2,)),
+    ((1, 2**24, "float32"), (-2,)),  # (one row too)
+    ((1, 2**24, "bfloat16"), (-2,)),
+    ((8, 4194304, "float32"), (-1, 7944)),  # over 64 MB: two passes
+    ((16, 2097152, "float32"), (-1, 7944)),
+    ((1, 4194304, "float32"), (-1, 1024)),  # under 32 MB
+    ((17, 1048576, "float32"), (-1, 4162)),  # more than 16 rows
+])
+def test_normalize_backward_few_rows(geometry, want):
+    """The backward's few-rows bounds (RESIDENT_MIN_BYTES to RESIDENT_BACKWARD_MAX_BYTES of
+    x, up to RESIDENT_MAX_ROWS rows)."""
+    nz = sys.modules["cupykern.normalize"]
+    assert nz._route(*geometry, 90, 132, backward=True) == want
 
 
 @pytest.mark.parametrize("geometry, want", [

@@ -321,23 +321,29 @@ def test_malformed_config_is_a_value_error(config):
         core.normalize_backward(x, x, 2, 1, config)
 
 
-def test_few_rows_kernel_is_routed_forward_only():
+def test_few_rows_kernel_is_routed():
     """Few rows too long for a cluster: the few-rows kernel forward (up to 16 rows, at most
-    one an SM, of at least 32 MB; one row of at least 64 MB), the chunked two-pass kernels
-    backward and for the rest; a given (-2,) config is refused for the backward, before any GPU work."""
+    one an SM, of at least 32 MB; one row of at least 64 MB) and backward (x of 32 to 64
+    MB, one row too), the chunked two-pass kernels for the rest; a forward configuration
+    given to the backward is refused, before any GPU work."""
     core = _core()
     assert core._route(8, 4194304, "float32", 90, 132) == (-2,)
     assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
     assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
     assert core._route(4, 2**22, "float32", 90, 3)[0] == -1  # (more rows than SMs)
-    assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
+    assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1  # (128 MB)
+    assert core._route(4, 4194304, "float32", 90, 132, backward=True) == (-2,)  # (64 MB)
+    assert core._route(1, 2**23, "float32", 90, 132, backward=True) == (-2,)  # (one row, 32 MB)
+    assert core._route(2, 2**22 - 4, "float32", 90, 132, backward=True)[0] == -1
+    assert core._route(17, 2**20, "float32", 90, 132, backward=True)[0] == -1
     assert core._route(1, 2**24, "float32", 90, 132) == (-2,)  # (one row of 64 MB)
     assert core._route(1, 2**24 - 4, "float32", 90, 132)[0] == -1  # (one row under 64 MB)
     assert core._route(2, 2**22 - 4, "float32", 90, 132)[0] == -1  # (under 32 MB)
     assert core._route(8, 65535, "float32", 90, 132)[0] > 0  # (a cluster holds the row)
     x = np.ones((2, 3), np.float32)
-    with pytest.raises(ValueError, match="forward only"):
-        core.normalize_backward(x, x, 2, 1, (-2,))
+    with pytest.raises(ValueError, match="few-rows configurations"):
+        core.normalize_backward(x, x, 2, 1, (-2,) + core.RESIDENT[4])
+    assert core.normalize_backward(x, x, 2, 1, (-2,) + core.RESIDENT_BACKWARD[4]) is None  # (CPU)
 
 
 def _grad64(x, g, kind):
@@ -553,6 +559,54 @@ def test_few_rows_kernel_edges(dtype):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(ValueError, match="at most"):
         cupykern.l2_normalize(torch.ones(sms + 1, 64, device="cuda", dtype=dtype), config=(-2,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_few_rows_backward_kernel_edges(dtype):
+    """The few-rows kernel's backward (x and dy held on chip) against autograd of the
+    reference in float64, at the few-rows shapes: rows from one element to past what the
+    chip holds, of odd lengths (rows after the first start off 16 bytes: head and tail
+    scalars); bit-identical on a second run; zero, inf and nan rows as PyTorch gives them;
+    and through autograd where the dispatcher routes it."""
+    core = _core()
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    tol = TOL[dtype]
+
+    def check(x, g, kind, what):
+        dx = core.normalize_backward(x, g, core.P[kind], 1, (-2,))
+        want = _grad64(x, g, kind)
+        xd = x.double()
+        d = xd.abs().mean(1, keepdim=True) if kind == "l1" else xd.norm(2, 1, keepdim=True)
+        scale = float((g.double() / d).abs().max())
+        torch.testing.assert_close(dx.double(), want, rtol=tol, atol=tol * scale, msg=what)
+        assert torch.equal(core.normalize_backward(x, g, core.P[kind], 1, (-2,)), dx), what
+
+    for shape in _few_rows_shapes(dtype):
+        x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        g = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        x[0, -1] = 1
+        for kind in FUNCS:
+            check(x, g, kind, f"{kind} {shape}")
+        del x, g
+    x = torch.randn(5, 1001, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(5, 1001, device="cuda", generator=gen).to(dtype)
+    x[1], x[2, 0], x[3, -1] = 0, float("inf"), float("nan")
+    for kind in FUNCS:
+        got = core.normalize_backward(x, g, core.P[kind], 1, (-2,))
+        xr = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad(torch_ref(xr, kind), xr, g)
+        for row in (1, 2, 3):
+            assert torch.equal(got[row].isnan(), want[row].isnan()), (kind, row)
+            assert torch.equal(got[row].isinf(), want[row].isinf()), (kind, row)
+    shape = (2, 2**24 // dtype.itemsize + 5)  # (32 MB of x: routed to it)
+    assert core._route(*shape, str(dtype).removeprefix("torch."), 90, 132, backward=True) == (-2,)
+    x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    for kind in FUNCS:
+        xr = x.clone().requires_grad_()
+        (got,) = torch.autograd.grad(FUNCS[kind](xr), xr, g)
+        assert torch.equal(got, core.normalize_backward(x, g, core.P[kind], 1, (-2,))), kind
 
 
 @pytest.mark.gpu
