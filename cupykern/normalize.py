@@ -615,7 +615,8 @@ def normalize_backward(x, dy, p: int, axis, config=None):
     None where the kernels do not apply (CPU or empty arrays, ``axis`` not the last, x
     not a row view aligned like a fresh array); the caller then computes dx another way.
     ``config``: for tuning, a configuration as the forward's (see :func:`l1_normalize`),
-    the cluster ones also from :data:`BACKWARD_CONFIGS`."""
+    the cluster ones also from :data:`BACKWARD_CONFIGS`, the few-rows one (-2,) or (-2,
+    *:data:`RESIDENT_BACKWARD` of x's item size)."""
     run = cached(_plans, ("backward", signature(x), signature(dy), p, axis, config),
                  lambda: _backward_fresh(x, dy, p, axis, config))
     return None if run is None else run(x, dy)

@@ -1,6 +1,6 @@
-// Shared by the normalize kernels (normalize.cu, normalize_short.cu, normalize_long.cu):
-// y = x / d(row) over the last (contiguous) axis, P == 1: d = mean(|x|), P == 2:
-// d = sqrt(sum(x^2)); the backward dx from x and dy.
+// Shared by the normalize kernels (normalize.cu, normalize_short.cu, normalize_long.cu,
+// normalize_resident.cu): y = x / d(row) over the last (contiguous) axis, P == 1:
+// d = mean(|x|), P == 2: d = sqrt(sum(x^2)); the backward dx from x and dy.
 #pragma once
 #include "common.cuh"
 
@@ -76,6 +76,19 @@ template <int P, typename T, typename A> struct Grad {
     return (sizeof(T) < 4 ? inv(gv) : gv / inv.d) - t * c;
   }
 };
+
+// write(f) with f(x value, dy value) -> the output value, for a row whose sums are s (the
+// norm terms) and t (dy . x, BWD): dx (Grad) backward, y = x / d forward.
+template <int P, typename T, bool BWD, typename A, typename W>
+__device__ __forceinline__ void with_row_output(A s, A t, long long ncols, W&& write) {
+  if constexpr (BWD) {
+    const Grad<P, T, A> grad(s, t, ncols);
+    write([&](A xv, A gv) { return grad(xv, gv); });
+  } else {
+    const Scaler<A> scale(row_divisor<P, T>(s, ncols));
+    write([&](A xv, A) { return scale(xv); });
+  }
+}
 
 // The vectors of item `item`'s chunk (normalize_long.cu's items, normalize_resident.cu's
 // CTAs): [v0, v1) of its row's 16-byte vectors (RowSplit's grid); chunk 0 also takes the

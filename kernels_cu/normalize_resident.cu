@@ -202,11 +202,5 @@ normalize_resident(const T* __restrict__ x, const T* __restrict__ dy,
       yr[c] = from_acc<T>(f(to_acc(xr[c]), BWD ? to_acc(gr[c]) : (A)0));
     }
   };
-  if constexpr (BWD) {
-    const Grad<P, T, A> grad(s, t, ncols);
-    write([&](A xv, A gv) { return grad(xv, gv); });
-  } else {
-    const Scaler<A> scale(row_divisor<P, T>(s, ncols));
-    write([&](A xv, A) { return scale(xv); });
-  }
+  with_row_output<P, T, BWD>(s, t, ncols, write);
 }
