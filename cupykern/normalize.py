@@ -469,12 +469,19 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
     if cfg is not None:
         return cfg
-    if nrows <= min(RESIDENT_MAX_ROWS, sms):
-        nbytes = nrows * ncols * ITEMSIZE[dtype]
-        if (RESIDENT_MIN_BYTES <= nbytes <= RESIDENT_BACKWARD_MAX_BYTES if backward
-                else nbytes >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)):
-            return (-2,)
+    if nrows <= min(RESIDENT_MAX_ROWS, sms) and _few_rows_pay(nrows, ncols, dtype, backward):
+        return (-2,)
     return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
+
+
+def _few_rows_pay(nrows: int, ncols: int, dtype: str, backward: bool) -> bool:
+    """Whether x's bytes fall in the few-rows kernel's window (table row 5): forward from
+    RESIDENT_MIN_BYTES (one row: RESIDENT_ONE_ROW_MIN_BYTES) up; backward up to
+    RESIDENT_BACKWARD_MAX_BYTES, past which x and dy spill off the chip."""
+    nbytes = nrows * ncols * ITEMSIZE[dtype]
+    if backward:
+        return RESIDENT_MIN_BYTES <= nbytes <= RESIDENT_BACKWARD_MAX_BYTES
+    return nbytes >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:

@@ -247,6 +247,17 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
+// 3xTF32's split of fp32 bits x ~ big + small, both halves rounded to nearest TF32:
+// |small| is at most half an ulp of big, so the pair carries ~22 bits and x - big - small
+// is ~2^-23 x, and small takes either sign. (With big the raw bits, truncated, every
+// small has x's sign: where both operands' are so, the dropped small * small takes
+// ~2^-22 of every product the same way.) big is rounded by integer ops, cvt.rna's
+// rounding for finite x at a third of a conversion's cost (a NaN stays NaN in small;
+// values within half a TF32 ulp of float32's maximum round to inf, as cvt.rna's do).
+__device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
+  big = (x + 0x1000u) & 0xffffe000u;
+  small = to_tf32(__uint_as_float(x) - __uint_as_float(big));
+}
 
 template <typename T> struct is_bf16 { static constexpr bool value = false; };
 template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };

@@ -29,13 +29,6 @@ __device__ __forceinline__ unsigned pack_bf16(unsigned lo, unsigned hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(hi)), "f"(__uint_as_float(lo)));
   return r;
 }
-// x ~ big + small with both halves rounded to TF32 (to_tf32): |small| is at most half
-// an ulp of big, so the pair carries ~22 bits and x - big - small is ~2^-23 x.
-__device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
-  const float f = __uint_as_float(x);
-  big = to_tf32(f);
-  small = to_tf32(f - __uint_as_float(big));
-}
 
 // 3xTF32 promotion in gemm_mma, with a centred tensor-core sum. mma.sync truncates its
 // addends toward zero at the scale of the running sum, so where the products share a

@@ -29,9 +29,10 @@
 //     FP32 elements: the split needs the raw bits), marking the stage `loaded`;
 //     the other two write the rounded TF32 remainders of each landed B slice behind it
 //     and mark the stage full, so copies run up to STAGES slices ahead of the split.
-//     Consumers take A from registers: each loads its warp's fragments of the slice and
-//     splits them in place. The big halves are the raw fp32 bits, which the tensor core
-//     truncates. Per slice the tensor core sums big*small + small*big + big*big, and the
+//     B's big halves are the raw fp32 bits, which the tensor core truncates. Consumers
+//     take A from registers: each loads its warp's fragments of the slice and splits
+//     them in place, A's big halves rounded to nearest (split_a). Per slice the tensor
+//     core sums big*small + small*big + big*big, and the
 //     consumer promotes that sum into an fp32 register accumulator (32 K products at
 //     most ever sum in the tensor core: shared/notes/GEMM.md) while the other consumer's wgmma keep
 //     the tensor core busy.
@@ -75,8 +76,10 @@ __device__ __forceinline__ void load_swizzled(unsigned dst, const T* __restrict_
     src += (NT / 8) * ld;
   }
 }
-// Remainders x - tf32trunc(x), rounded to TF32, of chunks t, t+NT, ... of a landed
-// ROWS-row slice, written at the same offsets from dst (elementwise: any chunk order).
+// B's remainders x - tf32trunc(x) (its big halves are the raw bits, which the tensor
+// core truncates), rounded to TF32, of chunks t, t+NT, ... of a landed ROWS-row slice,
+// written at the same offsets from dst (elementwise: any chunk order). Rounding B's big
+// halves too would mean writing the slice back: 10-17% of the kernel's time (H200).
 template <int ROWS, int NT>
 __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t) {
 #pragma unroll
@@ -290,14 +293,14 @@ __device__ __forceinline__ void load_a(unsigned a, unsigned (&f)[4][4]) {
     for (int q = 0; q < 4; ++q)
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(f[ks][q]) : "r"(row + (q & 1) * 8 * 128 + (((2 * ks + (q >> 1)) ^ g) << 4)));
 }
-// 3xTF32's split of raw fp32 fragments: big = the raw bits (the tensor core truncates
-// them), small = the remainder rounded to TF32.
-__device__ __forceinline__ void split_a(const unsigned (&big)[4][4], unsigned (&small)[4][4]) {
+// A's split (split_tf32) of raw fp32 fragments, in place: f keeps the big halves, rounded
+// to nearest, so that A's small halves take either sign and the dropped small * small
+// (B's small halves share their elements' signs) errs both ways.
+__device__ __forceinline__ void split_a(unsigned (&f)[4][4], unsigned (&small)[4][4]) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-      small[ks][q] = to_tf32(__uint_as_float(big[ks][q]) - __uint_as_float(big[ks][q] & 0xffffe000u));
+    for (int q = 0; q < 4; ++q) split_tf32(f[ks][q], f[ks][q], small[ks][q]);
 }
 
 // The same fragments from an M-major A slice (transposed A through TMA): the stage holds
