@@ -90,6 +90,27 @@ def test_highest_same_sign_drift(k, aligned, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False], ids=["wgmma-rows", "unaligned-rows"])
+def test_highest_nan_and_zero_rows(aligned):
+    """Rows of x that are nan (the quiet NaN, and all bits set, whose big half the integer
+    rounding of split_tf32 wraps to 0: its small half carries the nan) give nan rows, a
+    zero row a zero row, as SGEMM; the other rows are untouched by them."""
+    k = 1024 + (0 if aligned else 1)
+    x, w = torch.randn(198, k, device="cuda"), torch.randn(130, k, device="cuda")
+    x[3] = float("nan")
+    x[5] = torch.full((k,), -1, dtype=torch.int32, device="cuda").view(torch.float32)
+    x[7] = 0
+    if not aligned:
+        x, w = x[:, 1:], w[:, 1:]
+    out = cupykern.linear(x, w, precision="highest")
+    assert out[[3, 5]].isnan().all()
+    assert (out[7] == 0).all()
+    rest = [i for i in range(198) if i not in (3, 5, 7)]
+    torch.testing.assert_close(out[rest], torch.nn.functional.linear(x[rest], w),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["high", "medium"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_reduced_precision(shape, precision):
