@@ -51,13 +51,24 @@ _torch()
 
 
 def is_torch(x) -> bool:
+    if type(x) in _TORCH_PLAIN:  # (the common call: no call of _torch)
+        return True
     t = _torch()
     return t is not None and isinstance(x, t.Tensor)
 
 
+_CUPY_ARRAY = None  # cupy.ndarray once a CuPy array has been seen (signature's hot path)
+
+
 def _is_cupy(x) -> bool:
+    global _CUPY_ARRAY
+    if type(x) is _CUPY_ARRAY:
+        return True
     cp = sys.modules.get("cupy")
-    return cp is not None and isinstance(x, cp.ndarray)
+    if cp is None or not isinstance(x, cp.ndarray):
+        return False
+    _CUPY_ARRAY = cp.ndarray
+    return True
 
 
 class Operand:
@@ -487,7 +498,7 @@ def signature(x):
         if x.is_cuda and x.layout is _STRIDED:  # (get_device: no torch.device object)
             return (x.dtype, x.get_device(), x.shape, x.stride(), x.data_ptr() & 15)
         return UNPLANNED
-    if _is_cupy(x):  # (data.device_id: no cupy.cuda.Device object)
+    if type(x) is _CUPY_ARRAY or _is_cupy(x):  # (data.device_id: no cupy.cuda.Device object)
         data = x.data
         return (x.dtype, data.device_id, x.shape, x.strides, data.ptr & 15)
     if _TORCH is None and _torch() is not None:  # torch imported after cupykern

@@ -51,9 +51,9 @@ def vendor_of(kind: str):
 def vendor_state(x):
     """The float32 setting of ``x``'s library that :func:`~cupykern.gemm_route.route_of` read (None for
     anything else): calls under another setting plan again."""
-    if is_torch(x):
-        return vendor_of("torch").state()
-    return _CupyVendor.state() if _is_cupy(x) else None
+    if _is_cupy(x):  # (first: a torch tensor's test is as cheap, a CuPy array's is not)
+        return _CupyVendor.state()
+    return vendor_of("torch").state() if is_torch(x) else None
 
 
 def float64_capture(x) -> bool:

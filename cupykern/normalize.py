@@ -475,9 +475,9 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
 
 
 def _few_rows_pay(nrows: int, ncols: int, dtype: str, backward: bool) -> bool:
-    """Whether x's bytes fall in the few-rows kernel's window (table row 5): forward from
-    RESIDENT_MIN_BYTES (one row: RESIDENT_ONE_ROW_MIN_BYTES) up; backward up to
-    RESIDENT_BACKWARD_MAX_BYTES, past which x and dy spill off the chip."""
+    """Whether x's bytes fall in the few-rows kernel's window (the table's rows 4 and 5):
+    forward from RESIDENT_MIN_BYTES (one row: RESIDENT_ONE_ROW_MIN_BYTES) up; backward up
+    to RESIDENT_BACKWARD_MAX_BYTES, past which x and dy spill off the chip."""
     nbytes = nrows * ncols * ITEMSIZE[dtype]
     if backward:
         return RESIDENT_MIN_BYTES <= nbytes <= RESIDENT_BACKWARD_MAX_BYTES

@@ -255,8 +255,10 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
 // rounding for finite x: a second cvt.rna cost the wgmma kernel 4-7% (H200), these
 // nothing measurable. (A NaN stays NaN in small, even where big wraps to 0; values
 // within half a TF32 ulp of float32's maximum round to inf, as cvt.rna's do.)
+// TF32 keeps float32's sign, exponent and top 10 mantissa bits: the low 13 are dropped.
+constexpr unsigned TF32_MASK = 0xffffe000u;
 __device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
-  big = (x + 0x1000u) & 0xffffe000u;
+  big = (x + 0x1000u) & TF32_MASK;  // (+ half the dropped bits' unit: to nearest)
   small = to_tf32(__uint_as_float(x) - __uint_as_float(big));
 }
 

@@ -90,7 +90,7 @@ __device__ __forceinline__ void split_swizzled(unsigned src, unsigned dst, int t
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(src + off));
     unsigned* e = &v.x;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & 0xffffe000u));
+    for (int q = 0; q < 4; ++q) e[q] = to_tf32(__uint_as_float(e[q]) - __uint_as_float(e[q] & TF32_MASK));
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + off), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
   }
 }

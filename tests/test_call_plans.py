@@ -93,6 +93,32 @@ def test_layout_storage_and_inplace_weights(plans):
     torch.testing.assert_close(cupykern.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
 
 
+def test_linear_module_runs_the_plan_and_keeps_pytorchs_errors(plans):
+    """cupykern.torch.Linear tries the shape-keyed plan before its own checks: a planned
+    signature computes as F.linear, a weight replaced by one of another shape plans again,
+    and what the plan's op refuses still gets nn.Linear's behaviour (PyTorch's error for
+    mixed dtypes, F.linear for complex)."""
+    from cupykern.torch import Linear
+
+    m = Linear(512, 384, device="cuda")
+    x = torch.randn(64, 512, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            m(x)
+        assert len(plans["linear"]) == 1
+        assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+        with pytest.raises(RuntimeError):  # (as nn.Linear: not our TypeError)
+            m(x.double())
+        m.weight.data = torch.randn(256, 512, device="cuda")  # same object, new shape
+        m.bias.data = torch.randn(256, device="cuda")
+        for _ in range(2):  # (planned by the first call or the second, as any signature)
+            assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+        assert len(plans["linear"]) == 2
+    c = Linear(8, 4, device="cuda", dtype=torch.complex64)
+    xc = torch.randn(2, 8, device="cuda", dtype=torch.complex64)
+    torch.testing.assert_close(c(xc), F.linear(xc, c.weight, c.bias))
+
+
 def test_precision_and_tf32_switch_plan_again(plans):
     """float32's plan depends on the precision asked and torch's TF32 switch: each setting
     gets its own plan and computes as torch does under it."""
@@ -147,7 +173,7 @@ def test_attention_stack_is_planned_apart_when_recorded(plans):
         out.backward(gy)
     torch.matmul(q3, k3.mT).backward(gy)
     assert torch.equal(out, torch.matmul(q3, k3.mT)) and torch.equal(leaf.grad, ref.grad)
-    recorded = [key[-1] for key in plans["matmul"]]
+    recorded = [key[5] for key in plans["matmul"]]  # (the key's recorded part)
     assert recorded == ([True] if hopper else [False, True])  # (elsewhere both torch's)
     assert set(plans["matmul"].values()) == {torch.matmul}
 
@@ -159,9 +185,10 @@ def test_matmul_shapes_and_promotion(plans):
         assert torch.equal(cupykern.matmul(a, b), torch.matmul(a, b))
     v = torch.randn(64, device="cuda")
     assert torch.equal(cupykern.matmul(a, v), torch.matmul(a, v))
-    got = cupykern.matmul(a, b.double())  # same shapes, another dtype: promoted
-    assert got.dtype == torch.float64
-    torch.testing.assert_close(got, torch.matmul(a.double(), b.double()))
+    for _ in range(2):  # same shapes, another dtype: promoted (its own plan the second time)
+        got = cupykern.matmul(a, b.double())
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, torch.matmul(a.double(), b.double()))
 
 
 def test_threads_share_plans(plans):

@@ -117,11 +117,13 @@ def _floors():
 
 
 def _small_linears():
-    """The vendor-route linear calls at small shapes, each dtype, and a training step."""
+    """The vendor-route linear calls at small shapes, each dtype, the Linear module, and a
+    training step."""
     import torch
     from torch import nn
 
     import cupykern
+    from cupykern import torch as ct
 
     def operands(m, k, n, dtype, grad=False):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -136,6 +138,10 @@ def _small_linears():
         yield (f"linear {name} {m}x{k}->{n}", lambda x=x, w=w, b=b: cupykern.linear(x, w, b),
                "F.linear", lambda x=x, w=w, b=b: nn.functional.linear(x, w, b))
     x, w, b = operands(64, 512, 512, torch.float32, grad=True)
+    theirs = nn.Linear(512, 512, device="cuda")
+    ours = ct.Linear.from_linear(theirs)  # (the same parameters)
+    yield ("Linear module 64x512->512 float32 (grad on)", lambda: ours(x), "nn.Linear",
+           lambda: theirs(x))
     g = torch.randn(64, 512, device="cuda")
     yield ("linear float32 64x512->512 training step",
            lambda: cupykern.linear(x, w, b).backward(g), "eager step",

@@ -32,7 +32,7 @@ from .. import _loader, gemm as core, gemm_checks as checks, gemm_operands as op
 from .._array import cached
 from ..gemm_route import GemmProblem
 from ._compat import get_cublas_allow_tf32, get_float32_matmul_precision, is_any_autocast_enabled
-from ._op import Op, _eager, lower_precision, wants_grad
+from ._op import _PLAIN, Op, _eager, lower_precision, wants_grad
 
 
 def resolve_precision(precision) -> str:
@@ -335,17 +335,40 @@ def _call(op, eager_plan, args, precision, remember=None):
 # (and for float32 the TF32 switch) alone: no strides or pointers to read before the
 # call. A call that torch's op refuses (operands on two devices or of two dtypes, which
 # the key does not tell apart) goes on to the full path, whose checks name the argument.
-# Keys: linear (x.shape, x.dtype, x's device, weight.shape, bias.shape or None,
-# precision, float32 part); matmul (a.shape, a.dtype, a's device, b.shape, precision,
-# float32 part, whether autograd records the call: a stack that a planned launch takes
-# is ours unrecorded, and the vendor's recorded up to gemm_route's STACK_GRAD_MIN_WORK).
-# The key's last part is float32's own: the precision it resolves to and torch's TF32
-# switch (the vendor takes float32 only where they agree); None for other dtypes.
+# Keys, flat (a nested tuple costs a hash and an allocation more): linear (x.shape,
+# weight.shape, bias.shape or None, x.dtype, x's device, precision); matmul (a.shape,
+# b.shape, a.dtype, a's device, precision, whether autograd records the call: a stack
+# that a planned launch takes is ours unrecorded, and the vendor's recorded up to
+# gemm_route's STACK_GRAD_MIN_WORK). float32 keys end with float32's own part: the
+# precision it resolves to and torch's TF32 switch (the vendor takes float32 only where
+# they agree).
 _LINEAR_PLANS: dict = {}
 _MATMUL_PLANS: dict = {}
 _SHAPE_PLANS = {"linear": _LINEAR_PLANS, "matmul": _MATMUL_PLANS}
 route.register_plans(_LINEAR_PLANS, _MATMUL_PLANS)  # (dropped with the routed plans)
-_FLOAT32, _TENSOR = torch.float32, torch.Tensor
+_FLOAT32 = torch.float32
+
+
+def _linear_shape_key(x, weight, bias, precision) -> tuple:
+    key = (x.shape, weight.shape, None if bias is None else bias.shape, x.dtype,
+           x.get_device(), precision)
+    if key[3] is _FLOAT32:
+        return key + (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
+    return key
+
+
+def planned_linear(x, weight, bias=None, precision=None):
+    """``linear(x, weight, bias)`` by its shape-keyed plan (torch's own op), or None where
+    none holds: not a plain tensor, not plain eager mode, a signature not planned, or
+    arguments torch's op refuses (the full path names them). What
+    :class:`cupykern.torch.Linear` tries before its own checks."""
+    if type(x) not in _PLAIN or not _eager():
+        return None
+    try:
+        run = _LINEAR_PLANS.get(_linear_shape_key(x, weight, bias, precision))
+        return None if run is None else run(x, weight, bias)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 def _remember(op_name, key, forms, problem):
@@ -363,14 +386,10 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
     mode their cached plan, :func:`_call`)."""
     if out is None:
-        if type(x) is not _TENSOR or not _eager():
+        if type(x) not in _PLAIN or not _eager():
             return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
         try:  # (the shape-keyed plan: inline, a small call's host time)
-            dtype = x.dtype
-            key = (x.shape, dtype, x.get_device(), weight.shape,
-                   None if bias is None else bias.shape, precision,
-                   (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
-                   if dtype is _FLOAT32 else None)
+            key = _linear_shape_key(x, weight, bias, precision)
             run = _LINEAR_PLANS.get(key)
         except (AttributeError, TypeError):  # (not tensors, an unhashable precision: checked below)
             return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
@@ -382,7 +401,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
 
         def problem(prec):
             N, K = weight.shape
-            return GemmProblem(x.numel() // K if K else 0, N, K, _name(dtype), prec, "torch",
+            return GemmProblem(x.numel() // K if K else 0, N, K, _name(x.dtype), prec, "torch",
                                _loader.device_cc(x.get_device()))
         return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
                      _remember("linear", key, (_linear_once, F.linear), problem))
@@ -435,47 +454,55 @@ matmul_op = Op("matmul(Tensor a, Tensor b, str precision) -> Tensor", _matmul_im
                reference=lambda a, b, precision: torch.matmul(a, b))
 
 
+def _matmul_shape_key(a, b, precision, recorded) -> tuple:
+    key = (a.shape, b.shape, a.dtype, a.get_device(), precision, recorded)
+    if key[2] is _FLOAT32:
+        return key + (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
+    return key
+
+
 def matmul(a, b, *, precision=None, out=None):
     """:func:`cupykern.matmul` for torch tensors, through the custom op (as linear's). With ``out``
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
-    (the lower operand converted, differentiably)."""
+    (the lower operand converted, differentiably; the shape-keyed plan's torch.matmul
+    refuses them first)."""
+    key = None
+    if out is None and _eager():
+        try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
+            key = _matmul_shape_key(a, b, precision,
+                                    torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            run = _MATMUL_PLANS.get(key)
+            if run is not None:
+                return run(a, b)
+        except (AttributeError, TypeError, RuntimeError):  # (as linear's)
+            pass
     if (isinstance(b, torch.Tensor) and a.dtype != b.dtype and a.is_floating_point()
             and b.is_floating_point()):
         common = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(common), b.to(common)
+        if key is not None:  # (the promoted call's own plan)
+            key = _matmul_shape_key(a, b, precision, key[5])
     if out is None:
-        if not _eager():
-            return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
-        try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
-            dtype = a.dtype
-            recorded = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-            key = (a.shape, dtype, a.get_device(), b.shape, precision,
-                   (precision or get_float32_matmul_precision(), get_cublas_allow_tf32())
-                   if dtype is _FLOAT32 else None, recorded)
-            run = _MATMUL_PLANS.get(key)
-        except (AttributeError, TypeError):
-            return _call(matmul_op, core.eager_plan_matmul, (a, b), precision)
-        if run is not None:
-            try:
-                return run(a, b)
-            except RuntimeError:
-                pass
+        remember = None
+        if key is not None:
+            recorded = key[5]
 
-        def problem(prec):
-            # as the route of a stack reads it: all rows folded where b is a matrix, else
-            # one matrix, of a stack of all of them on one planned launch (the most the
-            # route gives ours: the vendor's at that is the vendor's at any count and layout)
-            K = a.shape[-1]
-            M = (a.numel() // K if K else 0) if b.dim() == 2 else a.shape[-2] if a.dim() > 1 else 1
-            N = b.shape[-1] if b.dim() > 1 else 1
-            count = 1 if b.dim() == 2 else math.prod(
-                torch.broadcast_shapes(a.shape[:-2], b.shape[:-2] if b.dim() > 2 else ()))
-            return GemmProblem(M, N, K, _name(dtype), prec, "torch",
-                               _loader.device_cc(a.get_device()), grad=recorded, count=count,
-                               planned_stack=count > 1)
-        return _call(matmul_op, core.eager_plan_matmul, (a, b), precision,
-                     _remember("matmul", key, (torch.matmul,), problem))
+            def problem(prec):
+                # as the route of a stack reads it: all rows folded where b is a matrix, else
+                # one matrix, of a stack of all of them on one planned launch (the most the
+                # route gives ours: the vendor's at that is the vendor's at any count and
+                # layout)
+                K = a.shape[-1]
+                M = (a.numel() // K if K else 0) if b.dim() == 2 else a.shape[-2] if a.dim() > 1 else 1
+                N = b.shape[-1] if b.dim() > 1 else 1
+                count = 1 if b.dim() == 2 else math.prod(
+                    torch.broadcast_shapes(a.shape[:-2], b.shape[:-2] if b.dim() > 2 else ()))
+                return GemmProblem(M, N, K, _name(a.dtype), prec, "torch",
+                                   _loader.device_cc(a.get_device()), grad=recorded, count=count,
+                                   planned_stack=count > 1)
+            remember = _remember("matmul", key, (torch.matmul,), problem)
+        return _call(matmul_op, core.eager_plan_matmul, (a, b), precision, remember)
     prec = resolve_precision(precision)
     checks.check_matmul(a, b, prec, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or out.requires_grad):
