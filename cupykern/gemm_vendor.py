@@ -51,7 +51,7 @@ def vendor_of(kind: str):
 def vendor_state(x):
     """The float32 setting of ``x``'s library that :func:`~cupykern.gemm_route.route_of` read (None for
     anything else): calls under another setting plan again."""
-    if _is_cupy(x):  # (first: a torch tensor's test is as cheap, a CuPy array's is not)
+    if _is_cupy(x):  # (first: CuPy's planned calls read it every call, torch's only off their shape plan)
         return _CupyVendor.state()
     return vendor_of("torch").state() if is_torch(x) else None
 
