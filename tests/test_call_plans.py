@@ -107,7 +107,7 @@ def test_linear_module_runs_the_plan_and_keeps_pytorchs_errors(plans):
             m(x)
         assert len(plans["linear"]) == 1
         assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
-        with pytest.raises(RuntimeError):  # (as nn.Linear: not our TypeError)
+        with pytest.raises(RuntimeError):  # (no plan of float64 x: nn.Linear's own error)
             m(x.double())
         m.weight.data = torch.randn(256, 512, device="cuda")  # same object, new shape
         m.bias.data = torch.randn(256, device="cuda")
@@ -185,7 +185,7 @@ def test_matmul_shapes_and_promotion(plans):
         assert torch.equal(cupykern.matmul(a, b), torch.matmul(a, b))
     v = torch.randn(64, device="cuda")
     assert torch.equal(cupykern.matmul(a, v), torch.matmul(a, v))
-    for _ in range(2):  # same shapes, another dtype: promoted (its own plan the second time)
+    for _ in range(2):  # same shapes, another dtype: torch.matmul refuses the plan, then promoted
         got = cupykern.matmul(a, b.double())
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, torch.matmul(a.double(), b.double()))

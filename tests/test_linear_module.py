@@ -101,6 +101,27 @@ def test_linear_leaves_other_inputs_to_pytorch():
     torch.testing.assert_close(c(x), F.linear(x, c.weight, c.bias))
 
 
+def test_linear_runs_a_plan_and_leaves_what_it_refuses_to_pytorch(monkeypatch):
+    """The module tries the shape-keyed plan first (stored here under the CPU call's key,
+    as eager CUDA calls store theirs): a planned signature runs the plan; one whose op
+    refuses the arguments (a float64 weight under float32 x's key) gets nn.Linear's own
+    RuntimeError, not cupykern's TypeError."""
+    from cupykern.torch import gemm as tgemm
+
+    m = Linear(6, 5)
+    x = torch.randn(3, 6)
+    ran = []
+    monkeypatch.setitem(tgemm._LINEAR_PLANS, tgemm._linear_shape_key(x, m.weight, m.bias, None),
+                        lambda *a: ran.append(1) or F.linear(*a))
+    torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=0, atol=0)
+    assert ran == [1]
+    m.double()
+    with pytest.raises(RuntimeError):
+        m(x)
+    with pytest.raises(TypeError, match="^weight"):
+        cupykern.linear(x, m.weight, m.bias)
+
+
 def test_from_linear_shares_parameters_hooks_and_mode():
     lin = nn.Linear(4, 3).eval()
     seen = []
