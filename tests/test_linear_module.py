@@ -102,10 +102,10 @@ def test_linear_leaves_other_inputs_to_pytorch():
 
 
 def test_linear_runs_a_plan_and_leaves_what_it_refuses_to_pytorch(monkeypatch):
-    """The module tries the shape-keyed plan first (stored here under the CPU call's key,
-    as eager CUDA calls store theirs): a planned signature runs the plan; one whose op
-    refuses the arguments (a float64 weight under float32 x's key) gets nn.Linear's own
-    RuntimeError, not cupykern's TypeError."""
+    """The shape-keyed plan (stored here under the CPU call's key, as eager CUDA calls
+    store theirs), which the module tries before its own checks: a planned signature runs
+    it; one whose op refuses the arguments (a float64 weight under float32 x's key) still
+    gets nn.Linear's own RuntimeError, not cupykern's TypeError."""
     from cupykern.torch import gemm as tgemm
 
     m = Linear(6, 5)
