@@ -247,6 +247,8 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
+// TF32 keeps float32's sign, exponent and top 10 mantissa bits: the low 13 are dropped.
+constexpr unsigned TF32_MASK = 0xffffe000u;
 // 3xTF32's split of fp32 bits x ~ big + small, both halves rounded to nearest TF32:
 // |small| is at most half an ulp of big, so the pair carries ~22 bits and x - big - small
 // is ~2^-23 x, and small takes either sign. (With big the raw bits, truncated, every
@@ -255,8 +257,6 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
 // rounding for finite x: a second cvt.rna cost the wgmma kernel 4-7% (H200), these
 // nothing measurable. (A NaN stays NaN in small, even where big wraps to 0; values
 // within half a TF32 ulp of float32's maximum round to inf, as cvt.rna's do.)
-// TF32 keeps float32's sign, exponent and top 10 mantissa bits: the low 13 are dropped.
-constexpr unsigned TF32_MASK = 0xffffe000u;
 __device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& small) {
   big = (x + 0x1000u) & TF32_MASK;  // (+ half the dropped bits' unit: to nearest)
   small = to_tf32(__uint_as_float(x) - __uint_as_float(big));

@@ -360,8 +360,8 @@ def _linear_shape_key(x, weight, bias, precision) -> tuple:
 def planned_linear(x, weight, bias=None, precision=None):
     """``linear(x, weight, bias)`` by its shape-keyed plan (torch's own op), or None where
     none holds: not a plain tensor, not plain eager mode, a signature not planned, or
-    arguments torch's op refuses (the full path names them). What
-    :class:`cupykern.torch.Linear` tries before its own checks."""
+    arguments torch's op refuses (the full path names them). :func:`linear`'s first
+    step, and what :class:`cupykern.torch.Linear` tries before its own checks."""
     if type(x) not in _PLAIN or not _eager():
         return None
     try:
@@ -386,29 +386,30 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     """:func:`cupykern.linear` for torch tensors, through the custom ops (in plain eager
     mode their cached plan, :func:`_call`)."""
     if out is None:
-        if type(x) not in _PLAIN or not _eager():
-            return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
-        try:  # (the shape-keyed plan: inline, a small call's host time)
-            key = _linear_shape_key(x, weight, bias, precision)
-            run = _LINEAR_PLANS.get(key)
-        except (AttributeError, TypeError):  # (not tensors, an unhashable precision: checked below)
-            return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
-        if run is not None:
-            try:
-                return run(x, weight, bias)
-            except RuntimeError:  # (what torch's op refuses: the full path names the argument)
-                pass
-
-        def problem(prec):
-            N, K = weight.shape
-            return GemmProblem(x.numel() // K if K else 0, N, K, _name(x.dtype), prec, "torch",
-                               _loader.device_cc(x.get_device()))
-        return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
-                     _remember("linear", key, (_linear_once, F.linear), problem))
+        res = planned_linear(x, weight, bias, precision)
+        return res if res is not None else linear_unplanned(x, weight, bias, precision)
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
     return out
+
+
+def linear_unplanned(x, weight, bias=None, precision=None):
+    """:func:`linear` (no ``out``) where :func:`planned_linear` found no plan: the custom
+    op's path, which plans the signature (:func:`_call`, :func:`_remember`)."""
+    if type(x) not in _PLAIN or not _eager():
+        return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
+    try:
+        key = _linear_shape_key(x, weight, bias, precision)
+    except AttributeError:  # (not tensors: the op's checks name the argument)
+        return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
+
+    def problem(prec):
+        N, K = weight.shape
+        return GemmProblem(x.numel() // K if K else 0, N, K, _name(x.dtype), prec, "torch",
+                           _loader.device_cc(x.get_device()))
+    return _call(linear_op, core.eager_plan, (x, weight, bias), precision,
+                 _remember("linear", key, (_linear_once, F.linear), problem))
 
 
 def _matmul_impl(a, b, precision):
@@ -466,7 +467,8 @@ def matmul(a, b, *, precision=None, out=None):
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
     (the lower operand converted, differentiably; the shape-keyed plan's torch.matmul
-    refuses them first)."""
+    refuses them first: the key holds a's dtype alone), and the promoted call is planned
+    as any other."""
     key = None
     if out is None and _eager():
         try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
@@ -478,11 +480,9 @@ def matmul(a, b, *, precision=None, out=None):
         except (AttributeError, TypeError, RuntimeError):  # (as linear's)
             pass
     if (isinstance(b, torch.Tensor) and a.dtype != b.dtype and a.is_floating_point()
-            and b.is_floating_point()):
+            and b.is_floating_point()):  # (the promoted call: its own plan, or its planning)
         common = torch.promote_types(a.dtype, b.dtype)
-        a, b = a.to(common), b.to(common)
-        if key is not None:  # (the promoted call's own plan)
-            key = _matmul_shape_key(a, b, precision, key[5])
+        return matmul(a.to(common), b.to(common), precision=precision, out=out)
     if out is None:
         remember = None
         if key is not None:

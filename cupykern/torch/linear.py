@@ -38,7 +38,7 @@ from torch import nn
 from ._checks import hooked
 from ._compat import are_functorch_transforms_active, is_any_autocast_enabled
 from ._op import _PLAIN
-from .gemm import linear as _linear, planned_linear
+from .gemm import linear_unplanned, planned_linear
 from .gemm_scale_batchnorm import GemmScaleBatchNorm, _arguments, gemm_scale_batchnorm
 from .matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp
 
@@ -76,7 +76,7 @@ class Linear(nn.Linear):
         if out is not None:
             return out
         if _ours(input, weight):
-            return _linear(input, weight, bias)
+            return linear_unplanned(input, weight, bias)
         return F.linear(input, weight, bias)
 
     @classmethod
