@@ -199,17 +199,75 @@ def _plain_products():
     yield from _pool_rows()  # (last: it leaves whichever pool its baseline ran last)
 
 
+def step_targets():
+    """Training steps (forward and backward, parameters requiring grad) at the shapes the
+    host-time targets name, against the same PyTorch step on the same parameters: recorded
+    linear steps, GemmScaleBatchNorm steps in float32 "highest" / "high" and under bf16
+    autocast (eager: the reference model's ops), L1Norm / L2Norm steps."""
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    import cupykern
+    from cupykern import torch as ct
+
+    F = nn.functional
+    torch.manual_seed(0)
+    for (m, k, n), dtype in (((64, 512, 512), torch.float32), ((2 * 74, 2542, 2542), torch.float32),
+                             ((64, 1024, 1024), torch.bfloat16), ((643, 31, 655), torch.float64)):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype).div_(k ** 0.5).requires_grad_()
+        b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn(m, n, device="cuda", dtype=dtype)
+        name = str(dtype).removeprefix("torch.")
+        yield (f"linear {name} {m}x{k}->{n} step", lambda x=x, w=w, b=b, g=g:
+               cupykern.linear(x, w, b).backward(g), "eager step",
+               lambda x=x, w=w, b=b, g=g: F.linear(x, w, b).backward(g))
+    for mode in ("highest", "high", "bf16 autocast"):
+        torch.set_float32_matmul_precision("highest" if mode == "bf16 autocast" else mode)
+        for m, k, n in ((64, 512, 512), (128, 1024, 512), (256, 256, 256)):
+            gs = ct.GemmScaleBatchNorm(k, n, (n,)).cuda()
+            x = torch.randn(m, k, device="cuda")
+            g = torch.randn(m, n, device="cuda")
+
+            def region(mode=mode):
+                return (torch.autocast("cuda", dtype=torch.bfloat16) if mode == "bf16 autocast"
+                        else contextlib.nullcontext())
+
+            def ours(gs=gs, x=x, g=g):
+                with region():
+                    out = gs(x)
+                out.backward(g.to(out.dtype))
+
+            def eager(gs=gs, x=x, g=g):
+                with region():
+                    out = gs.bn(F.linear(x, gs.gemm.weight, gs.gemm.bias) * gs.scale)
+                out.backward(g.to(out.dtype))
+            yield f"GemmScaleBatchNorm {m}x{k}->{n} {mode} step", ours, "eager step", eager
+    torch.set_float32_matmul_precision("highest")
+    for rows, cols in ((128, 4096), (16, 16384)):
+        x = torch.randn(rows, cols, device="cuda", requires_grad=True)
+        g = torch.randn(rows, cols, device="cuda")
+        for label, mod, ref in (("L1Norm", ct.L1Norm(), lambda x: x / x.abs().mean(1, keepdim=True)),
+                                ("L2Norm", ct.L2Norm(), lambda x: x / x.norm(2, 1, keepdim=True))):
+            yield (f"{label} {rows}x{cols} step", lambda mod=mod, x=x, g=g: mod(x).backward(g),
+                   "eager step", lambda ref=ref, x=x, g=g: ref(x).backward(g))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cupykern.benchmarks.overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=500, help="back-to-back calls per figure")
+    ap.add_argument("--steps", action="store_true", help="instead of the calls: the training "
+                    "steps of the host-time targets (linear, GemmScaleBatchNorm, L1/L2Norm)")
     args = ap.parse_args(argv)
     require_gpu()
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'call':<50} {'ours us':>8} {'baseline':>16} {'us':>8} {'extra':>6} {'ratio':>6}")
-    for label, ours, base_name, base in rows():
+    for label, ours, base_name, base in (step_targets() if args.steps else rows()):
         t_o, t_b = paired_us(ours, base, args.calls)
         print(f"{label:<50} {t_o:>8.1f} {base_name:>16} {t_b:>8.1f} {t_o - t_b:>+6.1f} "
               f"{t_b / t_o:>5.2f}x", flush=True)
