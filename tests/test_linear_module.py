@@ -89,7 +89,7 @@ def test_linear_runs_cupykern_linear(monkeypatch):
     monkeypatch.setattr(linear_mod, "linear_unplanned", lambda *a: seen.append(a) or real(*a))
     m = Linear(4, 3)
     m(torch.randn(2, 4))
-    assert len(seen) == 1 and seen[0][1] is m.weight and seen[0][2] is m.bias
+    assert len(seen) == 1 and seen[0][1] is m.weight and seen[0][2] is m.bias and seen[0][3] is None
 
 
 def test_linear_leaves_other_inputs_to_pytorch():
@@ -120,6 +120,22 @@ def test_linear_runs_a_plan_and_leaves_what_it_refuses_to_pytorch(monkeypatch):
         m(x)
     with pytest.raises(TypeError, match="^weight"):
         cupykern.linear(x, m.weight, m.bias)
+
+
+def test_a_call_past_its_plan_builds_the_shape_key_once(monkeypatch):
+    """A call whose signature has no plan (here on the CPU: ours never stores one there)
+    builds its shape key once, the functional call's and the module's: the lookup's key is
+    the one the full path would store a plan under."""
+    from cupykern.torch import gemm as tgemm
+
+    built, real = [], tgemm._linear_shape_key
+    monkeypatch.setattr(tgemm, "_linear_shape_key", lambda *a: built.append(1) or real(*a))
+    m = Linear(6, 5)
+    x = torch.randn(3, 6)
+    for call in (lambda: cupykern.linear(x, m.weight, m.bias), lambda: m(x)):
+        built.clear()
+        torch.testing.assert_close(call(), F.linear(x, m.weight, m.bias))
+        assert built == [1]
 
 
 def test_from_linear_shares_parameters_hooks_and_mode():

@@ -358,17 +358,26 @@ def _linear_shape_key(x, weight, bias, precision) -> tuple:
 
 
 def planned_linear(x, weight, bias=None, precision=None):
-    """``linear(x, weight, bias)`` by its shape-keyed plan (torch's own op), or None where
-    none holds: not a plain tensor, not plain eager mode, a signature not planned, or
-    arguments torch's op refuses (the full path names them). :func:`linear`'s first
-    step, and what :class:`cupykern.torch.Linear` tries before its own checks."""
+    """``linear(x, weight, bias)`` by its shape-keyed plan (torch's own op): the result (a
+    tensor) where the signature has one; else the signature's key (a tuple: a plan not
+    made yet, or arguments torch's op refuses, which the full path names), under which
+    :func:`linear_unplanned` stores the vendor's plan; or None where no plan applies (not
+    a plain tensor, not plain eager mode, not tensors, an unhashable precision).
+    :func:`linear`'s first step, and what :class:`cupykern.torch.Linear` tries before
+    its own checks."""
     if type(x) not in _PLAIN or not _eager():
         return None
     try:
-        run = _LINEAR_PLANS.get(_linear_shape_key(x, weight, bias, precision))
-        return None if run is None else run(x, weight, bias)
-    except (AttributeError, TypeError, RuntimeError):
+        key = _linear_shape_key(x, weight, bias, precision)
+        run = _LINEAR_PLANS.get(key)
+    except (AttributeError, TypeError):
         return None
+    if run is None:
+        return key
+    try:
+        return run(x, weight, bias)
+    except (TypeError, RuntimeError):
+        return key
 
 
 def _remember(op_name, key, forms, problem):
@@ -387,21 +396,20 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     mode their cached plan, :func:`_call`)."""
     if out is None:
         res = planned_linear(x, weight, bias, precision)
-        return res if res is not None else linear_unplanned(x, weight, bias, precision)
+        if res is None or type(res) is tuple:
+            return linear_unplanned(x, weight, bias, precision, res)
+        return res
     prec = resolve_precision(precision)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
     (linear_out_op if isinstance(out, torch.Tensor) else _out_impl)(x, weight, bias, prec, out)
     return out
 
 
-def linear_unplanned(x, weight, bias=None, precision=None):
-    """:func:`linear` (no ``out``) where :func:`planned_linear` found no plan: the custom
-    op's path, which plans the signature (:func:`_call`, :func:`_remember`)."""
-    if type(x) not in _PLAIN or not _eager():
-        return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
-    try:
-        key = _linear_shape_key(x, weight, bias, precision)
-    except AttributeError:  # (not tensors: the op's checks name the argument)
+def linear_unplanned(x, weight, bias, precision, key):
+    """:func:`linear` (no ``out``) past :func:`planned_linear`, whose answer ``key`` was
+    not a result: the custom op's path, which stores the vendor's plan under ``key`` (a
+    tuple; None: no plan applies) where it is one (:func:`_call`, :func:`_remember`)."""
+    if key is None:
         return _call(linear_op, core.eager_plan, (x, weight, bias), precision)
 
     def problem(prec):
