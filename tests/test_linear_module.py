@@ -90,6 +90,7 @@ def test_linear_runs_cupykern_linear(monkeypatch):
     m = Linear(4, 3)
     m(torch.randn(2, 4))
     assert len(seen) == 1 and seen[0][1] is m.weight and seen[0][2] is m.bias and seen[0][3] is None
+    assert type(seen[0][4]) is tuple  # (the key its plan lookup built)
 
 
 def test_linear_leaves_other_inputs_to_pytorch():
@@ -124,18 +125,21 @@ def test_linear_runs_a_plan_and_leaves_what_it_refuses_to_pytorch(monkeypatch):
 
 def test_a_call_past_its_plan_builds_the_shape_key_once(monkeypatch):
     """A call whose signature has no plan (here on the CPU: ours never stores one there)
-    builds its shape key once, the functional call's and the module's: the lookup's key is
-    the one the full path would store a plan under."""
+    builds its shape key once, the functional call's and the module's, and the full path
+    is handed that very key to store a plan under."""
     from cupykern.torch import gemm as tgemm
 
-    built, real = [], tgemm._linear_shape_key
-    monkeypatch.setattr(tgemm, "_linear_shape_key", lambda *a: built.append(1) or real(*a))
+    built, handed = [], []
+    real_key, real_remember = tgemm._linear_shape_key, tgemm._remember
+    monkeypatch.setattr(tgemm, "_linear_shape_key", lambda *a: built.append(real_key(*a)) or built[-1])
+    monkeypatch.setattr(tgemm, "_remember", lambda op, key, *a: handed.append(key) or real_remember(op, key, *a))
     m = Linear(6, 5)
     x = torch.randn(3, 6)
     for call in (lambda: cupykern.linear(x, m.weight, m.bias), lambda: m(x)):
-        built.clear()
+        built.clear(), handed.clear()
         torch.testing.assert_close(call(), F.linear(x, m.weight, m.bias))
-        assert built == [1]
+        assert len(built) == 1 and len(handed) == 1 and handed[0] is built[0]
+        assert built[0] == real_key(x, m.weight, m.bias, None)
 
 
 def test_from_linear_shares_parameters_hooks_and_mode():

@@ -199,13 +199,32 @@ def _plain_products():
     yield from _pool_rows()  # (last: it leaves whichever pool its baseline ran last)
 
 
+def _step(forward, g, mode="highest"):
+    """``forward()`` and its backward from ``g`` in ``mode``: float32 "highest" or "high"
+    for both (the caller's setting restored after), or bf16 autocast around the forward
+    over "highest". Each step sets its own state, ours and PyTorch's alike, so a row
+    measures the same however the rows are run."""
+    import contextlib
+
+    import torch
+
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if mode == "high" else "highest")
+    try:
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if mode == "bf16 autocast"
+              else contextlib.nullcontext()):
+            out = forward()
+        out.backward(g.to(out.dtype))
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
 def step_targets():
     """Training steps (forward and backward, parameters requiring grad) at the shapes the
     host-time targets name, against the same PyTorch step on the same parameters: recorded
-    linear steps, GemmScaleBatchNorm steps in float32 "highest" / "high" and under bf16
-    autocast (eager: the reference model's ops), L1Norm / L2Norm steps."""
-    import contextlib
-
+    linear steps (float32 "highest"), GemmScaleBatchNorm steps in float32 "highest" /
+    "high" and under bf16 autocast (eager: the reference model's ops), L1Norm / L2Norm
+    steps."""
     import torch
     from torch import nn
 
@@ -221,31 +240,18 @@ def step_targets():
         b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
         g = torch.randn(m, n, device="cuda", dtype=dtype)
         name = str(dtype).removeprefix("torch.")
-        yield (f"linear {name} {m}x{k}->{n} step", lambda x=x, w=w, b=b, g=g:
-               cupykern.linear(x, w, b).backward(g), "eager step",
-               lambda x=x, w=w, b=b, g=g: F.linear(x, w, b).backward(g))
+        yield (f"linear {name} {m}x{k}->{n} step",
+               lambda x=x, w=w, b=b, g=g: _step(lambda: cupykern.linear(x, w, b), g),
+               "eager step", lambda x=x, w=w, b=b, g=g: _step(lambda: F.linear(x, w, b), g))
     for mode in ("highest", "high", "bf16 autocast"):
-        torch.set_float32_matmul_precision("highest" if mode == "bf16 autocast" else mode)
         for m, k, n in ((64, 512, 512), (128, 1024, 512), (256, 256, 256)):
             gs = ct.GemmScaleBatchNorm(k, n, (n,)).cuda()
             x = torch.randn(m, k, device="cuda")
             g = torch.randn(m, n, device="cuda")
-
-            def region(mode=mode):
-                return (torch.autocast("cuda", dtype=torch.bfloat16) if mode == "bf16 autocast"
-                        else contextlib.nullcontext())
-
-            def ours(gs=gs, x=x, g=g):
-                with region():
-                    out = gs(x)
-                out.backward(g.to(out.dtype))
-
-            def eager(gs=gs, x=x, g=g):
-                with region():
-                    out = gs.bn(F.linear(x, gs.gemm.weight, gs.gemm.bias) * gs.scale)
-                out.backward(g.to(out.dtype))
-            yield f"GemmScaleBatchNorm {m}x{k}->{n} {mode} step", ours, "eager step", eager
-    torch.set_float32_matmul_precision("highest")
+            yield (f"GemmScaleBatchNorm {m}x{k}->{n} {mode} step",
+                   lambda gs=gs, x=x, g=g, mode=mode: _step(lambda: gs(x), g, mode), "eager step",
+                   lambda gs=gs, x=x, g=g, mode=mode: _step(
+                       lambda: gs.bn(F.linear(x, gs.gemm.weight, gs.gemm.bias) * gs.scale), g, mode))
     for rows, cols in ((128, 4096), (16, 16384)):
         x = torch.randn(rows, cols, device="cuda", requires_grad=True)
         g = torch.randn(rows, cols, device="cuda")
