@@ -22,6 +22,7 @@ allocator (cupykern's one memory pool) against CuPy's own pool.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 
@@ -204,9 +205,7 @@ def _step(forward, g, mode="highest"):
     for both (the caller's setting restored after), or bf16 autocast around the forward
     over "highest". Each step sets its own state, ours and PyTorch's alike, so a row
     measures the same however the rows are run."""
-    import contextlib
-
-    import torch
+    import torch  # (imported already: a dictionary read, alike on both sides)
 
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if mode == "high" else "highest")
