@@ -13,7 +13,7 @@ def check_precision(precision) -> str:
     The torch layer resolves ``None`` to torch's float32 matmul precision first."""
     if precision is None:
         return "highest"
-    if precision not in PRECISIONS:
+    if type(precision) is not str or precision not in PRECISIONS:  # (an array's `in` is elementwise)
         raise ValueError(f"precision: expected one of {PRECISIONS} or None, got {precision!r}")
     return precision
 

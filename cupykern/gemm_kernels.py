@@ -65,6 +65,20 @@ for _m, _bn in ((0, 128), (1, 256), (_HALF, 256)):
 # 25.9 / 27.2 (13.6), but K <= 1024 lost: 2048x1024x1024 17.9 / 14.5, 1000x520x1030 16.3
 # / 13.4, 640x1024x2048 15.0 / 14.7 (the slabs' round trip outweighs short chunks).
 _WGMMA[_HALF].update(SPLIT_FILL=2, SPLIT_FILL_K=2048)
+# 3xTF32 (three tensor-core products per K slice: a tile's mainloop is long against the
+# slabs' round trip) splits a 2-D product's K wherever two chunks of its tiles fit on the
+# SMs (tiles at most half of them) from MATRIX_SPLIT_FILL_K on. H200, float32 "highest",
+# GPU time from CUDA graphs, linear / a^T @ b (dW's transposed read), in us, split at a
+# quarter / at a half (M x K x N, tiles): 768x4096x768 (36) 144.7 / 55.6 and 151.6 /
+# 68.3, 1024x4096x1024 (64) 139.0 / 78.5, 896x2048x896 (49) 76.5 / 44.2, 640x3072x1152
+# (45) 112.6 / 60.8, 1024x2048x1024 (64) 76.9 / 45.1; error against float64 no larger
+# (shorter sums). Calls back to back (host included, x SGEMM, quarter -> half):
+# 768x4096x768 0.82 -> 2.02x, 1024x2048x1024 1.29 -> 2.15x, 1024x4096x1024 1.33 ->
+# 2.29x. A shorter K saves less GPU time than a call's extra launch and workspace may
+# cost the host: 768^3 (36) 31.5 / 16.9, 1024^3 (64) 40.7 / 26.8, 1024x512x1024 22.7 /
+# 17.9, 1024x256x1024 13.8 / 13.5; back to back 1024^3 1.41 -> 1.75x but 768x1024x1024
+# 1.18 -> 0.97x (one run). A stack keeps the quarter (:func:`_batched`: its one launch).
+_WGMMA[0].update(MATRIX_SPLIT_FILL=2, MATRIX_SPLIT_FILL_K=2048)
 # The element type gemm_wgmma's tensor maps declare, per (dtype, mode). TF32: the copy engine
 # rounds each fp32 element to TF32 (to nearest) on its way to shared memory, as cuBLAS's
 # TF32 GEMM does, where the tensor core fed raw fp32 bits would truncate them (2.7x
@@ -352,16 +366,17 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
     return lambda ap, bp: (ma(ap), mb(bp), *stack)
 
 
-def _splits(a, tiles: int, cfg) -> int:
+def _splits(a, tiles: int, cfg, fill: int | None = None) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
-    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 / FILL
-    of the SMs (16-bit with a long K: SPLIT_FILL) and the dtype is float32 / float64, or
-    16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's and gemm_simple's would
-    hold T) (_SPLIT)."""
+    of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 /
+    ``fill`` of the SMs (default FILL; 16-bit with a long K: SPLIT_FILL) and the dtype is
+    float32 / float64, or 16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's
+    and gemm_simple's would hold T) (_SPLIT)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     most = _SPLIT["MAX"] if K < _SPLIT["LONG_K"] else sms
     splits = min(sms // tiles, K // cfg.get("SPLIT_MIN_K", _SPLIT["MIN_K"]), most)
-    fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
+    if fill is None:
+        fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
     if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
             or splits < 2:
         return 1
@@ -376,7 +391,8 @@ def _split(fn, grid, block, smem, bm, a, b, lda, ldb, cfg) -> Gemm:
     """The :class:`Gemm` of kernel ``fn`` (launch constants ``cfg``) on ``grid``, split over
     K as :func:`_splits` says."""
     (M, K), N, dt = a.shape, b.shape[0], a.dtype
-    splits = _splits(a, int(np.prod(grid)), cfg)
+    fill = cfg.get("MATRIX_SPLIT_FILL") if K >= cfg.get("MATRIX_SPLIT_FILL_K", 0) else None
+    splits = _splits(a, int(np.prod(grid)), cfg, fill)
     if splits == 1:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
     # whole K slices per chunk (32 floats, or gemm_wgmma's KS): the TMA loads address the

@@ -244,6 +244,8 @@ LINEAR = [
     Case("bias-2d", lambda k: _linear(k, bias=k.arr((1, 5))), ValueError, r"^bias: .*\(5,\)"),
     Case("precision-low", lambda k: _linear(k, precision="low"), ValueError, "^precision: "),
     Case("precision-empty", lambda k: _linear(k, precision=""), ValueError, "^precision: "),
+    # (an array: its truth value and `in` are elementwise; a plan key must not read them)
+    Case("precision-array", lambda k: _linear(k, precision=k.arr((2,))), ValueError, "^precision: "),
     Case("weight-foreign", lambda k: _linear(k, weight=k.foreign.arr((5, 6))), TypeError, "^weight: "),
     Case("bias-foreign", lambda k: _linear(k, bias=k.foreign.arr((5,))), TypeError, "^bias: "),
     Case("weight-host", lambda k: _linear(k, weight=k.host.arr((5, 6))), TypeError, "^weight: ", GPU),
@@ -339,6 +341,7 @@ GSBN = [
          TypeError, "^num_batches_tracked: "),
     Case("training-str", lambda k: _gsbn(k, training="yes"), TypeError, "^training: "),
     Case("precision-low", lambda k: _gsbn(k, precision="low"), ValueError, "^precision: "),
+    Case("precision-array", lambda k: _gsbn(k, precision=k.arr((2,))), ValueError, "^precision: "),
     Case("bn_weight-foreign", lambda k: _gsbn(k, bn_weight=k.foreign.arr((5,))), TypeError, "^bn_weight: "),
     Case("running_mean-foreign", lambda k: _gsbn(k, running_mean=k.foreign.arr((5,))),
          TypeError, "^running_mean: "),

@@ -6,6 +6,7 @@ input still gets its clear error, another layout, precision, TF32 switch, dtype 
 plans again, and the plans hold across threads, CUDA graphs and torch.compile."""
 import threading
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -65,6 +66,17 @@ def test_bad_input_on_a_planned_shape_is_named(plans):
     cupykern.matmul(x, w.T)
     with pytest.raises(TypeError, match="^b"):
         cupykern.matmul(x, w.T.to(torch.int32))
+    for precision in (torch.ones(2), np.ones(2)):  # (no truth value: not read by a plan key)
+        with pytest.raises(ValueError, match="^precision"):
+            cupykern.linear(x, w, b, precision=precision)
+        with pytest.raises(ValueError, match="^precision"):
+            cupykern.matmul(x, w.T, precision=precision)
+    # A NumPy weight shares a planned tensor's key (torch.Size is a tuple); bf16's plan
+    # reads the weight's layout first
+    xh, wh = x.bfloat16(), w.bfloat16()
+    cupykern.linear(xh, wh)
+    with pytest.raises(TypeError, match="^weight"):
+        cupykern.linear(xh, wh.float().cpu().numpy())
 
 
 def test_layout_storage_and_inplace_weights(plans):

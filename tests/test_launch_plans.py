@@ -401,6 +401,30 @@ def _fake_hopper(monkeypatch, dtype):
     return op
 
 
+@pytest.mark.parametrize("precision, tiles, k, splits", [
+    ("highest", (6, 6), 4096, 3),  # 36 tiles: 3 chunks fill 108 of 132 SMs
+    ("highest", (8, 8), 2048, 2),  # 64: 2 chunks
+    ("highest", (8, 8), 1024, 1),  # K < 2048: a quarter of the SMs at most
+    ("highest", (4, 8), 1024, 4),  # (32 tiles: a quarter)
+    ("highest", (8, 9), 4096, 1),  # 72: more than half the SMs
+    ("high", (6, 6), 4096, 1),  # TF32 (128 x 256 tiles): 36, more than a quarter
+])
+def test_float32_products_split_k_on_hopper(monkeypatch, precision, tiles, k, splits):
+    """On sm_90 a 2-D 3xTF32 product with K >= 2048 splits K wherever two chunks of its
+    tiles fit on the SMs (at most half of them); a shorter K, and TF32, where they fill at
+    most a quarter. A stack keeps the quarter: 36 tiles in all stay one launch."""
+    from cupykern import gemm_kernels
+    from cupykern.gemm_kernels import Stack
+
+    op = _fake_hopper(monkeypatch, "float32")
+    cfg = gemm_kernels._WGMMA[gemm_kernels._MODE[precision]]
+    a, b = op(tiles[0] * cfg["BM"], k), op(tiles[1] * cfg["BN"], k)
+    assert gemm_kernels.gemm_kernel(a, b, precision).splits == splits
+    if precision == "highest" and tiles == (6, 6):
+        stack = Stack(2, 2, (0, 0), (0, 0))
+        assert gemm_kernels.batched_call(op(3 * cfg["BM"], k), b, precision, stack) is not None
+
+
 def test_stack_is_one_launch_on_hopper(monkeypatch):
     """A stack of float32 "highest" products runs gemm_wgmma once, the matrix in the
     grid's y: its tensor maps span every matrix's rows (matrix i's at row i * stride /

@@ -276,9 +276,10 @@ def test_mixed_dtypes_promote_as_numpy_and_torch(da, db):
 
 def test_mixed_dtypes_promote_past_a_planned_shape(monkeypatch):
     """A shape-keyed plan of the same shapes in a's dtype (stored here under the CPU call's
-    key, as eager CUDA calls store theirs) is torch.matmul, which refuses two dtypes: the
-    call is looked up first, then promoted, and computes the float64 product; once the
-    promoted signature has a plan, the promoted call runs it."""
+    key, as eager CUDA calls store theirs) is torch.matmul, which refuses two dtypes: a
+    call of two dtypes skips the plans (no key built, nothing tried), is promoted, and
+    computes the float64 product; once the promoted signature has a plan, the promoted
+    call runs it."""
     from cupykern.torch import gemm as tgemm
 
     a, b = torch.randn(5, 7), torch.randn(7, 3, dtype=torch.float64)
@@ -286,12 +287,12 @@ def test_mixed_dtypes_promote_past_a_planned_shape(monkeypatch):
     monkeypatch.setitem(tgemm._MATMUL_PLANS, tgemm._matmul_shape_key(a, b, None, False),
                         lambda *x: tried.append(1) or torch.matmul(*x))
     got = cupykern.matmul(a, b)
-    assert tried == [1] and got.dtype == torch.float64
+    assert tried == [] and got.dtype == torch.float64
     torch.testing.assert_close(got, a.double() @ b, rtol=0, atol=0)
     monkeypatch.setitem(tgemm._MATMUL_PLANS, tgemm._matmul_shape_key(a.double(), b, None, False),
                         lambda *x: promoted.append([t.dtype for t in x]) or torch.matmul(*x))
     got = cupykern.matmul(a, b)
-    assert tried == [1, 1] and promoted == [[torch.float64, torch.float64]]
+    assert tried == [] and promoted == [[torch.float64, torch.float64]]
     torch.testing.assert_close(got, a.double() @ b, rtol=0, atol=0)
 
 

@@ -365,8 +365,9 @@ def planned_linear(x, weight, bias=None, precision=None):
     a plain tensor, not plain eager mode, not tensors, an unhashable precision).
     :func:`linear`'s first step, and what :class:`cupykern.torch.Linear` tries before
     its own checks."""
-    if type(x) not in _PLAIN or not _eager():
-        return None
+    if (type(x) not in _PLAIN or not _eager()
+            or (precision is not None and type(precision) is not str)):
+        return None  # (a precision of another type: the op's checks name it)
     try:
         key = _linear_shape_key(x, weight, bias, precision)
         run = _LINEAR_PLANS.get(key)
@@ -374,9 +375,9 @@ def planned_linear(x, weight, bias=None, precision=None):
         return None
     if run is None:
         return key
-    try:
+    try:  # (an array that is not a tensor may share a tensor's key: torch.Size is a tuple)
         return run(x, weight, bias)
-    except (TypeError, RuntimeError):
+    except (AttributeError, TypeError, RuntimeError):
         return key
 
 
@@ -474,17 +475,18 @@ def matmul(a, b, *, precision=None, out=None):
     """:func:`cupykern.matmul` for torch tensors, through the custom op (as linear's). With ``out``
     (validated as the op's arguments are), the result is copied into it; as torch's own
     ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
-    (the lower operand converted, differentiably; the shape-keyed plan's torch.matmul
-    refuses them first: the key holds a's dtype alone), and the promoted call is planned
-    as any other."""
+    (the lower operand converted, differentiably; such a call skips the shape-keyed
+    plans, whose key holds a's dtype alone), and the promoted call is planned as any
+    other. A precision that is not a string skips them too: the op's checks name it."""
     key = None
-    if out is None and _eager():
+    if out is None and _eager() and (precision is None or type(precision) is str):
         try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
-            key = _matmul_shape_key(a, b, precision,
-                                    torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
-            run = _MATMUL_PLANS.get(key)
-            if run is not None:
-                return run(a, b)
+            if a.dtype is b.dtype:  # (two dtypes: promoted below)
+                key = _matmul_shape_key(a, b, precision, torch.is_grad_enabled() and (
+                    a.requires_grad or b.requires_grad))
+                run = _MATMUL_PLANS.get(key)
+                if run is not None:
+                    return run(a, b)
         except (AttributeError, TypeError, RuntimeError):  # (as linear's)
             pass
     if (isinstance(b, torch.Tensor) and a.dtype != b.dtype and a.is_floating_point()
