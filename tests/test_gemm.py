@@ -18,10 +18,13 @@ pytestmark = pytest.mark.usefixtures("our_kernels")
 # its 128x128 and 128x256 tiles. On a GPU of 132 SMs, K is split (float32, float64)
 # where a grid of at most 33 tiles meets K >= 256: 256x384x1024, 200x136x4100,
 # 513x129x8192 and 67x45x1001 (unaligned rows, a partial last chunk); 1100x1030x260 is
-# not split (81 / 45 tiles).
+# not split (81 / 45 tiles). 3xTF32 on Hopper also splits at most 66 tiles with K >=
+# 2048: 768x768x4096 (36 tiles, 3 chunks) and 1000x900x2100 (64 tiles, 2 chunks, the
+# last shorter).
 SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 257, 33),
           (256, 384, 1024), (200, 136, 4100), (513, 129, 8192), (1, 300, 64), (5, 1, 4),
-          (129, 520, 36), (67, 45, 1001), (1100, 1030, 260)]
+          (129, 520, 36), (67, 45, 1001), (1100, 1030, 260), (768, 768, 4096),
+          (1000, 900, 2100)]
 def test_numpy_reference_path():
     x, w, b = (t.numpy() for t in _data(5, 4, 3, torch.float32))
     np.testing.assert_allclose(cupykern.linear(x, w, b), x @ w.T + b, rtol=1e-6, atol=1e-6)
@@ -526,11 +529,12 @@ def test_mm_below_sm80(as_sm75, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, bound", [("highest", 1e-4), ("high", 2e-2)])
-@pytest.mark.parametrize("shape", [(3, 7, 5), (130, 257, 33), (256, 384, 1024), (2, 99, 3000)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(3, 7, 5), (130, 257, 33), (256, 384, 1024), (2, 99, 3000),
+                                   (4096, 768, 768)], ids=lambda s: "x".join(map(str, s)))
 def test_linear_gradients_on_our_gemm(shape, precision, bound):
     """dx, dW, db of cupykern.linear against float64 autograd, relative to max |grad|
-    (the training issue's tolerance for "highest")."""
+    (the training issue's tolerance for "highest"). 4096x768x768: dW = g^T @ x, 768 x 768
+    over K = 4096, splits K in 3 chunks on an H200 in "highest"."""
     m, n, k = shape
     x, w, b = (t.cuda().requires_grad_() for t in _data(m, n, k, torch.float32))
     g = torch.randn(m, n, device="cuda")
