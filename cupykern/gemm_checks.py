@@ -9,13 +9,17 @@ from ._array import FLOAT_DTYPES, check_out, contiguous, operand, require_writab
 PRECISIONS = ("highest", "high", "medium")  # PyTorch's float32 matmul precisions
 
 def check_precision(precision) -> str:
-    """``precision`` as one of PRECISIONS; ``None`` (CuPy / NumPy callers) is "highest".
-    The torch layer resolves ``None`` to torch's float32 matmul precision first."""
+    """``precision`` as one of PRECISIONS, a plain str; ``None`` (CuPy / NumPy callers) is
+    "highest". The torch layer resolves ``None`` to torch's float32 matmul precision first.
+    (The plans' fast paths key on a plain str or None alone: any other precision takes
+    the checked path.)"""
     if precision is None:
         return "highest"
-    if type(precision) is not str or precision not in PRECISIONS:  # (an array's `in` is elementwise)
+    if not isinstance(precision, str) or precision not in PRECISIONS:  # (an array's `in` is elementwise)
         raise ValueError(f"precision: expected one of {PRECISIONS} or None, got {precision!r}")
-    return precision
+    # (a str subclass, numpy.str_ or a str Enum: its characters; a plain str as it is,
+    # which torch.compile traces as a constant)
+    return precision if type(precision) is str else str.__str__(precision)
 
 
 def check_vector(v, name: str, like, n: int, dtype: str | None = None, in_place: bool = False):

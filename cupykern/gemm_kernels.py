@@ -104,7 +104,8 @@ _TRANSPOSE = {"TILE": 32, "THREADS": 256}  # transposed operand copies: 32x32 ti
 # few tiles takes up to MAX K chunks (of a length of at least MIN_K, or the kernel's
 # SPLIT_MIN_K, a multiple of the kernel's K slice: ALIGN, the float32 kernels' slice, or
 # gemm_wgmma's KS; the last chunk may be shorter) when it would fill at most 1 / FILL of
-# the SMs (gemm_wgmma's 16-bit mode with a long K: its SPLIT_FILL);
+# the SMs (gemm_wgmma's 16-bit mode with a long K: its SPLIT_FILL; 3xTF32's 2-D products
+# with a long K: its MATRIX_SPLIT_FILL);
 # splitk_reduce adds the slabs in blocks of COLS columns (a warp) by THREADS / COLS groups
 # of ROWS rows (its M tile for the partial statistics: BM rows). Measured on H100
 # (128x1024 @ 1024x512, 3xTF32): 40.5 us unsplit, 16.0 us with 8 rows per thread, 14.2
@@ -366,21 +367,30 @@ def _tensor_maps(tma: bool, ta: bool, dtype: str, mode: int, cfg, M: int, N: int
     return lambda ap, bp: (ma(ap), mb(bp), *stack)
 
 
-def _splits(a, tiles: int, cfg, fill: int | None = None) -> int:
+def _splits(a, tiles: int, cfg, matrix: bool = False) -> int:
     """Into how many K chunks (1: none) a GEMM of ``a`` (M x K) over ``tiles`` output tiles
     of the kernel of launch constants ``cfg`` splits: where the tiles fill at most 1 /
-    ``fill`` of the SMs (default FILL; 16-bit with a long K: SPLIT_FILL) and the dtype is
-    float32 / float64, or 16-bit on gemm_wgmma (whose slabs hold float sums; gemm_mma's
-    and gemm_simple's would hold T) (_SPLIT)."""
+    :func:`_fill` of the SMs and the dtype is float32 / float64, or 16-bit on gemm_wgmma
+    (whose slabs hold float sums; gemm_mma's and gemm_simple's would hold T) (_SPLIT).
+    ``matrix``: one 2-D product (a stack, one launch, keeps the default fill)."""
     K, sms = a.shape[1], _loader.sm_count(a.device)
     most = _SPLIT["MAX"] if K < _SPLIT["LONG_K"] else sms
     splits = min(sms // tiles, K // cfg.get("SPLIT_MIN_K", _SPLIT["MIN_K"]), most)
-    if fill is None:
-        fill = cfg["SPLIT_FILL"] if K >= cfg.get("SPLIT_FILL_K", K + 1) else _SPLIT["FILL"]
-    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) or fill * tiles > sms \
-            or splits < 2:
+    if (a.dtype not in ("float32", "float64") and cfg is not _WGMMA[_HALF]) \
+            or _fill(cfg, K, matrix) * tiles > sms or splits < 2:
         return 1
     return splits
+
+
+def _fill(cfg, K: int, matrix: bool) -> int:
+    """1 / the share of the SMs up to which a product's tiles split K: the kernel's
+    MATRIX_SPLIT_FILL for a 2-D product (``matrix``) from MATRIX_SPLIT_FILL_K, else its
+    SPLIT_FILL from SPLIT_FILL_K, else _SPLIT's FILL (the keys a kernel lacks never hold)."""
+    if matrix and K >= cfg.get("MATRIX_SPLIT_FILL_K", K + 1):
+        return cfg["MATRIX_SPLIT_FILL"]
+    if K >= cfg.get("SPLIT_FILL_K", K + 1):
+        return cfg["SPLIT_FILL"]
+    return _SPLIT["FILL"]
 
 
 def _tiles(M: int, N: int, cfg) -> int:
@@ -391,8 +401,7 @@ def _split(fn, grid, block, smem, bm, a, b, lda, ldb, cfg) -> Gemm:
     """The :class:`Gemm` of kernel ``fn`` (launch constants ``cfg``) on ``grid``, split over
     K as :func:`_splits` says."""
     (M, K), N, dt = a.shape, b.shape[0], a.dtype
-    fill = cfg.get("MATRIX_SPLIT_FILL") if K >= cfg.get("MATRIX_SPLIT_FILL_K", 0) else None
-    splits = _splits(a, int(np.prod(grid)), cfg, fill)
+    splits = _splits(a, int(np.prod(grid)), cfg, matrix=True)
     if splits == 1:
         return Gemm(fn, grid, block, smem, bm, 1, K, None, 0, lda, ldb)
     # whole K slices per chunk (32 floats, or gemm_wgmma's KS): the TMA loads address the

@@ -571,3 +571,22 @@ def test_empty_rows_give_an_empty_result_without_warnings(fn):
         warnings.simplefilter("error")  # NumPy's "Mean of empty slice" must not leak out
         y = fn(np.zeros((5, 0), np.float32))
     assert y.shape == (5, 0) and y.dtype == np.float32
+
+
+class _Precision(str, __import__("enum").Enum):
+    HIGH = "high"
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.gpu) if k in GPU_KINDS else k
+                                  for k in ALL])
+@pytest.mark.parametrize("precision", [np.str_("high"), _Precision.HIGH], ids=["numpy-str", "str-enum"])
+def test_str_subclass_precision_is_its_string(kind, precision):
+    """A str subclass (numpy.str_, a str Enum) is the precision its characters name, as
+    PyTorch's own settings take it: the same results as the plain string's."""
+    k = Kind(kind)
+    for fn in (_linear, _gsbn):
+        got, want = fn(k, precision=precision)(), fn(k, precision="high")()
+        np.testing.assert_array_equal(_to_numpy(got), _to_numpy(want))
+    a, b = k.arr((4, 6)), k.arr((6, 5), seed=1)
+    np.testing.assert_array_equal(_to_numpy(cupykern.matmul(a, b, precision=precision)),
+                                  _to_numpy(cupykern.matmul(a, b, precision="high")))

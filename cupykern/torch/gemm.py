@@ -36,7 +36,8 @@ from ._op import _PLAIN, Op, _eager, lower_precision, wants_grad
 
 
 def resolve_precision(precision) -> str:
-    """``None`` -> torch's float32 matmul precision; anything else is checked by the op.
+    """``None`` -> torch's float32 matmul precision; anything else checked (its plain str:
+    :func:`cupykern.gemm_checks.check_precision`).
 
     In a CUDA autocast region ``None`` is "high" (TF32, at least as accurate as the
     region's 16-bit matmuls): a fused op whose GEMM PyTorch would autocast (GSBN's
@@ -46,7 +47,7 @@ def resolve_precision(precision) -> str:
     can (Dynamo folds it and guards on it): there "medium" runs as "high" (TF32), which
     PyTorch's definition of "medium" (at least bf16's accuracy) allows."""
     if precision is not None:
-        return precision
+        return checks.check_precision(precision)
     if torch.is_autocast_enabled("cuda"):
         return "high"
     if torch.compiler.is_compiling():
@@ -362,7 +363,8 @@ def planned_linear(x, weight, bias=None, precision=None):
     tensor) where the signature has one; else the signature's key (a tuple: a plan not
     made yet, or arguments torch's op refuses, which the full path names), under which
     :func:`linear_unplanned` stores the vendor's plan; or None where no plan applies (not
-    a plain tensor, not plain eager mode, not tensors, an unhashable precision).
+    a plain tensor, not plain eager mode, not tensors, a precision other than a plain str
+    or None).
     :func:`linear`'s first step, and what :class:`cupykern.torch.Linear` tries before
     its own checks."""
     if (type(x) not in _PLAIN or not _eager()
