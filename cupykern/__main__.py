@@ -179,7 +179,7 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
     within ``atol``), and its time against eager and torch.compile."""
     import torch
 
-    from cupykern.benchmark import SWEEP_SECONDS, time_ms
+    from cupykern.benchmark import SWEEP_SECONDS, time_each
 
     x = inputs[0].detach().requires_grad_()
     rest = inputs[1:]
@@ -205,9 +205,13 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
                         for a, b, m in zip(grads[new], grads[ref], scale)]).max().item()
     del grads
     row = {"grad_rel_err": rel, "grad_correct": rel <= atol}
-    for key, m in (("train_ms", new), ("train_eager_ms", ref), ("train_compile_ms", compiled)):
-        row[key] = time_ms(lambda: m(x, *rest).backward(g), iters=iters, setup=clear,
-                           seconds=SWEEP_SECONDS)
+    # The three steps in interleaved rounds (time_each): a small step is the host's time,
+    # which drifts between seconds on these hosts (H200, timed one after the other, L2Norm's
+    # 128x4096 step read 0.256 ms against L1Norm's 0.081 in one run, the same code path;
+    # 0.235 / 0.172 in another), while a large step is the GPU's, alike in any order.
+    steps = [lambda m=m: m(x, *rest).backward(g) for m in (new, ref, compiled)]
+    row["train_ms"], row["train_eager_ms"], row["train_compile_ms"] = time_each(
+        steps, iters=iters, setup=clear, seconds=SWEEP_SECONDS)
     clear()
     row["train_speedup_eager"] = row["train_eager_ms"] / row["train_ms"]
     row["train_speedup_compile"] = row["train_compile_ms"] / row["train_ms"]
