@@ -207,8 +207,11 @@ def _train_case(ref, new, compiled, inputs, atol, iters) -> dict:
     row = {"grad_rel_err": rel, "grad_correct": rel <= atol}
     # The three steps in interleaved rounds (time_each): a small step is the host's time,
     # which drifts between seconds on these hosts (H200, timed one after the other, L2Norm's
-    # 128x4096 step read 0.256 ms against L1Norm's 0.081 in one run, the same code path;
-    # 0.235 / 0.172 in another), while a large step is the GPU's, alike in any order.
+    # 128x4096 step read 1.08x eager and L1Norm's 1.80x, the same code path; interleaved
+    # 1.22x and 1.25x). A large step reads differently too, by what it follows: ours /
+    # timed alone, GemmScaleBatchNorm 16384x4096->4096 14.5 / 15.9 ms, and
+    # MatmulSumMaxMeanLogSumExp 1024x8192->8192, after torch.compile's 8.5 ms step, 1.087 /
+    # 0.681 ms (docs/performance.md#method).
     steps = [lambda m=m: m(x, *rest).backward(g) for m in (new, ref, compiled)]
     row["train_ms"], row["train_eager_ms"], row["train_compile_ms"] = time_each(
         steps, iters=iters, setup=clear, seconds=SWEEP_SECONDS)

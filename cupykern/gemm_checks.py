@@ -15,11 +15,14 @@ def check_precision(precision) -> str:
     the checked path.)"""
     if precision is None:
         return "highest"
-    if not isinstance(precision, str) or precision not in PRECISIONS:  # (an array's `in` is elementwise)
+    # A str subclass (numpy.str_, a str Enum) as its characters, compared as a plain str
+    # (its own __eq__ is not asked); a plain str as it is, which torch.compile traces as a
+    # constant. Anything else is refused before `in`, which an array answers elementwise.
+    plain = precision if type(precision) is str else (
+        str.__str__(precision) if isinstance(precision, str) else None)
+    if plain not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS} or None, got {precision!r}")
-    # (a str subclass, numpy.str_ or a str Enum: its characters; a plain str as it is,
-    # which torch.compile traces as a constant)
-    return precision if type(precision) is str else str.__str__(precision)
+    return plain
 
 
 def check_vector(v, name: str, like, n: int, dtype: str | None = None, in_place: bool = False):

@@ -304,7 +304,8 @@ def _eager_precision(precision):
     """:func:`resolve_precision` where :func:`_eager` holds (neither compiling nor
     autocasting), without its checks of those: the plain call's host time, most of a small
     product's (the vendor's eager forms). None for a precision no plan is keyed by (not a
-    string: the op's checks say what is wrong with it)."""
+    plain str: :func:`resolve_precision` names a wrong one, reads a str subclass as its
+    characters)."""
     prec = torch.get_float32_matmul_precision() if precision is None else precision
     return prec if type(prec) is str else None
 
@@ -369,7 +370,7 @@ def planned_linear(x, weight, bias=None, precision=None):
     its own checks."""
     if (type(x) not in _PLAIN or not _eager()
             or (precision is not None and type(precision) is not str)):
-        return None  # (a precision of another type: the op's checks name it)
+        return None  # (not a plain str: resolve_precision's check reads or names it)
     try:
         key = _linear_shape_key(x, weight, bias, precision)
         run = _LINEAR_PLANS.get(key)
@@ -479,7 +480,8 @@ def matmul(a, b, *, precision=None, out=None):
     ``out=`` it takes no gradient. Two float dtypes promote as torch.promote_types says
     (the lower operand converted, differentiably; such a call skips the shape-keyed
     plans, whose key holds a's dtype alone), and the promoted call is planned as any
-    other. A precision that is not a string skips them too: the op's checks name it."""
+    other. A precision that is not a plain str skips them too: :func:`resolve_precision`
+    reads a str subclass as its characters and names anything else."""
     key = None
     if out is None and _eager() and (precision is None or type(precision) is str):
         try:  # (recorded: a stack planned on ours may be the vendor's when autograd records it)
