@@ -12,8 +12,8 @@ forward's module, so that importing the package registers them for the compile c
 from __future__ import annotations
 
 from . import _loader
-from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, launch_all, operand, rows_2d,
-                     same_place, scalar, signature)
+from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, empty, launch_all, operand,
+                     rows_2d, same_place, scalar, signature)
 from ._geometry import acc_dtype, cdiv, grid_rows
 from .gemm import matmul_core
 from .gemm_checks import check_precision, check_vector
@@ -135,6 +135,18 @@ def backward_run(arrays, options):
     key = tuple(signature(v) for v in arrays) + options + (vendor_state(z), float64_capture(z))
     return cached_checked(_backward_plans, key, _check_backward, _backward_fresh,
                           arrays + (training,), options[1:])
+
+
+def backward_run_after(forward_plan, arrays, options):
+    """:func:`backward_run`'s plan (or None: the general path) for the arrays that the
+    forward launch plan ``forward_plan`` (:func:`cupykern.gemm_scale_batchnorm.planned_run`'s,
+    with ``save``) read and wrote, as they are: that plan's key fixes every array's
+    signature but g's, and the options but the gradients wanted, so this key is the
+    forward plan, g's signature, those and the library's state now (one signature read
+    where :func:`backward_run` reads nine)."""
+    z = arrays[1]
+    key = (forward_plan, signature(arrays[0]), *options[3:], vendor_state(z), float64_capture(z))
+    return cached(_backward_plans, key, lambda: backward_run(arrays, options)[0])
 
 
 def _check_backward(g, z, coefs, x, weight, bias, scale, bn_weight, running_mean, training):

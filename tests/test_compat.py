@@ -166,6 +166,17 @@ def test_function_apply_records_the_function():
     assert _compat.FUNCTION_APPLY is torch._C._FunctionBase.__dict__["apply"]
 
 
+@checks("top_saved_tensors_hooks")
+def test_top_saved_tensors_hooks_names_the_hooks_in_force():
+    assert _compat.top_saved_tensors_hooks(False) is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert _compat.top_saved_tensors_hooks(False) == (pack, unpack)
+    with torch.autograd.graph.save_on_cpu():
+        assert _compat.top_saved_tensors_hooks(False) is not None
+    assert _compat.top_saved_tensors_hooks(False) is None
+
+
 @checks("tree_map")
 def test_tree_map_keeps_the_structure():
     t = torch.ones(1)

@@ -836,6 +836,49 @@ def test_backward_plan_follows_each_step():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False])
+def test_backward_plans_from_the_planned_forward(training):
+    """After the module's planned forward, the backward plans from that forward's plan
+    (its node carries it until the backward, then drops it): float64's gradients, also
+    where a hook on the node's own saved tensors gives x back in another layout (a row
+    view's contiguous copy: the forward's plan no longer describes it) and under
+    save_on_cpu (the forward then keeps nothing of its own)."""
+    from cupykern.torch import gemm_scale_batchnorm as layer
+
+    ref, new = _pair(48, 40)
+    new = new.cuda().train(training)
+    ref.train(training)
+    x = torch.randn(300, 56, device="cuda")[:, :48]  # (rows of stride 56)
+    g = torch.randn(300, 40, device="cuda")
+
+    def contiguous_x(node):  # x is the first saved tensor (_saved)
+        node._raw_saved_tensors[0].register_hooks(lambda t: t, lambda t: t.contiguous())
+
+    with matmul_precision("highest"):  # (the first call plans: later ones run the plan)
+        new(x.detach().requires_grad_()).backward(g)
+    for hook, hooks in [(None, contextlib.nullcontext), (None, contextlib.nullcontext),
+                        (contiguous_x, contextlib.nullcontext),
+                        (None, torch.autograd.graph.save_on_cpu)]:
+        xi = x.detach().requires_grad_()
+        for p in new.parameters():
+            p.grad = None
+        ref.load_state_dict(new.state_dict())
+        want = _grads_float64(ref, xi, g, training)
+        with matmul_precision("highest"), hooks():
+            out = new(xi)
+            planned = out.grad_fn.planned
+            assert isinstance(planned, layer._PlannedForward)
+            assert (planned.saved is None) == (hooks is not contextlib.nullcontext)
+            if hook is not None:
+                hook(out.grad_fn)
+            out.backward(g)
+        assert out.grad_fn.planned is None  # (nothing held past the backward)
+        ours = [xi.grad] + [p.grad for p in new.parameters()]
+        for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+            assert_grad_close(o, r, 1e-4, 1e-6, name)
+
+
+@pytest.mark.gpu
 def test_eval_empty_batch_with_grad():
     """An empty batch in eval mode with gradients on: nothing kept, empty and zero grads."""
     _, new = _pair(16, 8)

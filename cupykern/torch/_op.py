@@ -56,14 +56,16 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
     """An autograd.Function of ``forward`` with the op's own setup_context / backward.
     With ``lead``, the first argument (a dispatch keyset) is not the op's and gets no
     gradient; with ``trail``, the last (the planned implementation of
-    :meth:`Op.call_planned`), so that ``ctx.needs_input_grad`` keeps the op's indices.
-    It uses the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd
+    :meth:`Op.call_planned`, which the backward finds as ``ctx.planned``), so that
+    ``ctx.needs_input_grad`` keeps the op's indices. It uses the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd
     binds the arguments through ``inspect.signature`` on every call, tens of
     microseconds."""
     first, last = (1 if lead else 0), (1 if trail else 0)
 
     def fwd(ctx, *args):
         out = forward(*args)
+        if last:
+            ctx.planned = args[-1]
         setup_context(ctx, args[first:len(args) - last], out)
         return out
 
@@ -295,7 +297,7 @@ class Op:
         """``self(*args)`` in plain eager mode (:func:`_direct`), where ``run(*args)`` computes
         what the implementation would (a module's cached launch plan for these arguments),
         with autograd if ``grad`` (a gradient is needed): the call without the checks
-        and lookups that chose ``run``."""
+        and lookups that chose ``run``. The backward finds ``run`` as ``ctx.planned``."""
         if not grad:
             return run(*args)
         if self.planned is None:

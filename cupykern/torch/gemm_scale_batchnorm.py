@@ -20,11 +20,12 @@ from torch import nn
 from ..gemm_scale_batchnorm import (Affine, BatchNormState, apply_coefficients,
                                     batch_size_error, check, check_inputs, check_real,
                                     gemm_scale_batchnorm_core, gemm_statistics, planned_run)
-from ..gemm_scale_batchnorm_backward import backward, grad_dz, grad_partials
+from ..gemm_scale_batchnorm_backward import backward, backward_run_after, grad_dz, grad_partials
 from torch.autograd.function import once_differentiable
 
 from ._checks import hooked, members, require_submodule, require_tensor
-from ._compat import are_functorch_transforms_active, is_any_autocast_enabled
+from ._compat import (are_functorch_transforms_active, is_any_autocast_enabled,
+                      top_saved_tensors_hooks)
 from .._stats import merge_moments
 from ._distributed import gather, moments, sum_in_order, world_size
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
@@ -99,24 +100,68 @@ def _setup_context(ctx, inputs, output):
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in (x, weight, bias, scale, gamma, beta))
+    ctx.save_for_backward(*_saved(inputs, output))
+
+
+def _saved(inputs, output):
+    """What the op keeps for its backward: x, weight, bias, scale, bn_weight, with ``save``
+    z and coefs, and in eval mode running_mean and running_var (None where not kept)."""
+    x, weight, bias, scale, gamma, _, rmean, rvar, _, training, *_, save = inputs
     kept = output[1:] if save else (None, None)  # z, coefs
-    ctx.save_for_backward(x, weight, bias, scale, gamma, *kept,
-                          *((None, None) if training else (rmean, rvar)))
+    return (x, weight, bias, scale, gamma, *kept, *((None, None) if training else (rmean, rvar)))
+
+
+class _PlannedForward:
+    """A module's planned forward with ``save`` as :meth:`Op.call_planned` takes it
+    (``self(*args)``: its outputs), and what its backward plans from (``ctx.planned``):
+    the forward's launch plan, and the arrays the op saves for the backward, unless
+    saved-tensor hooks (e.g. torch.autograd.graph.save_on_cpu, which moves them off the
+    GPU) are in force. Where the backward gets these very objects back, the forward's
+    plan fixes their signatures (:func:`backward_run_after`)."""
+    __slots__ = ("outputs", "plan", "saved")
+
+    def __init__(self, outputs, plan, inputs):
+        self.outputs, self.plan = outputs, plan
+        self.saved = None if top_saved_tensors_hooks(False) else _saved(inputs, outputs)
+
+    def __call__(self, *_):
+        outputs, self.outputs = self.outputs, None  # (out's node holds this: no cycle)
+        return outputs
+
+    def backward_run(self, saved, arrays, options):
+        """:func:`backward_run_after`'s plan for the backward's ``arrays`` and ``options``
+        where ``saved`` (``ctx.saved_tensors``) are the very arrays this forward saved,
+        else None."""
+        kept = self.saved
+        if kept is None:
+            return None
+        for a, b in zip(saved, kept):
+            if a is not b:
+                return None
+        return backward_run_after(self.plan, arrays, options)
 
 
 def _backward(ctx, g, *_):
     if g is None:  # no gradient reached out (z and coefs are not differentiable)
         return (None,) * 14
-    x, weight, bias, scale, gamma, z, coefs, rmean, rvar = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    x, weight, bias, scale, gamma, z, coefs, rmean, rvar = saved
     want = ctx.wants
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
-        # In plain eager mode straight to the implementation, as the op's own entry would
-        # go after checking each of its 14 arguments (~10 us of a small step's host time).
-        # Its plan is looked up by every saved array's signature: saved-tensor hooks (e.g.
-        # torch.autograd.graph.save_on_cpu) may give them back in another layout.
-        call = _backward_impl if _direct((g, x, weight)) else backward_op
-        dx, dw, dvec = call(g, z, coefs, x, weight, bias, scale, gamma, rmean, ctx.training,
-                            ctx.eps, ctx.precision, want[0], want[1])
+        arrays = (g, z, coefs, x, weight, bias, scale, gamma, rmean)
+        options = (ctx.training, ctx.eps, ctx.precision, want[0], want[1])
+        planned = getattr(ctx, "planned", None)  # (a module's planned forward)
+        ctx.planned = None  # (it holds the saved arrays, which the graph now frees)
+        if _direct((g, x, weight)):
+            # In plain eager mode straight to the implementation, as the op's own entry
+            # would go after checking each of its 14 arguments (~10 us of a small step's
+            # host time); after a module's planned forward, by that forward's plan. The
+            # general lookup reads every saved array's signature: saved-tensor hooks may
+            # give them back in another layout.
+            run = planned and planned.backward_run(saved, arrays, options)
+            dx, dw, dvec = run(*arrays) if run else backward(*arrays, *options)
+        else:
+            dx, dw, dvec = backward_op(*arrays, *options)
         grads = (dx, dw, *dvec.unbind(0))  # (the vector gradients share dvec's storage)
         return tuple(t if w else None for t, w in zip(grads, want)) + (None,) * 8
     affine = Affine(bias, scale, gamma, None)  # (bn_bias's gradient needs no bn_bias)
@@ -601,7 +646,9 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if run is None or save != wants_grad(arrays):
             return None
         res = run(*arrays)  # the kernels go out first: the GPU runs them during autograd's records
-        return op.call_planned(lambda *_: res, True, *args)[0] if save else res
+        if not save:
+            return res
+        return op.call_planned(_PlannedForward(res, run, full), True, *args)[0]
 
 
 def _arguments(gemm, bn, scale):
