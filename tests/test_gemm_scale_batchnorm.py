@@ -837,45 +837,78 @@ def test_backward_plan_follows_each_step():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [True, False])
-def test_backward_plans_from_the_planned_forward(training):
+def test_backward_plans_from_the_planned_forward(training, monkeypatch):
     """After the module's planned forward, the backward plans from that forward's plan
-    (its node carries it until the backward, then drops it): float64's gradients, also
-    where a hook on the node's own saved tensors gives x back in another layout (a row
-    view's contiguous copy: the forward's plan no longer describes it) and under
-    save_on_cpu (the forward then keeps nothing of its own)."""
+    only where it gets the very arrays the forward saved, on their storage: each case
+    gives float64's gradients, says whether that lookup ran, and leaves nothing held by
+    the node. The general lookup where a hook on the node's own saved tensors gives x back
+    in another layout (a row view's contiguous copy), where x.data moved to a contiguous
+    copy after the forward, under save_on_cpu, where torch cannot say which hooks are in
+    force (before 2.8), for a create_graph backward and for a retained graph's second
+    backward. 1024 rows: dW = dz^T @ x on our GEMM, which reads x in place
+    (FUSED_VENDOR_BATCH), so a plan of x's old layout would give a wrong dW."""
     from cupykern.torch import gemm_scale_batchnorm as layer
 
     ref, new = _pair(48, 40)
     new = new.cuda().train(training)
     ref.train(training)
-    x = torch.randn(300, 56, device="cuda")[:, :48]  # (rows of stride 56)
-    g = torch.randn(300, 40, device="cuda")
+    x = torch.randn(1024, 56, device="cuda")[:, :48]  # (rows of stride 56)
+    g = torch.randn(1024, 40, device="cuda")
+    linked = []
+    real = layer.backward_run_after
+    monkeypatch.setattr(layer, "backward_run_after",
+                        lambda *a: linked.append(1) or real(*a))
 
-    def contiguous_x(node):  # x is the first saved tensor (_saved)
-        node._raw_saved_tensors[0].register_hooks(lambda t: t, lambda t: t.contiguous())
+    def hooked_x(out, xi):  # x is the first saved tensor (_saved)
+        out.grad_fn._raw_saved_tensors[0].register_hooks(lambda t: t, lambda t: t.contiguous())
 
+    def moved_x(out, xi):
+        xi.data = xi.data.contiguous()
+
+    def flipped_tf32(out, xi):  # (the backward keeps the forward's "highest")
+        torch.set_float32_matmul_precision("high")
+
+    def once(out):
+        out.backward(g)
+
+    def twice(out):
+        out.backward(g, retain_graph=True)
+        out.backward(g)
+
+    plain, no_query = contextlib.nullcontext, "no hook query"
+    # (name, around the forward, after it, backward, backward_run_after calls, grad factor)
+    cases = [("plain", plain, None, once, 1, 1), ("plain again", plain, None, once, 1, 1),
+             ("node's hook", plain, hooked_x, once, 0, 1), ("x.data moved", plain, moved_x, once, 0, 1),
+             ("TF32 switch flipped", plain, flipped_tf32, once, 1, 1),
+             ("save_on_cpu", torch.autograd.graph.save_on_cpu, None, once, 0, 1),
+             (no_query, plain, None, once, 0, 1),
+             ("create_graph", plain, None, lambda out: out.backward(g, create_graph=True), 0, 1),
+             ("retained graph", plain, None, twice, 1, 2)]
     with matmul_precision("highest"):  # (the first call plans: later ones run the plan)
         new(x.detach().requires_grad_()).backward(g)
-    for hook, hooks in [(None, contextlib.nullcontext), (None, contextlib.nullcontext),
-                        (contiguous_x, contextlib.nullcontext),
-                        (None, torch.autograd.graph.save_on_cpu)]:
+    for name, around, after, backward, calls, factor in cases:
         xi = x.detach().requires_grad_()
         for p in new.parameters():
             p.grad = None
         ref.load_state_dict(new.state_dict())
         want = _grads_float64(ref, xi, g, training)
-        with matmul_precision("highest"), hooks():
-            out = new(xi)
+        linked.clear()
+        with monkeypatch.context() as m, matmul_precision("highest"):
+            if name == no_query:
+                m.setattr(layer, "top_saved_tensors_hooks", None)
+            with around():
+                out = new(xi)
             planned = out.grad_fn.planned
-            assert isinstance(planned, layer._PlannedForward)
-            assert (planned.saved is None) == (hooks is not contextlib.nullcontext)
-            if hook is not None:
-                hook(out.grad_fn)
-            out.backward(g)
-        assert out.grad_fn.planned is None  # (nothing held past the backward)
+            assert isinstance(planned, layer._PlannedForward), name
+            assert (planned.saved is None) == (around is not plain or name == no_query), name
+            if after is not None:
+                after(out, xi)
+            backward(out)
+        assert len(linked) == calls, name
+        assert "planned" not in vars(out.grad_fn), name  # (nothing held past the backward)
         ours = [xi.grad] + [p.grad for p in new.parameters()]
-        for name, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
-            assert_grad_close(o, r, 1e-4, 1e-6, name)
+        for pname, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
+            assert_grad_close(o.detach() / factor, r, 1e-4, 1e-6, f"{name}: {pname}")
 
 
 @pytest.mark.gpu

@@ -89,8 +89,9 @@ FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 # The innermost saved-tensor hooks in force (torch.autograd.graph.saved_tensors_hooks,
 # save_on_cpu: None where none is), read when a planned forward would keep what it saved
 # for its backward (cupykern.torch.gemm_scale_batchnorm): under hooks that move the saved
-# tensors off the GPU, a second reference would hold them there. No public query.
-top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# tensors off the GPU, a second reference would hold them there. No public query; torch
+# 2.8 added this one (None before: such a forward keeps nothing).
+top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 # The op's out_dims in a torch.func vmap rule: a pytree of the output's structure. torch
 # has no public pytree module in every version cupykern supports (torch >= 2.4).
@@ -166,7 +167,8 @@ MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_bac
 
 __all__ = ["is_any_autocast_enabled", "get_tracing_state", "len_torch_dispatch_stack",
            "is_torch_function_mode_enabled", "are_functorch_transforms_active", "eager",
-           "transforming", "FUNCTION_APPLY", "top_saved_tensors_hooks", "tree_map", "retrieve_current_functorch_interpreter",
+           "transforming", "FUNCTION_APPLY", "top_saved_tensors_hooks", "tree_map",
+           "retrieve_current_functorch_interpreter",
            "TransformType", "maybe_get_level", "op_schema", "is_functional_schema",
            "AutoDispatchBelowAutograd", "AFTER_AUTOGRAD_KEYSET", "DispatchKey",
            "DispatchKeySet", "ExcludeDispatchKeyGuard", "get_cublas_allow_tf32", "get_float32_matmul_precision",

@@ -57,9 +57,9 @@ def _function(name, forward, setup_context, backward, lead=False, trail=False):
     With ``lead``, the first argument (a dispatch keyset) is not the op's and gets no
     gradient; with ``trail``, the last (the planned implementation of
     :meth:`Op.call_planned`, which the backward finds as ``ctx.planned``), so that
-    ``ctx.needs_input_grad`` keeps the op's indices. It uses the ``forward(ctx, ...)`` form: with a separate ``setup_context`` autograd
-    binds the arguments through ``inspect.signature`` on every call, tens of
-    microseconds."""
+    ``ctx.needs_input_grad`` keeps the op's indices. It uses the ``forward(ctx, ...)``
+    form: with a separate ``setup_context`` autograd binds the arguments through
+    ``inspect.signature`` on every call, tens of microseconds."""
     first, last = (1 if lead else 0), (1 if trail else 0)
 
     def fwd(ctx, *args):

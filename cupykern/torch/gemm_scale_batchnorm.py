@@ -114,15 +114,22 @@ def _saved(inputs, output):
 class _PlannedForward:
     """A module's planned forward with ``save`` as :meth:`Op.call_planned` takes it
     (``self(*args)``: its outputs), and what its backward plans from (``ctx.planned``):
-    the forward's launch plan, and the arrays the op saves for the backward, unless
-    saved-tensor hooks (e.g. torch.autograd.graph.save_on_cpu, which moves them off the
-    GPU) are in force. Where the backward gets these very objects back, the forward's
-    plan fixes their signatures (:func:`backward_run_after`)."""
-    __slots__ = ("outputs", "plan", "saved")
+    the forward's launch plan, and the arrays the op saves for the backward with their
+    data pointers, unless saved-tensor hooks (e.g. torch.autograd.graph.save_on_cpu,
+    which moves them off the GPU) are in force or torch cannot say (before 2.8). Where
+    the backward gets these very objects back on the same storage, the forward's plan
+    fixes their signatures (:func:`backward_run_after`). (An earlier form trusted g's
+    signature alone: save_on_cpu gave x back in another layout, which it read with the
+    old row stride.)"""
+    __slots__ = ("outputs", "plan", "saved", "pointers")
 
     def __init__(self, outputs, plan, inputs):
         self.outputs, self.plan = outputs, plan
-        self.saved = None if top_saved_tensors_hooks(False) else _saved(inputs, outputs)
+        self.saved = self.pointers = None
+        hooks = top_saved_tensors_hooks
+        if hooks is not None and hooks(False) is None:
+            self.saved = _saved(inputs, outputs)
+            self.pointers = tuple(0 if t is None else t.data_ptr() for t in self.saved)
 
     def __call__(self, *_):
         outputs, self.outputs = self.outputs, None  # (out's node holds this: no cycle)
@@ -131,17 +138,22 @@ class _PlannedForward:
     def backward_run(self, saved, arrays, options):
         """:func:`backward_run_after`'s plan for the backward's ``arrays`` and ``options``
         where ``saved`` (``ctx.saved_tensors``) are the very arrays this forward saved,
-        else None."""
+        on the storage they had, else None. (A hook on the node's own saved tensors gives
+        other objects back; an assignment to ``.data``, e.g. Module.half() or .to(), keeps
+        the object and moves it to other storage: both take the general lookup.)"""
         kept = self.saved
         if kept is None:
             return None
-        for a, b in zip(saved, kept):
-            if a is not b:
+        for a, b, p in zip(saved, kept, self.pointers):
+            if a is not b or (a is not None and a.data_ptr() != p):
                 return None
         return backward_run_after(self.plan, arrays, options)
 
 
 def _backward(ctx, g, *_):
+    # A module's planned forward (it holds the saved arrays, which autograd frees after
+    # this backward unless asked to retain them: a second backward takes the general path)
+    planned = ctx.__dict__.pop("planned", None)
     if g is None:  # no gradient reached out (z and coefs are not differentiable)
         return (None,) * 14
     saved = ctx.saved_tensors
@@ -150,8 +162,6 @@ def _backward(ctx, g, *_):
     if ctx.save and not torch.is_grad_enabled():  # (double backward: the PyTorch ops below)
         arrays = (g, z, coefs, x, weight, bias, scale, gamma, rmean)
         options = (ctx.training, ctx.eps, ctx.precision, want[0], want[1])
-        planned = getattr(ctx, "planned", None)  # (a module's planned forward)
-        ctx.planned = None  # (it holds the saved arrays, which the graph now frees)
         if _direct((g, x, weight)):
             # In plain eager mode straight to the implementation, as the op's own entry
             # would go after checking each of its 14 arguments (~10 us of a small step's
