@@ -906,9 +906,12 @@ def test_backward_plans_from_the_planned_forward(training, monkeypatch):
             backward(out)
         assert len(linked) == calls, name
         assert "planned" not in vars(out.grad_fn), name  # (nothing held past the backward)
+        # (create_graph: the backward in PyTorch ops, float32 as eager's: in training mode
+        # the bias gradient, 0 in float64, is their float32 sum's ~1e-5)
+        atol = 1e-4 if name == "create_graph" else 1e-6
         ours = [xi.grad] + [p.grad for p in new.parameters()]
         for pname, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
-            assert_grad_close(o.detach() / factor, r, 1e-4, 1e-6, f"{name}: {pname}")
+            assert_grad_close(o.detach() / factor, r, 1e-4, atol, f"{name}: {pname}")
 
 
 @pytest.mark.gpu
