@@ -876,9 +876,11 @@ def test_backward_plans_from_the_planned_forward(training, monkeypatch):
         out.backward(g)
 
     plain, no_query = contextlib.nullcontext, "no hook query"
+    query = layer.top_saved_tensors_hooks is not None  # (torch >= 2.8; before: nothing kept)
     # (name, around the forward, after it, backward, backward_run_after calls, grad factor)
     cases = [("plain", plain, None, once, 1, 1), ("plain again", plain, None, once, 1, 1),
-             ("node's hook", plain, hooked_x, once, 0, 1), ("x.data moved", plain, moved_x, once, 0, 1),
+             ("node's hook", plain, hooked_x, once, 0, 1),
+             ("x.data moved", plain, moved_x, once, 0, 1),
              ("TF32 switch flipped", plain, flipped_tf32, once, 1, 1),
              ("save_on_cpu", torch.autograd.graph.save_on_cpu, None, once, 0, 1),
              (no_query, plain, None, once, 0, 1),
@@ -900,14 +902,15 @@ def test_backward_plans_from_the_planned_forward(training, monkeypatch):
                 out = new(xi)
             planned = out.grad_fn.planned
             assert isinstance(planned, layer._PlannedForward), name
-            assert (planned.saved is None) == (around is not plain or name == no_query), name
+            kept = query and around is plain and name != no_query
+            assert (planned.saved is not None) == kept, name
             if after is not None:
                 after(out, xi)
             backward(out)
-        assert len(linked) == calls, name
+        assert len(linked) == (calls if query else 0), name
         assert "planned" not in vars(out.grad_fn), name  # (nothing held past the backward)
         # (create_graph: the backward in PyTorch ops, float32 as eager's: in training mode
-        # the bias gradient, 0 in float64, is their float32 sum's ~1e-5)
+        # the bias gradient, 0 in float64, is their float32 sum's ~3e-5)
         atol = 1e-4 if name == "create_graph" else 1e-6
         ours = [xi.grad] + [p.grad for p in new.parameters()]
         for pname, o, r in zip(["x"] + [n for n, _ in new.named_parameters()], ours, want):
