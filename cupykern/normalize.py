@@ -10,7 +10,8 @@ all SMs, two passes (x read twice; the second read hits L2 where x fits it). Eve
 family has a fused backward, and adds in a fixed order (deterministic). Few rows
 (kernels_cu/normalize_resident.cu): one cooperative launch, a chunk a CTA, each chunk's
 front kept on chip while the row's CTAs exchange their sums, so x (and, backward, dy) is
-read once where the chip holds it.
+read once where the chip holds it; many such rows (kernels_cu/normalize_pipelined.cu): the
+same on every SM, row after row, two rows on chip, one read while the other is written.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, 
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE, _SHORT_FILE, _LONG_FILE = "normalize.cu", "normalize_short.cu", "normalize_long.cu"
-_RESIDENT_FILE = "normalize_resident.cu"
+_RESIDENT_FILE, _PIPELINED_FILE = "normalize_resident.cu", "normalize_pipelined.cu"
 P = {"l1": 1, "l2": 2}
 
 # ---- The dispatcher: which kernel family a geometry gets (_route), in this order.
@@ -72,6 +73,24 @@ P = {"l1": 1, "l2": 2}
 #    less of x and dy stays on chip and the one launch loses to two: 67 MB, 5x3355443 83.7 /
 #    86.7, 9x1864135 83.7 / 87.6, 12x1398101 84.0 / 84.8; 134 MB, 12x2796203 166.8 / 179.8;
 #    8x4194304 164.0 / 162.5.
+# 6. Tried before 4 and 5: the forward, at least PIPELINED_MIN_ROWS rows of at least
+#    PIPELINED_MIN_ROW_BYTES (16 MB, and a few bytes under), x of at least
+#    PIPELINED_MIN_BYTES: the pipelined few-rows kernel (normalize_pipelined.cu), a CTA
+#    an SM over the rows one after another, two rows' chunks on chip (177 KB a CTA each:
+#    rows to 23 MB read once), each row's exchange waiting behind the next row's reads. H200, GPU time (graph replay), the
+#    few-rows kernel (rows side by side) or, past 16 rows, the two-pass one against this,
+#    us (clone's), float32 unless named: 8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 /
+#    87.6; 8x2097152 float64 100.2 / 87.9; 8x8388608 bfloat16 98.8 / 89.9; 16x4194304
+#    198.2 / 176.9 (127.4); 12x4194304 147.9 / 135.1; 6x8388608 147.8 / 130.8;
+#    16x8388608 bfloat16 201.5 / 171.4; 9x4194303 120.9 / 104.8; 4x16777216 198.8 / 193.8;
+#    two-pass: 24x4194304 321.6 / 267.9 (189.6), 32x4194304 414.5 / 352.3. Not taken:
+#    below 128 MB (6x4194304 68.7 / 71.0, 3x8388608 68.7 / 66.0, 4x4194304 42.3 / 47.5,
+#    5x8388608 bfloat16 56.8 / 59.2), rows under 16 MB (12x2796203 103.8 / 107.6,
+#    16x2097152 96.0 / 117.4: a row's exchange costs ~4 us of latency, 128x262144
+#    110.8 / 516.9 against the two-pass), two rows (2x16777216 95.7 / 99.0) and one.
+PIPELINED_MIN_ROWS = 3
+PIPELINED_MIN_ROW_BYTES = 2**24 - 2**20
+PIPELINED_MIN_BYTES = 2**27
 RESIDENT_MIN_BYTES = 2**25
 RESIDENT_ONE_ROW_MIN_BYTES = 2**26
 RESIDENT_BACKWARD_MAX_BYTES = 2**26
@@ -156,6 +175,9 @@ RESIDENT = {2: (512, 16, 4), 4: (512, 16, 4), 8: (512, 4, 4)}
 RESIDENT_TUNING = ((512, 16, 8), (1024, 8, 4))  # (what the benchmark times)
 # The backward's (x and dy a thread: half the vectors of each in registers).
 RESIDENT_BACKWARD = {2: (512, 8, 4), 4: (512, 8, 4), 8: (512, 2, 4)}
+# The pipelined forward's (normalize_pipelined.cu): two rows' chunks a thread, as the
+# backward's x and dy (half the vectors of each in registers).
+PIPELINED = RESIDENT_BACKWARD
 # A few-rows chunk is a whole number of 128-byte lines (8 vectors), its boundaries on
 # lines of x (normalize_resident.cu), so that no line is split between two CTAs. H200,
 # GPU time, chunks of any vector count against whole lines (rows starting on a line):
@@ -208,6 +230,12 @@ def _resident_expr(p, dtype, cfg, bwd=False):
             f"{RESIDENT_CHUNK_VECTORS}, {_tf(bwd)}>")
 
 
+def _pipelined_expr(p, dtype, cfg):
+    threads, regs, unroll = cfg
+    return (f"normalize_pipelined<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
+            f"{RESIDENT_CHUNK_VECTORS}>")
+
+
 def _short_table(itemsize: int):
     """Every short-row configuration of an item size as (G, UNITS, ROWS, vector units):
     the forward's and the backward's (each direction compiles and accepts all of them)."""
@@ -228,6 +256,7 @@ for _p in P.values():
         _loader.register(_RESIDENT_FILE, [_resident_expr(_p, _dt, c)
                                           for c in (RESIDENT[_isz],) + RESIDENT_TUNING]
                          + [_resident_expr(_p, _dt, RESIDENT_BACKWARD[_isz], True)])
+        _loader.register(_PIPELINED_FILE, [_pipelined_expr(_p, _dt, PIPELINED[_isz])])
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -247,7 +276,10 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             size, :data:`SHORT_TUNING`; G * UNITS must hold a row); (-1, VC) for the chunked
             two-pass kernel with chunks of VC 16-byte vectors; (-2,) or (-2, THREADS, REGS,
             UNROLL) (:data:`RESIDENT` of x's item size, :data:`RESIDENT_TUNING`) for the
-            few-rows kernel (at most one row an SM). ``None`` (default):
+            few-rows kernel (at most one row an SM), (-3,) or (-3, THREADS, REGS, UNROLL)
+            (:data:`PIPELINED` of x's item size) for its pipelined form, forward (any
+            number of rows, one after another on every SM).
+            ``None`` (default):
             the dispatcher's choice (see ``_route``).
 
     Returns an array of x's kind (torch in -> torch out, on x's device and
@@ -335,12 +367,17 @@ def _require_config(config, dtype, backward=False):
         if config[1] < 1:
             raise ValueError(f"config: chunk vectors (2nd entry) must be >= 1, got {config}")
         return
-    if config[:1] == (-2,):
-        known = ((RESIDENT_BACKWARD[ITEMSIZE[dtype]],) if backward
-                 else (RESIDENT[ITEMSIZE[dtype]],) + RESIDENT_TUNING)
+    if config[:1] == (-3,) and backward:
+        raise ValueError(f"config: {config}: the pipelined few-rows kernel (-3) is the "
+                         "forward's only; the backward's few-rows kernel is (-2,)")
+    if config[:1] in ((-2,), (-3,)):
+        isz = ITEMSIZE[dtype]
+        known = ((RESIDENT_BACKWARD[isz],) if backward else (PIPELINED[isz],) if config[0] == -3
+                 else (RESIDENT[isz],) + RESIDENT_TUNING)
         if config[1:] and config[1:] not in known:
-            raise ValueError(f"config: {config} is not (-2,) or one of the few-rows "
-                             f"configurations (-2, THREADS, REGS, UNROLL) of {dtype}: {known}")
+            raise ValueError(f"config: {config} is not ({config[0]},) or one of the few-rows "
+                             f"configurations ({config[0]}, THREADS, REGS, UNROLL) of {dtype}: "
+                             f"{known}")
         return
     if len(config) == 5 and config[0] == 0:
         table = _short_table(ITEMSIZE[dtype])
@@ -469,6 +506,8 @@ def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False
     cfg = _pick_config(ncols, dtype, cc, BACKWARD_CONFIGS if backward else CONFIGS)
     if cfg is not None:
         return cfg
+    if not backward and _pipelined_pays(nrows, ncols, dtype):
+        return (-3,)
     if nrows <= min(RESIDENT_MAX_ROWS, sms) and _few_rows_pay(nrows, ncols, dtype, backward):
         return (-2,)
     return (-1, _chunk_vectors(nrows, ncols, dtype, sms))
@@ -482,6 +521,15 @@ def _few_rows_pay(nrows: int, ncols: int, dtype: str, backward: bool) -> bool:
     if backward:
         return RESIDENT_MIN_BYTES <= nbytes <= RESIDENT_BACKWARD_MAX_BYTES
     return nbytes >= (RESIDENT_MIN_BYTES if nrows > 1 else RESIDENT_ONE_ROW_MIN_BYTES)
+
+
+def _pipelined_pays(nrows: int, ncols: int, dtype: str) -> bool:
+    """Whether the forward's rows take the pipelined few-rows kernel (the table's row 6):
+    PIPELINED_MIN_ROWS rows or more, each of at least PIPELINED_MIN_ROW_BYTES, x of at
+    least PIPELINED_MIN_BYTES."""
+    row = ncols * ITEMSIZE[dtype]
+    return (nrows >= PIPELINED_MIN_ROWS and row >= PIPELINED_MIN_ROW_BYTES
+            and nrows * row >= PIPELINED_MIN_BYTES)
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:
@@ -503,7 +551,7 @@ def _clusters(cfg, nrows: int, device: int) -> int:
 def _check_capacity(cfg, ncols: int, dtype: str) -> None:
     """ValueError unless a configuration holds a whole row (only a given config can be
     short: the dispatcher picks one that holds it)."""
-    if cfg[0] in (-1, -2):
+    if cfg[0] in (-1, -2, -3):
         return
     if cfg[0] == 0:
         need = _row_vectors(ncols, dtype) if cfg[4] else ncols
@@ -548,6 +596,8 @@ def _launcher(src, p, nrows, ncols, strides, cfg, backward):
     if cfg[0] == -2:
         table = RESIDENT_BACKWARD if backward else RESIDENT
         return _resident(src, p, nrows, ncols, strides, cfg[1:] or table[ITEMSIZE[dt]], backward)
+    if cfg[0] == -3:
+        return _pipelined(src, p, nrows, ncols, strides, cfg[1:] or PIPELINED[ITEMSIZE[dt]])
     smem = _staging(cfg, 2 if backward else 1)
     expr = (_backward_expr if backward else _cluster_expr)(p, dt, cfg)
     fn = _loader.function(_FILE, expr, dev, smem)
@@ -573,23 +623,58 @@ def _resident(src, p, nrows, ncols, strides, cfg, backward):
     smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
     fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg, backward), dev, smem_max)
     cpr = sms // nrows
-    line = RESIDENT_CHUNK_VECTORS  # (the kernel's LINE)
+    held = _held(ncols, dt, cpr, regs, threads, smem_max // k)
+    grid = nrows * cpr
+    return _cooperative(src, p, nrows, ncols, strides, backward, (
+        fn, (grid,), (threads,), lambda x, dy, sums, counters, y: (
+            x, dy, sums, counters, y, ncols, xs, gs, ys, cpr, held), held * 16 * k), grid * k)
+
+
+def _pipelined(src, p, nrows, ncols, strides, cfg):
+    """``go(place, x, dy, out)`` (dy unused) for the pipelined few-rows kernel, forward:
+    a cooperative launch of a CTA an SM, each owning one chunk of every row, two rows'
+    chunks on chip (two banks: REGS vectors a thread in registers, then up to half the
+    shared memory a CTA may have), one row read while the row before it is written."""
+    threads, regs, unroll = cfg
+    xs, _, ys = strides
+    dt, dev = src.dtype, src.device
+    sms = _loader.sm_count(dev)
+    smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
+    fn = _loader.function(_PIPELINED_FILE, _pipelined_expr(p, dt, cfg), dev, smem_max)
+    held = _held(ncols, dt, sms, regs, threads, smem_max // 2)
+    return _cooperative(src, p, nrows, ncols, strides, False, (
+        fn, (sms,), (threads,), lambda x, dy, sums, counters, y: (
+            x, sums, counters, y, nrows, ncols, xs, ys, held), held * 16 * 2), nrows * sms)
+
+
+def _held(ncols, dtype, chunks, regs, threads, smem) -> int:
+    """Shared-memory vectors a few-rows CTA holds of its chunk of a row cut in ``chunks``
+    (past its ``regs`` vectors a thread in registers): what the longest chunk needs, at
+    most ``smem`` bytes, a multiple of ``threads``."""
+    line = RESIDENT_CHUNK_VECTORS  # (the kernels' LINE)
     # (the longest chunk a row can have: its boundaries up to line - 1 vectors earlier)
-    vc = line * cdiv(_row_vectors(ncols, dt) + line - 1, cpr * line)
-    held = min(smem_max // 16 // k // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
-    grid, acc = nrows * cpr, acc_dtype(dt)
+    vc = line * cdiv(_row_vectors(ncols, dtype) + line - 1, chunks * line)
+    return min(smem // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
+
+
+def _cooperative(src, p, nrows, ncols, strides, backward, kernel, nsums):
+    """``go(place, x, dy, out)`` launching a few-rows kernel, ``kernel`` = (function, grid,
+    block, ``args(x, dy, sums, counters, y)``, dynamic shared memory), as a cooperative
+    launch, with a work buffer of ``nsums`` partial sums and a zeroed counter a row; or,
+    where the driver refuses that grid, the two-pass kernels."""
+    fn, grid, block, args, smem = kernel
+    acc = acc_dtype(src.dtype)
     place = Place(src)  # (what the two-pass fallback is planned from: no array kept)
     two_pass = []  # the chunked launcher, once the driver has refused this grid
 
-    def resident(a, x, dy, y):
+    def go(a, x, dy, y):
         if two_pass:
             return two_pass[0](a, x, dy, y)
-        work = empty(a, (grid * k + nrows,), acc)  # the chunks' sums, then a counter a row
+        work = empty(a, (nsums + nrows,), acc)  # the chunks' sums, then a counter a row
         sums = data_ptr(work)
-        counters = sums + grid * k * ITEMSIZE[acc]
+        counters = sums + nsums * ITEMSIZE[acc]
         try:
-            launch_all(a, ((fn, (grid,), (threads,), (x, dy, sums, counters, y, ncols, xs, gs, ys,
-                                                       cpr, held), held * 16 * k),),
+            launch_all(a, ((fn, grid, block, args(x, dy, sums, counters, y), smem),),
                        zero=((counters, 4 * nrows),), cooperative=True)
         except _loader.cupy().cuda.driver.CUDADriverError as exc:
             # Fewer SMs than the device counts are this process's (an MPS client's share,
@@ -597,11 +682,12 @@ def _resident(src, p, nrows, ncols, strides, cfg, backward):
             # compute the same, for this plan's later calls too.
             if exc.status != _COOPERATIVE_LAUNCH_TOO_LARGE:
                 raise
-            cfg = (-1, _chunk_vectors(nrows, ncols, dt, sms))
+            sms = _loader.sm_count(place.device)
+            cfg = (-1, _chunk_vectors(nrows, ncols, place.dtype, sms))
             two_pass.append(_launcher(place, p, nrows, ncols, strides, cfg, backward))
             two_pass[0](a, x, dy, y)
 
-    return resident
+    return go
 
 
 def _plan(src, xs, ys, p, config=None):

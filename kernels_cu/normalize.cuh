@@ -1,6 +1,7 @@
 // Shared by the normalize kernels (normalize.cu, normalize_short.cu, normalize_long.cu,
-// normalize_resident.cu): y = x / d(row) over the last (contiguous) axis, P == 1:
-// d = mean(|x|), P == 2: d = sqrt(sum(x^2)); the backward dx from x and dy.
+// normalize_resident.cu, normalize_pipelined.cu): y = x / d(row) over the last
+// (contiguous) axis, P == 1: d = mean(|x|), P == 2: d = sqrt(sum(x^2)); the backward dx
+// from x and dy.
 #pragma once
 #include "common.cuh"
 
@@ -90,7 +91,7 @@ __device__ __forceinline__ void with_row_output(A s, A t, long long ncols, W&& w
   }
 }
 
-// The vectors of item `item`'s chunk (normalize_long.cu's items, normalize_resident.cu's
+// The vectors of item `item`'s chunk (normalize_long.cu's items, the few-rows kernels'
 // CTAs): [v0, v1) of its row's 16-byte vectors (RowSplit's grid); chunk 0 also takes the
 // row's head and tail scalars. Chunks are VC vectors, each boundary `shift` vectors
 // earlier (chunk 0 that many shorter): where the row's first vector lies `shift` vectors

@@ -9,51 +9,7 @@
 // that fits on chip is read once; a larger one re-reads only what neither the chip nor L2
 // kept (normalize_long.cu's two passes re-read all of x and dy). Each CTA reads and writes
 // only its own chunk (chunk 0 also the row's head and tail scalars), so y may be x (or dy).
-#include "normalize.cuh"
-
-// Loads with an L2 eviction priority (sm_80+; plain loads before): what a CTA keeps on chip
-// is read "evict first" (never re-read), the rest "evict last" (re-read from L2 after the
-// row's sum), and re-read "evict first". H200, GPU time against the same loads without
-// the priorities: 4x4194304 float32 42.8 against 45.9 us, 8x4194304 bfloat16 44.5 against
-// 47.4, 11x2312175 float32 78.5 against 82.7.
-struct L2Policy {
-  unsigned long long first, last;
-  __device__ __forceinline__ L2Policy() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(last));
-#else
-    first = last = 0;
-#endif
-  }
-};
-
-__device__ __forceinline__ uint4 load_v4(const void* p, unsigned long long policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
-  return r;
-#else
-  return ld_global_nc_v4(p);
-#endif
-}
-
-// 16 bytes from global to shared memory without registers (cp.async, sm_80+; a load and a
-// store before), and the wait for this thread's copies.
-__device__ __forceinline__ void copy_to_shared(uint4* dst, const void* src, unsigned long long policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "l"(policy) : "memory");
-#else
-  *dst = ld_global_nc_v4(src);
-#endif
-}
-__device__ __forceinline__ void copies_to_shared_done() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
+#include "normalize_chip.cuh"
 
 template <int P, typename T, int THREADS, int REGS, int UNROLL, int LINE, bool BWD>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -63,24 +19,18 @@ normalize_resident(const T* __restrict__ x, const T* __restrict__ dy,
                    long long cpr, long long held) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_resident: THREADS must be whole warps, at most 1024");
   static_assert(REGS >= 1 && UNROLL >= 1, "normalize_resident: REGS >= 1, UNROLL >= 1");
-  static_assert(LINE >= 1 && (LINE & (LINE - 1)) == 0, "normalize_resident: LINE (16-byte vectors a chunk boundary falls on) must be a power of 2");
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N, K = BWD ? 2 : 1;  // (K: partial sums a chunk)
   constexpr long long STEP = (long long)THREADS * UNROLL;
   extern __shared__ uint4 kept[];  // `held` vectors of x (a multiple of THREADS), BWD then dy's
   __shared__ A scratch[THREADS / 32];
-  const long long item = blockIdx.x;
-  const T* xr = x + (item / cpr) * xs;
-  const T* gr = dy + (item / cpr) * gs;  // (rows of dy start like x's modulo 16 bytes)
-  T* yr = y + (item / cpr) * ys;
+  const long long row = blockIdx.x / cpr;
+  const T* xr = x + row * xs;
+  const T* gr = dy + row * gs;  // (rows of dy start like x's modulo 16 bytes)
+  T* yr = y + row * ys;
   const RowSplit rs(xr, ncols);
-  // Chunks of whole lines of x (LINE vectors: 128 bytes), on lines of x wherever the row
-  // starts: no line split between two CTAs. A row starting on a line (shift 0) has the
-  // chunks of its vector count alone.
-  const long long shift = ((size_t)(xr + rs.head) / 16) & (LINE - 1);
-  const long long vc = LINE * ((rs.nvec + shift + cpr * LINE - 1) / (cpr * LINE));
-  const Chunk ch(item, cpr, vc, rs.nvec, shift);
+  const Chunk ch = line_chunk<LINE>(xr, rs, blockIdx.x % cpr, cpr);
   const int tid = threadIdx.x;
   const long long smem0 = ch.v0 + (long long)REGS * THREADS, rest0 = smem0 + held;
   A s = 0, t = 0;  // the norm terms, and (BWD) dy . x
@@ -154,18 +104,18 @@ normalize_resident(const T* __restrict__ x, const T* __restrict__ dy,
   // The row's sums: publish this chunk's, wait for the row's others (all CTAs are
   // resident: the cooperative launch guarantees it), add them in chunk order.
   if (tid == 0) {
-    partial[item * K] = s;
-    if constexpr (BWD) partial[item * K + 1] = t;
+    partial[blockIdx.x * K] = s;
+    if constexpr (BWD) partial[blockIdx.x * K + 1] = t;
     __threadfence();
-    atomicAdd(arrived + ch.row, 1u);
-    while (*(volatile unsigned*)(arrived + ch.row) < (unsigned)cpr) __nanosleep(64);
+    atomicAdd(arrived + row, 1u);
+    while (*(volatile unsigned*)(arrived + row) < (unsigned)cpr) __nanosleep(64);
     __threadfence();
   }
   __syncthreads();
   s = t = 0;
   for (long long k = tid; k < cpr; k += THREADS) {
-    s += __ldcg(partial + (ch.row * cpr + k) * K);
-    if constexpr (BWD) t += __ldcg(partial + (ch.row * cpr + k) * K + 1);
+    s += __ldcg(partial + (row * cpr + k) * K);
+    if constexpr (BWD) t += __ldcg(partial + (row * cpr + k) * K + 1);
   }
   s = block_sum(s, scratch);
   if constexpr (BWD) t = block_sum(t, scratch);

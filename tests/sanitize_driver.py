@@ -210,6 +210,8 @@ def run_normalize_rows():
                       norm_ref(host(x), kind), t)
                 check(f"{tag} few rows ncols {ncols}", fn(x, config=(-2,)),
                       norm_ref(host(x), kind), t)
+                check(f"{tag} pipelined rows ncols {ncols}", fn(x, config=(-3,)),
+                      norm_ref(host(x), kind), t)
                 dx, scale = grad_ref(host(x), host(gy), kind)
                 check(f"{tag} backward chunks of 3 ncols {ncols}",
                       nz.normalize_backward(x, gy, nz.P[kind], 1, (-1, 3)), dx, t, scale)
@@ -232,6 +234,15 @@ def run_normalize_rows():
                     dx, scale = grad_ref(host(x), host(gy), kind)
                     check(f"{tag} backward few rows {vectors} vectors",
                           nz.normalize_backward(x, gy, nz.P[kind], 1, (-2,)), dx, t, scale)
+            # the pipelined few-rows kernel, rows one after another on every CTA: three
+            # rows (both shared-memory buffers, one reused), chunks past the registers,
+            # and past the registers and a buffer (the rest re-read)
+            threads, regs, _ = nz.PIPELINED[isz]
+            sms = cupykern._loader.sm_count(0)
+            for vectors in (regs * threads + 100, (regs + smem // 2 // threads) * threads + 100):
+                x = dev(randn(3, per_vec * vectors * sms + 3, seed=18), dtype)
+                check(f"{tag} pipelined rows {vectors} vectors a CTA", fn(x, config=(-3,)),
+                      norm_ref(host(x), kind), t)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):
                 g, units, rows, vec = cfg

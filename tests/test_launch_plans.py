@@ -565,7 +565,9 @@ ROUTES = [
     ((2, 140001, "float32"), (-1, 1024)),  # 35000 vectors: no cluster holds it
     ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
     ((3, 2000001, "float32"), (-1, 1421)),
-    ((8, 4194304, "float32"), (-2,)),  # up to 16 rows of >= 32 MB: the few-rows kernel
+    ((4, 4194304, "float32"), (-2,)),  # up to 16 rows of >= 32 MB: the few-rows kernel
+    ((8, 4194304, "float32"), (-3,)),  # 3+ rows of 16 MB, 128 MB: pipelined
+    ((24, 4194304, "float32"), (-3,)),
     ((16, 2097152, "float32"), (-2,)),
     ((17, 2097152, "float32"), (-1, 8323)),
     ((1, 2**24, "float32"), (-2,)),  # (one row of 64 MB)

@@ -322,12 +322,24 @@ def test_malformed_config_is_a_value_error(config):
 
 
 def test_few_rows_kernel_is_routed():
-    """Few rows too long for a cluster: the few-rows kernel forward (up to 16 rows, at most
-    one an SM, of at least 32 MB; one row of at least 64 MB) and backward (x of 32 to 64
-    MB, one row too), the chunked two-pass kernels for the rest; a forward configuration
-    given to the backward is refused, before any GPU work."""
+    """Few rows too long for a cluster: the pipelined few-rows kernel forward (3 rows or
+    more of at least 16 MB, x of at least 128 MB), the few-rows kernel forward (up to 16
+    rows, at most one an SM, of at least 32 MB; one row of at least 64 MB) and backward
+    (x of 32 to 64 MB, one row too), the chunked two-pass kernels for the rest; a forward
+    configuration given to the backward is refused, before any GPU work."""
     core = _core()
-    assert core._route(8, 4194304, "float32", 90, 132) == (-2,)
+    assert core._route(4, 4194304, "float32", 90, 132) == (-2,)
+    # many rows of at least 16 MB (and a few bytes under), x of at least 128 MB: pipelined,
+    # forward only
+    assert core._route(8, 4194304, "float32", 90, 132) == (-3,)
+    assert core._route(9, 4194303, "float32", 90, 132) == (-3,)
+    assert core._route(32, 4194304, "float32", 90, 132) == (-3,)
+    assert core._route(3, 2**23, "float64", 90, 132) == (-3,)
+    assert core._route(2, 2**24, "float32", 90, 132) == (-2,)  # (two rows)
+    assert core._route(6, 4194304, "float32", 90, 132) == (-2,)  # (96 MB)
+    assert core._route(12, 2796203, "float32", 90, 132) == (-2,)  # (rows of 11 MB)
+    assert core._route(64, 524288, "float32", 90, 132)[0] == -1
+    assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
     assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
     assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
     assert core._route(4, 2**22, "float32", 90, 3)[0] == -1  # (more rows than SMs)
@@ -343,6 +355,8 @@ def test_few_rows_kernel_is_routed():
     x = np.ones((2, 3), np.float32)
     with pytest.raises(ValueError, match="few-rows configurations"):
         core.normalize_backward(x, x, 2, 1, (-2,) + core.RESIDENT[4])
+    with pytest.raises(ValueError, match="forward's only"):
+        core.normalize_backward(x, x, 2, 1, (-3,))
     assert core.normalize_backward(x, x, 2, 1, (-2,) + core.RESIDENT_BACKWARD[4]) is None  # (CPU)
 
 
@@ -534,27 +548,32 @@ def _few_rows_shapes(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_few_rows_kernel_edges(dtype):
-    """The few-rows kernel (one cooperative launch, each chunk's front kept on chip) and its
-    tuning configurations, against PyTorch: rows from one element to 2**22 vectors, on
-    contiguous rows, rows off 16-byte boundaries (head and tail scalars) and in place;
-    bit-identical on a second run."""
+    """The few-rows kernels (one cooperative launch, each chunk's front kept on chip: rows
+    side by side (-2), or one after another on every SM (-3)) and their tuning
+    configurations, against PyTorch: rows from one element to 2**22 vectors, more rows than
+    SMs (-3), on contiguous rows, rows off 16-byte boundaries (head and tail scalars) and
+    in place; bit-identical on a second run."""
     core = _core()
     gen = torch.Generator(device="cuda").manual_seed(17)
-    configs = [(-2,)] + [(-2,) + c for c in core.RESIDENT_TUNING]
-    for shape in _few_rows_shapes(dtype):
+    configs = [(-2,), (-3,)] + [(-2,) + c for c in core.RESIDENT_TUNING]
+    n = 16 // dtype.itemsize
+    for shape in _few_rows_shapes(dtype) + [(140, 4096 * n + 3)]:
         x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
         x[0, -1] = 1  # (a row of one element, not zero: bit-identical compares no nan)
         for kind in FUNCS:
             what = f"{kind} {shape}"
             want = torch_ref(x, kind)
-            for cfg in configs if shape[1] < 2**20 else configs[:1]:
+            for cfg in configs if shape[1] < 2**20 else configs[:2]:
+                if shape[0] > 132 and cfg[0] == -2:
+                    continue  # (at most a row an SM: refused below)
                 y = FUNCS[kind](x, config=cfg)
                 assert_matches(y, want, dtype)
                 assert torch.equal(FUNCS[kind](x, config=cfg), y), f"{what} {cfg}"
-            _check_offset_rows(x, kind, dtype, (-2,), f"{what} offset")
-            y, xi = FUNCS[kind](x, config=(-2,)), x.clone()
-            assert FUNCS[kind](xi, out=xi, config=(-2,)) is xi
-            assert torch.equal(xi, y), f"{what} in place"
+            for cfg in ((-2,), (-3,)) if shape[0] <= 132 else ((-3,),):
+                _check_offset_rows(x, kind, dtype, cfg, f"{what} offset {cfg}")
+                y, xi = FUNCS[kind](x, config=cfg), x.clone()
+                assert FUNCS[kind](xi, out=xi, config=cfg) is xi
+                assert torch.equal(xi, y), f"{what} in place {cfg}"
         del x, xi, y, want
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(ValueError, match="at most"):

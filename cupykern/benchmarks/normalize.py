@@ -251,7 +251,7 @@ def envelope(quick, huge, iters, json_path, workers, command, warm_only=False):
 
 # ---- The dispatcher's alternatives: GPU time (graph_us) and host-included time per
 # configuration at shapes on either side of its boundaries.
-_FEW_ROWS = ((-2,),) + tuple((-2,) + c for c in normalize.RESIDENT_TUNING)
+_FEW_ROWS = ((-2,), (-3,)) + tuple((-2,) + c for c in normalize.RESIDENT_TUNING)
 TUNE = (((262144, 7), "float32", ((0, 4, 2, 4, False), (0, 8, 1, 4, False), (0, 2, 4, 4, False))),
         ((2000000, 5), "bfloat16", ((0, 4, 2, 4, False), (0, 8, 1, 4, False), (0, 2, 4, 4, False))),
         ((524288, 16), "bfloat16", ((0, 2, 1, 8, True), (0, 2, 1, 2, True), (0, 4, 1, 4, True),
@@ -278,6 +278,8 @@ TUNE = (((262144, 7), "float32", ((0, 4, 2, 4, False), (0, 8, 1, 4, False), (0, 
         ((7, 3381554), "float32", ((-1, 5599),) + _FEW_ROWS),
         ((11, 2312175), "float32", ((-1, 6022),) + _FEW_ROWS),
         ((8, 4194304), "bfloat16", ((-1, 3972),) + _FEW_ROWS),
+        ((4, 8388608), "float32", ((-1, 7944),) + _FEW_ROWS),
+        ((16, 4194304), "float32", ((-1, 15888),) + _FEW_ROWS),
         ((1, 33554432), "float32", ((-1, 7944),) + _FEW_ROWS))
 
 
@@ -295,7 +297,7 @@ def tune(iters):
             try:
                 f = ours("l2", cfg)
                 gu, tm = graph_us(lambda: f(x)), time_ms(lambda: f(x), iters=iters) * 1e3
-                bu = (float("nan") if cfg[0] == -2 else  # (the few-rows kernel: forward only)
+                bu = (float("nan") if cfg[0] in (-2, -3) else  # (the few-rows kernels' forward)
                       graph_us(lambda: normalize.normalize_backward(x, g, 2, 1, cfg)))
                 print(f"  {str(cfg):<24} fwd {gu:8.1f} us ({gu / copy:.2f}x clone), host incl. "
                       f"{tm:8.1f} us; bwd {bu:8.1f} us", flush=True)
