@@ -73,20 +73,22 @@ P = {"l1": 1, "l2": 2}
 #    less of x and dy stays on chip and the one launch loses to two: 67 MB, 5x3355443 83.7 /
 #    86.7, 9x1864135 83.7 / 87.6, 12x1398101 84.0 / 84.8; 134 MB, 12x2796203 166.8 / 179.8;
 #    8x4194304 164.0 / 162.5.
-# 6. Tried before 4 and 5: the forward, at least PIPELINED_MIN_ROWS rows of at least
-#    PIPELINED_MIN_ROW_BYTES (16 MB, and a few bytes under), x of at least
-#    PIPELINED_MIN_BYTES: the pipelined few-rows kernel (normalize_pipelined.cu), a CTA
-#    an SM over the rows one after another, two rows' chunks on chip (177 KB a CTA each:
-#    rows to 23 MB read once), each row's exchange waiting behind the next row's reads. H200, GPU time (graph replay), the
-#    few-rows kernel (rows side by side) or, past 16 rows, the two-pass one against this,
-#    us (clone's), float32 unless named: 8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 /
-#    87.6; 8x2097152 float64 100.2 / 87.9; 8x8388608 bfloat16 98.8 / 89.9; 16x4194304
-#    198.2 / 176.9 (127.4); 12x4194304 147.9 / 135.1; 6x8388608 147.8 / 130.8;
-#    16x8388608 bfloat16 201.5 / 171.4; 9x4194303 120.9 / 104.8; 4x16777216 198.8 / 193.8;
-#    two-pass: 24x4194304 321.6 / 267.9 (189.6), 32x4194304 414.5 / 352.3. Not taken:
-#    below 128 MB (6x4194304 68.7 / 71.0, 3x8388608 68.7 / 66.0, 4x4194304 42.3 / 47.5,
-#    5x8388608 bfloat16 56.8 / 59.2), rows under 16 MB (12x2796203 103.8 / 107.6,
-#    16x2097152 96.0 / 117.4: a row's exchange costs ~4 us of latency, 128x262144
+# 6. Tried before 4 (forward only): at least PIPELINED_MIN_ROWS rows of at least
+#    PIPELINED_MIN_ROW_BYTES (15 MiB: rows of 16 MB and a little under; timed at 16 MiB
+#    and 4 bytes under it, not between 11 and 16 MB), x of at least PIPELINED_MIN_BYTES:
+#    the pipelined few-rows kernel (normalize_pipelined.cu), a CTA an SM over the rows one
+#    after another, two rows' chunks on chip (176 KB a CTA each, float64 128 KB: rows to
+#    22.7 MB, 16.5 MB, read once), each row's exchange waiting behind the next row's
+#    reads. H200, GPU time (graph replay), the few-rows kernel (rows side by side) or, past
+#    16 rows, the two-pass one against this, us (clone's), float32 unless named, two runs:
+#    8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 / 87.6; 8x2097152 float64 100.2 / 87.9;
+#    8x8388608 bfloat16 98.8 / 89.9; 16x4194304 198.2 / 176.9 (127.4); 12x4194304 147.9 /
+#    135.1; 6x8388608 147.8 / 130.8; 16x8388608 bfloat16 201.5 / 171.4; 9x4194303 120.9 /
+#    104.8; 4x16777216 198.8 / 193.8; two-pass: 24x4194304 321.6 / 267.9 (189.6),
+#    32x4194304 414.5 / 352.3. Not taken: below 128 MB (6x4194304 68.7 / 71.0, 4x4194304
+#    42.3 / 47.5, 5x8388608 bfloat16 56.8 / 59.2; 3x8388608, 96 MB, won by 4% in four
+#    runs, 68.7 / 66.0, where 6x4194304 lost by 4%), rows under 16 MB (12x2796203 103.8 /
+#    107.6, 16x2097152 96.0 / 117.4: a row's exchange costs ~4 us of latency, 128x262144
 #    110.8 / 516.9 against the two-pass), two rows (2x16777216 95.7 / 99.0) and one.
 PIPELINED_MIN_ROWS = 3
 PIPELINED_MIN_ROW_BYTES = 2**24 - 2**20
@@ -498,8 +500,8 @@ def _pick_short(ncols: int, dtype: str, backward=False):
 
 def _route(nrows: int, ncols: int, dtype: str, cc: int, sms: int, backward=False):
     """The dispatcher: ``(0, G, UNITS, ROWS, vector units)`` (short rows), a cluster
-    configuration, ``(-2,)`` (few rows) or ``(-1, VC)`` (chunked), per the table
-    at the top of this module."""
+    configuration, ``(-3,)`` (many long rows, forward), ``(-2,)`` (few rows) or ``(-1, VC)``
+    (chunked), per the table at the top of this module."""
     short = _pick_short(ncols, dtype, backward)
     if short is not None:
         return (0,) + short

@@ -6,7 +6,7 @@
 // its chunk once into one bank, summing it, and publishes the sum; then it writes the
 // row before from the other bank, whose sums every CTA published a row earlier: so the
 // row-wide exchange waits behind a row's reads, where normalize_resident.cu's CTAs wait
-// for it between their reads and writes. Each row's sums are added in chunk order (one
+// for it between their reads and writes. Each row's sums are added in a fixed order (one
 // divisor a row, the same in every CTA). Each CTA reads and writes only its own chunks
 // (chunk 0 also each row's head and tail scalars), so y may be x.
 #include "normalize_chip.cuh"

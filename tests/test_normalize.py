@@ -309,7 +309,7 @@ def test_rows_walked_by_each_cluster(config):
 
 
 @pytest.mark.parametrize("config", [(8, 256, 8, True, 16, 1), (8, 256), (8, 256, 8, True, 0),
-                                    (-2, 512, 3, 4)], ids=str)
+                                    (-2, 512, 3, 4), (-3, 512, 16, 4)], ids=str)
 def test_malformed_config_is_a_value_error(config):
     """A tuning config of the wrong length, or with fewer than one row per cluster, is
     refused by the forward and the fused backward alike (before any GPU work)."""
@@ -339,6 +339,9 @@ def test_few_rows_kernel_is_routed():
     assert core._route(6, 4194304, "float32", 90, 132) == (-2,)  # (96 MB)
     assert core._route(12, 2796203, "float32", 90, 132) == (-2,)  # (rows of 11 MB)
     assert core._route(64, 524288, "float32", 90, 132)[0] == -1
+    assert core._route(7, 4194304, "float32", 90, 132) == (-2,)  # (112 MB)
+    assert core._route(9, 15 * 2**18, "float32", 90, 132) == (-3,)  # (rows of 15 MiB)
+    assert core._route(9, 15 * 2**18 - 1, "float32", 90, 132) == (-2,)
     assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
     assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
     assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
