@@ -11,7 +11,8 @@ family has a fused backward, and adds in a fixed order (deterministic). Few rows
 (kernels_cu/normalize_resident.cu): one cooperative launch, a chunk a CTA, each chunk's
 front kept on chip while the row's CTAs exchange their sums, so x (and, backward, dy) is
 read once where the chip holds it; many such rows (kernels_cu/normalize_pipelined.cu): the
-same on every SM, row after row, two rows on chip, one read while the other is written.
+same on every SM in row groups, each walking its rows in turn, two rows on chip, one read
+while the other is written.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE, _SHORT_FILE, _LONG_FILE = "normalize.cu", "normalize_short.cu", "normalize_long.cu"
 _RESIDENT_FILE, _PIPELINED_FILE = "normalize_resident.cu", "normalize_pipelined.cu"
+_RESIDENT, _PIPELINED = "normalize_resident", "normalize_pipelined"  # (their kernels)
 P = {"l1": 1, "l2": 2}
 
 # ---- The dispatcher: which kernel family a geometry gets (_route), in this order.
@@ -73,26 +75,35 @@ P = {"l1": 1, "l2": 2}
 #    less of x and dy stays on chip and the one launch loses to two: 67 MB, 5x3355443 83.7 /
 #    86.7, 9x1864135 83.7 / 87.6, 12x1398101 84.0 / 84.8; 134 MB, 12x2796203 166.8 / 179.8;
 #    8x4194304 164.0 / 162.5.
-# 6. Tried before 4 (forward only): at least PIPELINED_MIN_ROWS rows of at least
-#    PIPELINED_MIN_ROW_BYTES (15 MiB: rows of 16 MB and a little under; timed at 16 MiB
-#    and 4 bytes under it, not between 11 and 16 MB), x of at least PIPELINED_MIN_BYTES:
-#    the pipelined few-rows kernel (normalize_pipelined.cu), a CTA an SM over the rows one
-#    after another, two rows' chunks on chip (176 KB a CTA each, float64 128 KB: rows to
-#    22.7 MB, 16.5 MB, read once), each row's exchange waiting behind the next row's
-#    reads. H200, GPU time (graph replay), the few-rows kernel (rows side by side) or, past
-#    16 rows, the two-pass one against this, us (clone's), float32 unless named, two runs:
-#    8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 / 87.6; 8x2097152 float64 100.2 / 87.9;
-#    8x8388608 bfloat16 98.8 / 89.9; 16x4194304 198.2 / 176.9 (127.4); 12x4194304 147.9 /
-#    135.1; 6x8388608 147.8 / 130.8; 16x8388608 bfloat16 201.5 / 171.4; 9x4194303 120.9 /
-#    104.8; 4x16777216 198.8 / 193.8; two-pass: 24x4194304 321.6 / 267.9 (189.6),
-#    32x4194304 414.5 / 352.3. Not taken: below 128 MB (6x4194304 68.7 / 71.0, 4x4194304
-#    42.3 / 47.5, 5x8388608 bfloat16 56.8 / 59.2; 3x8388608, 96 MB, won by 4% in four
-#    runs, 68.7 / 66.0, where 6x4194304 lost by 4%), rows under 16 MB (12x2796203 103.8 /
-#    107.6, 16x2097152 96.0 / 117.4: a row's exchange costs ~4 us of latency, 128x262144
-#    110.8 / 516.9 against the two-pass), two rows (2x16777216 95.7 / 99.0) and one.
+# 6. Tried before 4 (forward only): at least PIPELINED_MIN_ROWS rows, x of at least
+#    PIPELINED_MIN_BYTES; more rows than 4 takes, from PIPELINED_MANY_MIN_BYTES: the
+#    pipelined few-rows kernel (normalize_pipelined.cu), a CTA an SM, in row groups
+#    (_row_groups) that each walk their rows one after another, two rows' chunks on
+#    chip (176 KB a CTA each, float64 128 KB: rows to 22.7 MB, 16.5 MB, read once on
+#    the whole chip), each row's exchange waiting behind the next row's reads. H200, GPU
+#    time (graph replay), the few-rows kernel (rows side by side) or, past 16 rows, the
+#    two-pass one against this, us (clone's), float32 unless named. One group (rows of
+#    16 MB and more), two runs: 8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 / 87.6;
+#    8x2097152 float64 100.2 / 87.9; 8x8388608 bfloat16 98.8 / 89.9; 16x4194304 198.2 /
+#    176.9 (127.4); 6x8388608 147.8 / 130.8; 16x8388608 bfloat16 201.5 / 171.4; 9x4194303
+#    120.9 / 104.8; 4x16777216 198.8 / 193.8; two-pass: 24x4194304 321.6 / 267.9 (189.6),
+#    32x4194304 414.5 / 352.3. Row groups, one run (two where a shape has two figures):
+#    128x262144 110.8-111.1 / 93.8 (64.2-65.7); 64x524288 113.0-113.2 / 93.7-94.7;
+#    32x1048576 107.4-107.6 / 96.4; 256x262144 212.7 / 184.6 (127.5); 64x1048576 228.3 /
+#    176.6; 512x262144 432.5 / 353.5; 128x524288 bfloat16 111.0 / 96.7; 64x262144 float64
+#    108.2 / 99.4; 24x1048576 float64 160.9-161.0 / 129.4-130.1; 200x163840 (640 KB rows)
+#    107.6 / 97.7; odd lengths 100x300001 101.1 / 89.8, 37x1000003 125.9 / 107.8; the
+#    few-rows kernel: 12x2796203 103.9-104.7 / 95.1-96.0, 16x2097152 96.1 / 94.1-94.5.
+#    More rows than 4 takes, 40 to 128 MB: 40x262144 35.3 / 31.3, 20x524288 34.6 / 30.4,
+#    64x262144 53.6 / 47.2-47.6, 17x1048576 59.7 / 54.7, 40x131072 float64 35.6 / 33.8.
+#    Not taken: under 40 MB (32x262144 25.9 / 28.0, 96x196608 bfloat16 30.9 / 31.2, where
+#    the two-pass kernels' second read hits L2), 3-16 rows under 128 MB (16x1048576 42.0 /
+#    49.0, 12x2097152 68.1 / 72.1, 6x4194304 68.1 / 72.4; 3x8388608, 96 MB, won by 4% in
+#    four runs, 68.7 / 66.0, where 6x4194304 lost by 4%), two rows (2x16777216 95.7 /
+#    99.0) and one.
 PIPELINED_MIN_ROWS = 3
-PIPELINED_MIN_ROW_BYTES = 2**24 - 2**20
 PIPELINED_MIN_BYTES = 2**27
+PIPELINED_MANY_MIN_BYTES = 40 * 2**20
 RESIDENT_MIN_BYTES = 2**25
 RESIDENT_ONE_ROW_MIN_BYTES = 2**26
 RESIDENT_BACKWARD_MAX_BYTES = 2**26
@@ -226,16 +237,13 @@ def _chunk_exprs(p, dtype, bwd):
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
 
 
-def _resident_expr(p, dtype, cfg, bwd=False):
+def _few_rows_expr(kernel, p, dtype, cfg, bwd=None):
+    """A few-rows kernel's instantiation (``kernel``: _RESIDENT, which takes ``bwd``, or
+    _PIPELINED)."""
     threads, regs, unroll = cfg
-    return (f"normalize_resident<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
-            f"{RESIDENT_CHUNK_VECTORS}, {_tf(bwd)}>")
-
-
-def _pipelined_expr(p, dtype, cfg):
-    threads, regs, unroll = cfg
-    return (f"normalize_pipelined<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
-            f"{RESIDENT_CHUNK_VECTORS}>")
+    tail = "" if bwd is None else f", {_tf(bwd)}"
+    return (f"{kernel}<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
+            f"{RESIDENT_CHUNK_VECTORS}{tail}>")
 
 
 def _short_table(itemsize: int):
@@ -255,10 +263,10 @@ for _p in P.values():
         for _bwd in (False, True):
             _loader.register(_SHORT_FILE, [_short_expr(_p, _dt, c, _bwd) for c in _short_table(_isz)])
             _loader.register(_LONG_FILE, _chunk_exprs(_p, _dt, _bwd))
-        _loader.register(_RESIDENT_FILE, [_resident_expr(_p, _dt, c)
+        _loader.register(_RESIDENT_FILE, [_few_rows_expr(_RESIDENT, _p, _dt, c, False)
                                           for c in (RESIDENT[_isz],) + RESIDENT_TUNING]
-                         + [_resident_expr(_p, _dt, RESIDENT_BACKWARD[_isz], True)])
-        _loader.register(_PIPELINED_FILE, [_pipelined_expr(_p, _dt, PIPELINED[_isz])])
+                         + [_few_rows_expr(_RESIDENT, _p, _dt, RESIDENT_BACKWARD[_isz], True)])
+        _loader.register(_PIPELINED_FILE, [_few_rows_expr(_PIPELINED, _p, _dt, PIPELINED[_isz])])
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -527,11 +535,12 @@ def _few_rows_pay(nrows: int, ncols: int, dtype: str, backward: bool) -> bool:
 
 def _pipelined_pays(nrows: int, ncols: int, dtype: str) -> bool:
     """Whether the forward's rows take the pipelined few-rows kernel (the table's row 6):
-    PIPELINED_MIN_ROWS rows or more, each of at least PIPELINED_MIN_ROW_BYTES, x of at
-    least PIPELINED_MIN_BYTES."""
-    row = ncols * ITEMSIZE[dtype]
-    return (nrows >= PIPELINED_MIN_ROWS and row >= PIPELINED_MIN_ROW_BYTES
-            and nrows * row >= PIPELINED_MIN_BYTES)
+    PIPELINED_MIN_ROWS rows or more, x of at least PIPELINED_MIN_BYTES; more rows than the
+    few-rows kernel takes, from PIPELINED_MANY_MIN_BYTES."""
+    nbytes = nrows * ncols * ITEMSIZE[dtype]
+    return nrows >= PIPELINED_MIN_ROWS and (
+        nbytes >= PIPELINED_MIN_BYTES
+        or nrows > RESIDENT_MAX_ROWS and nbytes >= PIPELINED_MANY_MIN_BYTES)
 
 
 def _chunk_vectors(nrows: int, ncols: int, dtype: str, sms: int) -> int:
@@ -622,8 +631,8 @@ def _resident(src, p, nrows, ncols, strides, cfg, backward):
     if nrows > sms:
         raise ValueError(f"config: the few-rows kernel takes at most {sms} rows (one a CTA, "
                          f"a CTA an SM), got {nrows}")
-    smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
-    fn = _loader.function(_RESIDENT_FILE, _resident_expr(p, dt, cfg, backward), dev, smem_max)
+    smem_max = _few_rows_smem(dev)
+    fn = _loader.function(_RESIDENT_FILE, _few_rows_expr(_RESIDENT, p, dt, cfg, backward), dev, smem_max)
     cpr = sms // nrows
     held = _held(ncols, dt, cpr, regs, threads, smem_max // k)
     grid = nrows * cpr
@@ -634,19 +643,45 @@ def _resident(src, p, nrows, ncols, strides, cfg, backward):
 
 def _pipelined(src, p, nrows, ncols, strides, cfg):
     """``go(place, x, dy, out)`` (dy unused) for the pipelined few-rows kernel, forward:
-    a cooperative launch of a CTA an SM, each owning one chunk of every row, two rows'
-    chunks on chip (two banks: REGS vectors a thread in registers, then up to half the
-    shared memory a CTA may have), one row read while the row before it is written."""
+    a cooperative launch of a CTA an SM in row groups (_row_groups), each CTA owning one
+    chunk of its group's rows, two rows' chunks on chip (two banks: REGS vectors a thread
+    in registers, then up to half the shared memory a CTA may have), one row read while
+    the row before it is written."""
     threads, regs, unroll = cfg
     xs, _, ys = strides
     dt, dev = src.dtype, src.device
-    sms = _loader.sm_count(dev)
-    smem_max = _loader.max_shared_per_block(dev) - 1024  # (its static scratch: < 1 KB)
-    fn = _loader.function(_PIPELINED_FILE, _pipelined_expr(p, dt, cfg), dev, smem_max)
-    held = _held(ncols, dt, sms, regs, threads, smem_max // 2)
+    smem_max = _few_rows_smem(dev)
+    fn = _loader.function(_PIPELINED_FILE, _few_rows_expr(_PIPELINED, p, dt, cfg), dev, smem_max)
+    bank = regs * threads + smem_max // 2 // 16 // threads * threads
+    groups, cpr = _row_groups(nrows, ncols, dt, _loader.sm_count(dev), bank)
+    held = _held(ncols, dt, cpr, regs, threads, smem_max // 2)
+    grid = groups * cpr
     return _cooperative(src, p, nrows, ncols, strides, False, (
-        fn, (sms,), (threads,), lambda x, dy, sums, counters, y: (
-            x, sums, counters, y, nrows, ncols, xs, ys, held), held * 16 * 2), nrows * sms)
+        fn, (grid,), (threads,), lambda x, dy, sums, counters, y: (
+            x, sums, counters, y, nrows, ncols, xs, ys, cpr, held), held * 16 * 2), nrows * cpr)
+
+
+def _row_groups(nrows: int, ncols: int, dtype: str, sms: int, bank: int) -> tuple:
+    """(groups, CTAs a row) of the pipelined kernel. A row needs the fewest CTAs whose
+    banks of ``bank`` vectors hold it (all SMs where it needs more), which bounds the
+    groups: as many as the SMs make, at most a row each, for the fewest rounds (rows a
+    group walks, each row's exchange waiting on the one before); then as few as take
+    the rows in those rounds, so that the groups walk as many rows each (within one) and
+    a row gets more CTAs. H200, GPU us, float32: 128x262144, 22 groups
+    of 6 CTAs 93.8, 11 of 12 107.0, 5 of 26 145.6; 64x1048576, 5 groups of 26 176.6, 2
+    of 66 229.1; 16x1048576, 5 groups of 26 (4 rounds, one group walking 4 rows) 53.1,
+    then in another run 4 groups of 33 (4 rows each) 49.0."""
+    line = RESIDENT_CHUNK_VECTORS  # (the kernels' LINE: a chunk is whole lines)
+    need = cdiv(_row_vectors(ncols, dtype) + line - 1, bank // line * line)
+    most = max(1, min(nrows, sms // max(1, need)))
+    groups = cdiv(nrows, cdiv(nrows, most))
+    return groups, sms // groups
+
+
+def _few_rows_smem(device: int) -> int:
+    """The dynamic shared memory a few-rows CTA takes: all a CTA may have but its static
+    scratch (under 1 KB)."""
+    return _loader.max_shared_per_block(device) - 1024
 
 
 def _held(ncols, dtype, chunks, regs, threads, smem) -> int:

@@ -1,14 +1,17 @@
-// Several long rows, forward, one after another on the whole chip, two rows in flight. A
-// cooperative launch, every CTA resident at once (one per SM): CTA k owns chunk k of every
-// row (line_chunk over gridDim.x chunks) and walks the rows in order, keeping two rows'
-// chunks on chip, in two banks (REGS vectors a thread in registers, `held` vectors in
-// shared memory; the rest streamed, re-read from L2 when written). For each row it reads
-// its chunk once into one bank, summing it, and publishes the sum; then it writes the
-// row before from the other bank, whose sums every CTA published a row earlier: so the
-// row-wide exchange waits behind a row's reads, where normalize_resident.cu's CTAs wait
-// for it between their reads and writes. Each row's sums are added in a fixed order (one
-// divisor a row, the same in every CTA). Each CTA reads and writes only its own chunks
-// (chunk 0 also each row's head and tail scalars), so y may be x.
+// Many long rows, forward, in row groups over the whole chip, two rows in flight a group. A
+// cooperative launch, every CTA resident at once (one per SM), in gridDim.x / cpr groups of
+// cpr CTAs: group g walks the rows g, g + groups, ... in order, and its CTA k owns chunk k
+// of each (line_chunk over cpr chunks), keeping two rows' chunks on chip, in two banks
+// (REGS vectors a thread in registers, `held` vectors in shared memory; the rest streamed,
+// re-read from L2 when written). For each row it reads its chunk once into one bank,
+// summing it, and publishes the sum; then it writes the row before from the other bank,
+// whose sums every CTA of the group published a row earlier: so the row-wide exchange
+// waits behind a row's reads, where normalize_resident.cu's CTAs wait for it between their
+// reads and writes. Rows a few CTAs hold run in many groups at once, whose exchanges
+// overlap one another's reads and writes; one group (cpr = gridDim.x) takes rows as long
+// as the whole chip holds. Each row's sums are added in a fixed order (one divisor a row,
+// the same in every CTA). Each CTA reads and writes only its own chunks (chunk 0 also each
+// row's head and tail scalars), so y may be x.
 #include "normalize_chip.cuh"
 
 template <int V> struct Bank { static constexpr int value = V; };
@@ -17,7 +20,7 @@ template <int P, typename T, int THREADS, int REGS, int UNROLL, int LINE>
 __global__ void __launch_bounds__(THREADS, 1)
 normalize_pipelined(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
                     unsigned* __restrict__ arrived, T* __restrict__ y, long long nrows,
-                    long long ncols, long long xs, long long ys, long long held) {
+                    long long ncols, long long xs, long long ys, long long cpr, long long held) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_pipelined: THREADS must be whole warps, at most 1024");
   static_assert(REGS >= 1 && UNROLL >= 1, "normalize_pipelined: REGS >= 1, UNROLL >= 1");
   typedef typename acc_of<T>::type A;
@@ -26,7 +29,8 @@ normalize_pipelined(const T* __restrict__ x, typename acc_of<T>::type* __restric
   constexpr long long STEP = (long long)THREADS * UNROLL;
   extern __shared__ uint4 kept[];  // two banks of `held` vectors (a multiple of THREADS)
   __shared__ A scratch[THREADS / 32];
-  const long long nchunks = gridDim.x, k = blockIdx.x;
+  const long long nchunks = cpr, groups = gridDim.x / cpr;  // (the host launches groups * cpr)
+  const long long g = blockIdx.x / cpr, k = blockIdx.x % cpr;
   const int tid = threadIdx.x;
   const L2Policy policy;
   V reg[2][REGS];  // (a bank's index is a constant: registers, not local memory)
@@ -141,13 +145,16 @@ normalize_pipelined(const T* __restrict__ x, typename acc_of<T>::type* __restric
     });
   };
 
-  if (nrows > 0) read(0, Bank<0>());
-  for (long long r = 0; r < nrows; r += 2) {  // (rows r, r + 1 in banks 0, 1)
-    if (r + 1 < nrows) read(r + 1, Bank<1>());
-    write(r, Bank<0>());
-    if (r + 1 < nrows) {
-      if (r + 2 < nrows) read(r + 2, Bank<0>());
-      write(r + 1, Bank<1>());
+  // This group's rows g, g + groups, ...: its i-th in bank i % 2.
+  const long long mine = nrows > g ? (nrows - g + groups - 1) / groups : 0;
+  auto row = [&](long long i) { return g + i * groups; };
+  if (mine > 0) read(row(0), Bank<0>());
+  for (long long i = 0; i < mine; i += 2) {
+    if (i + 1 < mine) read(row(i + 1), Bank<1>());
+    write(row(i), Bank<0>());
+    if (i + 1 < mine) {
+      if (i + 2 < mine) read(row(i + 2), Bank<0>());
+      write(row(i + 1), Bank<1>());
     }
   }
 }

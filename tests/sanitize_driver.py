@@ -243,6 +243,10 @@ def run_normalize_rows():
                 x = dev(randn(3, per_vec * vectors * sms + 3, seed=18), dtype)
                 check(f"{tag} pipelined rows {vectors} vectors a CTA", fn(x, config=(-3,)),
                       norm_ref(host(x), kind), t)
+            # rows a few CTAs hold, in groups: 50 rows of 2.5 banks, 26 groups of 5 CTAs
+            x = dev(randn(50, per_vec * (regs + smem // 2 // threads) * threads * 5 // 2 + 3,
+                          seed=19), dtype)
+            check(f"{tag} pipelined row groups", fn(x, config=(-3,)), norm_ref(host(x), kind), t)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):
                 g, units, rows, vec = cfg

@@ -1,4 +1,6 @@
 """l1_normalize / l2_normalize and the L1Norm / L2Norm modules against PyTorch."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -322,27 +324,29 @@ def test_malformed_config_is_a_value_error(config):
 
 
 def test_few_rows_kernel_is_routed():
-    """Few rows too long for a cluster: the pipelined few-rows kernel forward (3 rows or
-    more of at least 16 MB, x of at least 128 MB), the few-rows kernel forward (up to 16
-    rows, at most one an SM, of at least 32 MB; one row of at least 64 MB) and backward
-    (x of 32 to 64 MB, one row too), the chunked two-pass kernels for the rest; a forward
-    configuration given to the backward is refused, before any GPU work."""
+    """Rows too long for a cluster: the pipelined few-rows kernel forward (3 rows or more,
+    x of at least 128 MB; more than 16 rows from 40 MiB), the few-rows kernel forward (up
+    to 16 rows, at most one an SM, of at least 32 MB; one row of at least 64 MB) and
+    backward (x of 32 to 64 MB, one row too), the chunked two-pass kernels for the rest; a
+    forward configuration given to the backward is refused, before any GPU work."""
     core = _core()
     assert core._route(4, 4194304, "float32", 90, 132) == (-2,)
-    # many rows of at least 16 MB (and a few bytes under), x of at least 128 MB: pipelined,
-    # forward only
+    # 3 rows or more, x of at least 128 MB: pipelined, forward only
     assert core._route(8, 4194304, "float32", 90, 132) == (-3,)
     assert core._route(9, 4194303, "float32", 90, 132) == (-3,)
     assert core._route(32, 4194304, "float32", 90, 132) == (-3,)
     assert core._route(3, 2**23, "float64", 90, 132) == (-3,)
+    assert core._route(12, 2796203, "float32", 90, 132) == (-3,)  # (rows of 11 MB)
+    assert core._route(128, 262144, "float32", 90, 132) == (-3,)  # (rows of 1 MB)
     assert core._route(2, 2**24, "float32", 90, 132) == (-2,)  # (two rows)
     assert core._route(6, 4194304, "float32", 90, 132) == (-2,)  # (96 MB)
-    assert core._route(12, 2796203, "float32", 90, 132) == (-2,)  # (rows of 11 MB)
-    assert core._route(64, 524288, "float32", 90, 132)[0] == -1
     assert core._route(7, 4194304, "float32", 90, 132) == (-2,)  # (112 MB)
-    assert core._route(9, 15 * 2**18, "float32", 90, 132) == (-3,)  # (rows of 15 MiB)
-    assert core._route(9, 15 * 2**18 - 1, "float32", 90, 132) == (-2,)
-    assert core._route(8, 4194304, "float32", 90, 132, backward=True)[0] == -1
+    # more rows than the few-rows kernel takes: from 40 MiB
+    assert core._route(64, 262144, "float32", 90, 132) == (-3,)
+    assert core._route(17, 2**20, "float32", 90, 132) == (-3,)
+    assert core._route(40, 262144, "float32", 90, 132) == (-3,)
+    assert core._route(40, 262144 - 4, "float32", 90, 132)[0] == -1  # (just under 40 MiB)
+    assert core._route(16, 2**20, "float32", 90, 132) == (-2,)  # (16 rows, 64 MB)
     assert core._route(16, 140001 * 2, "float64", 80, 132) == (-2,)
     assert core._route(17, 140001 * 2, "float64", 90, 132)[0] == -1
     assert core._route(4, 2**22, "float32", 90, 3)[0] == -1  # (more rows than SMs)
@@ -361,6 +365,22 @@ def test_few_rows_kernel_is_routed():
     with pytest.raises(ValueError, match="forward's only"):
         core.normalize_backward(x, x, 2, 1, (-3,))
     assert core.normalize_backward(x, x, 2, 1, (-2,) + core.RESIDENT_BACKWARD[4]) is None  # (CPU)
+
+
+def test_pipelined_row_groups():
+    """The pipelined kernel's row groups on 132 SMs (banks of 11264 vectors, float32's):
+    as many groups as the SMs make of the CTAs a row needs, for the fewest rounds, then
+    as few as take the rows in them; one group where a row needs every SM or more."""
+    core = _core()
+    groups = functools.partial(core._row_groups, dtype="float32", sms=132, bank=11264)
+    assert groups(128, 262144) == (22, 6)  # (1 MB rows: 6 CTAs; 6 rounds)
+    assert groups(16, 2**20) == (4, 33)  # (4 MB rows: at most 5 groups; 4 rounds of 4)
+    assert groups(32, 2**20) == (5, 26)
+    assert groups(3, 2**20) == (3, 44)  # (a group a row)
+    assert groups(8, 4194304) == (1, 132)  # (16 MB rows: every SM)
+    assert groups(3, 2**24) == (1, 132)  # (past what the chip holds)
+    assert groups(1, 1) == (1, 132)
+    assert groups(200, 4) == (100, 1)  # (a CTA a row: 2 rounds)
 
 
 def _grad64(x, g, kind):
@@ -554,13 +574,14 @@ def test_few_rows_kernel_edges(dtype):
     """The few-rows kernels (one cooperative launch, each chunk's front kept on chip: rows
     side by side (-2), or one after another on every SM (-3)) and their tuning
     configurations, against PyTorch: rows from one element to 2**22 vectors, more rows than
-    SMs (-3), on contiguous rows, rows off 16-byte boundaries (head and tail scalars) and
+    SMs (-3), row groups walking uneven row counts (-3), on contiguous rows, rows off 16-byte boundaries (head and tail scalars) and
     in place; bit-identical on a second run."""
     core = _core()
     gen = torch.Generator(device="cuda").manual_seed(17)
     configs = [(-2,), (-3,)] + [(-2,) + c for c in core.RESIDENT_TUNING]
     n = 16 // dtype.itemsize
-    for shape in _few_rows_shapes(dtype) + [(140, 4096 * n + 3)]:
+    # (50 rows of 1 MB: row groups of a few CTAs, (-3): some walk a row fewer)
+    for shape in _few_rows_shapes(dtype) + [(140, 4096 * n + 3), (50, 2**16 * n + 3)]:
         x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
         x[0, -1] = 1  # (a row of one element, not zero: bit-identical compares no nan)
         for kind in FUNCS:
