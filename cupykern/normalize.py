@@ -632,7 +632,8 @@ def _resident(src, p, nrows, ncols, strides, cfg, backward):
         raise ValueError(f"config: the few-rows kernel takes at most {sms} rows (one a CTA, "
                          f"a CTA an SM), got {nrows}")
     smem_max = _few_rows_smem(dev)
-    fn = _loader.function(_RESIDENT_FILE, _few_rows_expr(_RESIDENT, p, dt, cfg, backward), dev, smem_max)
+    expr = _few_rows_expr(_RESIDENT, p, dt, cfg, backward)
+    fn = _loader.function(_RESIDENT_FILE, expr, dev, smem_max)
     cpr = sms // nrows
     held = _held(ncols, dt, cpr, regs, threads, smem_max // k)
     grid = nrows * cpr
