@@ -171,6 +171,7 @@ __all__ = ["is_any_autocast_enabled", "get_tracing_state", "len_torch_dispatch_s
            "retrieve_current_functorch_interpreter",
            "TransformType", "maybe_get_level", "op_schema", "is_functional_schema",
            "AutoDispatchBelowAutograd", "AFTER_AUTOGRAD_KEYSET", "DispatchKey",
-           "DispatchKeySet", "ExcludeDispatchKeyGuard", "get_cublas_allow_tf32", "get_float32_matmul_precision",
+           "DispatchKeySet", "ExcludeDispatchKeyGuard", "get_cublas_allow_tf32",
+           "get_float32_matmul_precision",
            "current_raw_stream", "cuda_raw_alloc", "cuda_raw_delete", "cuda_get_device",
            "GLOBAL_MODULE_HOOKS", "MODULE_STORES", "MODULE_HOOKS"]
