@@ -100,7 +100,8 @@ P = {"l1": 1, "l2": 2}
 #    the two-pass kernels' second read hits L2), 3-16 rows under 128 MB (16x1048576 42.0 /
 #    49.0, 12x2097152 68.1 / 72.1, 6x4194304 68.1 / 72.4; 3x8388608, 96 MB, won by 4% in
 #    four runs, 68.7 / 66.0, where 6x4194304 lost by 4%), two rows (2x16777216 95.7 /
-#    99.0) and one.
+#    99.0) and one; on GPUs without clusters, rows that a cluster holds on sm_90 (timed
+#    on the H200 alone, so at rows no cluster holds).
 PIPELINED_MIN_ROWS = 3
 PIPELINED_MIN_BYTES = 2**27
 PIPELINED_MANY_MIN_BYTES = 40 * 2**20
@@ -536,9 +537,13 @@ def _few_rows_pay(nrows: int, ncols: int, dtype: str, backward: bool) -> bool:
 def _pipelined_pays(nrows: int, ncols: int, dtype: str) -> bool:
     """Whether the forward's rows take the pipelined few-rows kernel (the table's row 6):
     PIPELINED_MIN_ROWS rows or more, x of at least PIPELINED_MIN_BYTES; more rows than the
-    few-rows kernel takes, from PIPELINED_MANY_MIN_BYTES."""
-    nbytes = nrows * ncols * ITEMSIZE[dtype]
-    return nrows >= PIPELINED_MIN_ROWS and (
+    few-rows kernel takes, from PIPELINED_MANY_MIN_BYTES. Rows that a cluster holds on
+    sm_90 stay on the two-pass kernels where there are no clusters: the kernel was timed
+    on the H200 only, at rows no cluster holds."""
+    isz = ITEMSIZE[dtype]
+    nbytes = nrows * ncols * isz
+    longest = max(c[0] * c[1] * c[2] for c in CONFIGS[isz])  # (16-byte vectors a cluster holds)
+    return nrows >= PIPELINED_MIN_ROWS and _row_vectors(ncols, dtype) > longest and (
         nbytes >= PIPELINED_MIN_BYTES
         or nrows > RESIDENT_MAX_ROWS and nbytes >= PIPELINED_MANY_MIN_BYTES)
 

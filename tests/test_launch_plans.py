@@ -566,13 +566,14 @@ ROUTES = [
     ((1, 4194304, "float32"), (-1, 1024)),  # ~8 items per SM, chunks of >= 1024 vectors
     ((3, 2000001, "float32"), (-1, 1421)),
     ((4, 4194304, "float32"), (-2,)),  # up to 16 rows of >= 32 MB: the few-rows kernel
-    ((8, 4194304, "float32"), (-3,)),  # 3+ rows of 16 MB, 128 MB: pipelined
+    ((8, 4194304, "float32"), (-3,)),  # 3+ rows, 128 MB: pipelined
     ((24, 4194304, "float32"), (-3,)),
-    ((16, 2097152, "float32"), (-2,)),
-    ((17, 2097152, "float32"), (-1, 8323)),
+    ((16, 2097152, "float32"), (-3,)),
+    ((12, 2097152, "float32"), (-2,)),  # (96 MB)
+    ((100, 200000, "float32"), (-3,)),  # more than 16 rows, from 40 MiB: pipelined
     ((1, 2**24, "float32"), (-2,)),  # (one row of 64 MB)
     ((1, 2**24, "bfloat16"), (-1, 1986)),  # (one row under 64 MB: two passes)
-    ((100, 200000, "float32"), (-1, 4546)),  # longer than any cluster holds
+    ((30, 200000, "float32"), (-1, 1389)),  # longer than any cluster holds, 24 MB
 ]
 
 
