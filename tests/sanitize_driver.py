@@ -234,18 +234,19 @@ def run_normalize_rows():
                     dx, scale = grad_ref(host(x), host(gy), kind)
                     check(f"{tag} backward few rows {vectors} vectors",
                           nz.normalize_backward(x, gy, nz.P[kind], 1, (-2,)), dx, t, scale)
-            # the pipelined few-rows kernel, rows one after another on every CTA: three
-            # rows (both shared-memory buffers, one reused), chunks past the registers,
-            # and past the registers and a buffer (the rest re-read)
+            # the pipelined few-rows kernel: three rows of a little more than the SMs'
+            # registers (on 132 SMs, float32: two row groups of 66 CTAs, one walking two
+            # rows), three rows past the SMs' banks (one group of every CTA, a bank reused,
+            # the rest re-read), and 100 rows of 2.5 banks (34 groups of 3 CTAs, 32 walking
+            # three rows: banks reused in every group)
             threads, regs, _ = nz.PIPELINED[isz]
             sms = cupykern._loader.sm_count(0)
-            for vectors in (regs * threads + 100, (regs + smem // 2 // threads) * threads + 100):
+            bank = (regs + smem // 2 // threads) * threads
+            for vectors in (regs * threads + 100, bank + 100):
                 x = dev(randn(3, per_vec * vectors * sms + 3, seed=18), dtype)
-                check(f"{tag} pipelined rows {vectors} vectors a CTA", fn(x, config=(-3,)),
+                check(f"{tag} pipelined rows of {vectors} vectors an SM", fn(x, config=(-3,)),
                       norm_ref(host(x), kind), t)
-            # rows a few CTAs hold, in groups: 50 rows of 2.5 banks, 26 groups of 5 CTAs
-            x = dev(randn(50, per_vec * (regs + smem // 2 // threads) * threads * 5 // 2 + 3,
-                          seed=19), dtype)
+            x = dev(randn(100, per_vec * bank * 5 // 2 + 3, seed=19), dtype)
             check(f"{tag} pipelined row groups", fn(x, config=(-3,)), norm_ref(host(x), kind), t)
             # a row count that leaves the last step part empty
             for cfg in nz._short_table(isz):

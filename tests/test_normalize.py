@@ -572,15 +572,16 @@ def _few_rows_shapes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_few_rows_kernel_edges(dtype):
     """The few-rows kernels (one cooperative launch, each chunk's front kept on chip: rows
-    side by side (-2), or one after another on every SM (-3)) and their tuning
-    configurations, against PyTorch: rows from one element to 2**22 vectors, more rows than
-    SMs (-3), row groups walking uneven row counts (-3), on contiguous rows, rows off 16-byte boundaries (head and tail scalars) and
-    in place; bit-identical on a second run."""
+    side by side (-2), or one after another in row groups over every SM (-3)) and their
+    tuning configurations, against PyTorch: rows from one element to 2**22 vectors, more
+    rows than SMs (-3), row groups walking uneven row counts (-3), on contiguous rows, rows
+    off 16-byte boundaries (head and tail scalars) and in place; bit-identical on a second
+    run."""
     core = _core()
     gen = torch.Generator(device="cuda").manual_seed(17)
     configs = [(-2,), (-3,)] + [(-2,) + c for c in core.RESIDENT_TUNING]
     n = 16 // dtype.itemsize
-    # (50 rows of 1 MB: row groups of a few CTAs, (-3): some walk a row fewer)
+    # (50 rows of 1 MB, (-3): float32 17 row groups of 7 CTAs, one walking a row fewer)
     for shape in _few_rows_shapes(dtype) + [(140, 4096 * n + 3), (50, 2**16 * n + 3)]:
         x = torch.randn(shape, device="cuda", generator=gen).to(dtype)
         x[0, -1] = 1  # (a row of one element, not zero: bit-identical compares no nan)
