@@ -370,14 +370,14 @@ def test_few_rows_kernel_is_routed():
 def test_pipelined_row_groups():
     """The pipelined kernel's row groups on 132 SMs (banks of 11264 vectors, float32's):
     as many groups as the SMs make of the CTAs a row needs, for the fewest rounds, then
-    as few as take the rows in them; one group where a row needs every SM or more."""
+    as few as take the rows in them; one group where a row needs more than half the SMs."""
     core = _core()
     groups = functools.partial(core._row_groups, dtype="float32", sms=132, bank=11264)
     assert groups(128, 262144) == (22, 6)  # (1 MB rows: 6 CTAs; 6 rounds)
     assert groups(16, 2**20) == (4, 33)  # (4 MB rows: at most 5 groups; 4 rounds of 4)
     assert groups(32, 2**20) == (5, 26)
     assert groups(3, 2**20) == (3, 44)  # (a group a row)
-    assert groups(8, 4194304) == (1, 132)  # (16 MB rows: every SM)
+    assert groups(8, 4194304) == (1, 132)  # (16 MB rows: 94 CTAs, more than half)
     assert groups(3, 2**24) == (1, 132)  # (past what the chip holds)
     assert groups(1, 1) == (1, 132)
     assert groups(200, 4) == (100, 1)  # (a CTA a row: 2 rounds)
