@@ -4,6 +4,8 @@ import functools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cupykern
 from cupykern.models import l1norm, l2norm
@@ -381,6 +383,29 @@ def test_pipelined_row_groups():
     assert groups(3, 2**24) == (1, 132)  # (past what the chip holds)
     assert groups(1, 1) == (1, 132)
     assert groups(200, 4) == (100, 1)  # (a CTA a row: 2 rounds)
+
+
+@settings(max_examples=400, deadline=None)
+@given(nrows=st.integers(1, 5000), ncols=st.integers(1, 2**26),
+       dtype=st.sampled_from(["float32", "bfloat16", "float64"]), sms=st.integers(1, 200),
+       bank=st.integers(1, 4096).map(lambda b: 8 * b))
+def test_pipelined_row_groups_properties(nrows, ncols, dtype, sms, bank):
+    """_row_groups at any geometry: the groups fill at most the SMs; where a row needs at
+    most half of them, a group's CTAs hold its rows (every chunk within a bank), in the
+    fewest rounds, with no group that could be dropped without another round; else one
+    group of every SM."""
+    core = _core()
+    groups, cpr = core._row_groups(nrows, ncols, dtype, sms, bank)
+    assert 1 <= groups <= nrows and cpr == sms // groups and groups * cpr <= sms
+    line = core.RESIDENT_CHUNK_VECTORS
+    need = -(-(core._row_vectors(ncols, dtype) + line - 1) // bank)  # (CTAs a row needs)
+    if 2 * need > sms:
+        assert groups == 1
+        return
+    assert cpr >= need
+    rounds = -(-nrows // groups)
+    assert rounds == -(-nrows // min(nrows, sms // need))
+    assert groups == 1 or -(-nrows // (groups - 1)) > rounds
 
 
 def _grad64(x, g, kind):
