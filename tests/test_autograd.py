@@ -13,11 +13,9 @@ from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 import cupykern
 from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
 from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference
-from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSumExpReference,
-                                                          reference as m4_reference)
+from cupykern.torch.matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExpReference
 from cupykern.torch.normalize import L1NormReference, L2NormReference
-from cupykern.torch.normalize import reference as normalize_reference
-from support import model_pair
+from support import m4_torch as m4_reference, model_pair, normalize_torch
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -228,9 +226,9 @@ def _function_pairs(device):
             return gsbn_reference(x, *p, rm, rv, None, training, 0.1, 1e-5, "highest", False)[0]
         return ours, ref
     return {
-        "l1_normalize": (lambda x: cupykern.l1_normalize(x), lambda x: normalize_reference(x, 1)),
+        "l1_normalize": (lambda x: cupykern.l1_normalize(x), lambda x: normalize_torch(x, 1, 1)),
         "l2_normalize axis 0": (lambda x: cupykern.l2_normalize(x, axis=0),
-                                lambda x: normalize_reference(x, 2, 0)),
+                                lambda x: normalize_torch(x, 2, 0)),
         "linear": (linear, torch.nn.functional.linear),
         "matmul batched": (cupykern.matmul, torch.matmul),
         "gemm_scale_batchnorm batch statistics": (cupykern.gemm_scale_batchnorm,

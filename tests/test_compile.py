@@ -58,7 +58,7 @@ def test_a_wrong_launch_constant_does_not_compile():
     expr = gemm_kernels._mma_expr("float32", 0, True)
     wrong = re.sub(r"(\d+)>$", lambda m: f"{int(m.group(1)) + 16}>", expr)
     _loader.compile_nvrtc("gemm_mma.cu", [expr], 80)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="gemm_mma: SMEM must be STAGES"):
         _loader.compile_nvrtc("gemm_mma.cu", [wrong], 80)
 
 

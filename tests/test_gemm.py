@@ -26,10 +26,14 @@ SHAPES = [(1, 1, 1), (1, 7, 5), (3, 9, 1), (37, 23, 50), (128, 128, 128), (130, 
           (129, 520, 36), (67, 45, 1001), (1100, 1030, 260), (768, 768, 4096),
           (1000, 900, 2100)]
 def test_numpy_reference_path():
-    x, w, b = (t.numpy() for t in _data(5, 4, 3, torch.float32))
-    np.testing.assert_allclose(cupykern.linear(x, w, b), x @ w.T + b, rtol=1e-6, atol=1e-6)
     xt, wt, bt = _data(5, 4, 3, torch.float32)
-    assert torch.allclose(cupykern.linear(xt, wt, bt), torch.nn.functional.linear(xt, wt, bt))
+    want = torch.nn.functional.linear(xt.double(), wt.double(), bt.double())  # (float64)
+    got = cupykern.linear(*(t.numpy() for t in (xt, wt, bt)))
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+    got = cupykern.linear(xt, wt, bt)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad, exc, match", [

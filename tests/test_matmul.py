@@ -29,9 +29,14 @@ def test_numpy_semantics(sa, sb):
     a, b = (t.numpy() for t in _pair(sa, sb, torch.float32))
     got = cupykern.matmul(a, b)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
-    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-6)
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))  # (float64, NumPy's shapes)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     ta, tb = _pair(sa, sb)
-    assert torch.allclose(cupykern.matmul(ta, tb), torch.matmul(ta, tb))
+    got = cupykern.matmul(ta, tb)
+    assert got.shape == want.shape and got.dtype == ta.dtype
+    torch.testing.assert_close(got.double(), torch.as_tensor(np.matmul(ta.numpy(), tb.numpy())),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("sa, sb", SEMANTICS, ids=str)

@@ -43,6 +43,26 @@ def test_gradient_of_zero_inf_nan_rows_as_torch_cpu(kind):
 
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", FUNCS)
+def test_cpu_paths_accumulate_wide_and_keep_lone_elements(kind, dtype, lib):
+    """The CPU paths (NumPy, torch) sum 16-bit rows in float32, as PyTorch does: squares
+    of |x| > 256 pass float16's maximum. A length-1 L2 row of +-3e38 is +-1 (its square
+    overflows float32; PyTorch's norm of one element is |x|)."""
+    if lib == "numpy" and dtype == torch.bfloat16:
+        pytest.skip("NumPy has no bfloat16")
+    as_lib = (lambda t: t.numpy()) if lib == "numpy" else (lambda t: t)
+    x = (torch.randn(4, 2000, generator=torch.Generator().manual_seed(5)) * 64).to(dtype)
+    got = torch.as_tensor(FUNCS[kind](as_lib(x)))
+    want = torch_ref(x.double(), kind)
+    assert got.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    big = torch.tensor([[3e38], [-3e38]])
+    assert torch.as_tensor(FUNCS[kind](as_lib(big))).tolist() == [[1.0], [-1.0]]
+
+
 @pytest.mark.parametrize("kind", FUNCS)
 @pytest.mark.parametrize("shape,axis", [((4, 7), 1), ((4, 7), 0), ((3, 4, 5), -1), ((9,), 0),
                                         ((1, 1), 1), ((0, 3), 1)])
@@ -60,6 +80,8 @@ def test_torch_cpu_tensor_and_out(kind):
     got = FUNCS[kind](x)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
     assert_matches(got, torch_ref(x, kind), torch.bfloat16)
+    tol = TOL[torch.bfloat16]  # (and float64's, which is no CPU path's own expression)
+    torch.testing.assert_close(got.double(), torch_ref(x.double(), kind), rtol=tol, atol=tol)
     out = np.empty((5, 33), np.float64)
     xn = x.double().numpy()
     assert FUNCS[kind](xn, out=out) is out
@@ -194,7 +216,9 @@ def test_empty(shape):
     x = torch.empty(shape, device="cuda")
     for f in FUNCS.values():
         got = f(x, axis=-1)
-        assert got.shape == x.shape
+        assert type(got) is torch.Tensor and got.shape == x.shape and got.dtype == x.dtype
+        out = torch.empty_like(x)
+        assert f(x, axis=-1, out=out) is out
 
 
 @pytest.mark.gpu
@@ -785,6 +809,12 @@ def test_special_rows_in_every_family(kind, ncols):
     for row in range(5):
         assert torch.equal(got[row].isnan(), want[row].isnan()), row
         assert torch.equal(got[row].isinf(), want[row].isinf()), row
+    for row in (4, 5):  # the finite values, each row at its own scale (-ftz: a floor)
+        both = got[row].isfinite() & want[row].isfinite()
+        scale = float(want[row][both].abs().max()) if both.any() else 0.0
+        atol = TOL[torch.float32] * scale + torch.finfo(torch.float32).smallest_normal
+        torch.testing.assert_close(got[row][both], want[row][both], rtol=TOL[torch.float32],
+                                   atol=atol, msg=f"row {row}")
 
 
 @pytest.mark.gpu
