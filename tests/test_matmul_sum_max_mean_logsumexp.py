@@ -95,12 +95,17 @@ def test_dot_overflows_before_the_bias_like_torch():
         assert_same(got, chain(x.cuda(), w.cuda(), b.cuda()), 0)
 
 
-def test_torch_cpu_tensors_and_plan():
-    x, w, b = rand(4, 6, dtype=torch.float64), rand(5, 6, dtype=torch.float64, seed=1), None
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_torch_cpu_tensors_and_plan(dtype, with_bias):
+    x, w = rand(4, 6, dtype=dtype), rand(5, 6, dtype=dtype, seed=1)
+    b = rand(5, dtype=dtype, seed=2) if with_bias else None
     plan = cupykern.prepare_matmul_sum(w, b)
     got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b, plan=plan)
-    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
-    assert_same(got, chain(x, w, b), 1e-12)
+    assert isinstance(got, torch.Tensor) and got.dtype == dtype
+    # against float64 (not the package's own expression, which is the CPU path)
+    want = chain(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+    assert_same(got, want, TOL[dtype])
     assert_same(plan(x), got, 0)
     with pytest.raises(ValueError, match="plan: was prepared from other weight"):
         cupykern.matmul_sum_max_mean_logsumexp(x, w.clone(), b, plan=plan)
