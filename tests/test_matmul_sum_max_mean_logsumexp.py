@@ -10,23 +10,13 @@ import cupykern
 from cupykern.models import matmul_sum_max_mean_logsumexp as model4
 from cupykern.torch import MatmulSumMaxMeanLogSumExp
 from cupykern.torch import matmul_sum_max_mean_logsumexp as tmr
-from support import assert_grad_close
+from support import assert_grad_close, m4_torch as chain  # the model, written out from MODELS.md
 
 # allclose tolerance (atol = rtol) against the same-dtype PyTorch model. PyTorch rounds
 # each of the N Linear outputs to bfloat16 (half-ulp 2**-9 relative) before summing, so
 # its own error grows like sqrt(N) * 2**-9 * |z|: 5e-2 keeps these shapes clear of it.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 gpu = pytest.mark.gpu
-
-
-def chain(x, w, b=None):
-    """The documented model's ops, verbatim."""
-    return model4.Model.forward(_Lin(w, b), x)
-
-
-class _Lin:
-    def __init__(self, w, b):
-        self.linear = lambda x: torch.nn.functional.linear(x, w, b)
 
 
 def assert_same(got, want, tol):
