@@ -64,6 +64,20 @@ def test_numpy_path_matches_torch(shape, with_bias):
     assert_same(torch.from_numpy(got).double(), want64, 1e-5)
 
 
+def test_numpy_float16_rounds_like_torch():
+    """Small integers, so that every product and sum is exact in float32: the NumPy path's
+    float16 result is PyTorch's bit for bit. PyTorch's Linear stores each output in
+    float16 (odd integers past 2048 round to even) before the sum; summing the unrounded
+    outputs changes some of these rows."""
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randint(0, 11, shape, generator=g).half() for shape in ((256, 100), (4, 100)))
+    b = torch.randint(-3, 4, (4,), generator=g).half()
+    got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), w.numpy(), b.numpy())
+    want = chain(x, w, b).numpy()
+    assert got.dtype == np.float16 and np.isfinite(want).all()
+    np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
+
+
 def test_numpy_path_nan_inf_like_torch():
     x, w, b = specials()
     got = cupykern.matmul_sum_max_mean_logsumexp(x.numpy(), w.numpy(), b.numpy())
