@@ -88,6 +88,22 @@ def test_numpy_path_nan_inf_like_torch():
         assert_same(torch.from_numpy(got), chain(x, *wb), 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_cpu_grads_of_nan_inf_rows_like_torch(dtype):
+    """The op's backward on torch CPU tensors against autograd of the model: rows whose
+    output is +-inf or nan pass nan to every gradient they reach, as PyTorch's tail
+    (max, mean, logsumexp) does; finite rows' gradients match."""
+    x, w, b = (t.requires_grad_() for t in specials(dtype=dtype))
+    g = rand(6, 1, dtype=dtype, seed=3)
+    got = cupykern.matmul_sum_max_mean_logsumexp(x, w, b)
+    want = chain(x, w, b)
+    assert_same(got.detach(), want.detach(), 0)
+    assert not torch.isfinite(want).all()
+    for a, b_ in zip(torch.autograd.grad((got * g).sum(), (x, w, b)),
+                     torch.autograd.grad((want * g).sum(), (x, w, b))):
+        assert_same(a, b_, 1e-12 if dtype == torch.float64 else 1e-5)
+
+
 def test_dot_overflows_before_the_bias_like_torch():
     # torch rounds x . W[j] to float32 (inf here) before adding bias[j]
     x, w, b = torch.tensor([[3e38, 1.0]]), torch.tensor([[2.0, 0.0], [1.0, 1.0]]), torch.tensor([-3e38, 0.0])
