@@ -122,3 +122,23 @@ def test_bad_arguments_fail_at_the_call(kind):
     other = "numpy" if kind == "cupy" else "torch_cpu"
     with pytest.raises(TypeError, match="weight"):  # weights of another kind than the chunks
         cupykern.linear(d, to_kind(torch.zeros(10, 24), other))
+
+
+def test_gemm_scale_batchnorm_empty_blocks_and_eval_eps():
+    """Training over blocks that start with two empty ones (their moments merge as
+    nothing: no 0 / 0), and eval mode with the given eps: the NumPy call's output and
+    running statistics."""
+    rng = np.random.default_rng(2)
+    x, w, s = rng.standard_normal((10, 5)), rng.standard_normal((3, 5)), rng.standard_normal(3)
+    rm, rv = np.zeros(3), np.ones(3)
+    rm2, rv2 = rm.copy(), rv.copy()
+    got = cupykern.gemm_scale_batchnorm(_dask(x, ((0, 0, 6, 4), (5,))), w, None, s, None, None,
+                                        rm, rv).compute()
+    want = cupykern.gemm_scale_batchnorm(x, w, None, s, None, None, rm2, rv2)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rm, rm2, rtol=1e-12)
+    np.testing.assert_allclose(rv, rv2, rtol=1e-12)
+    kw = dict(training=False, eps=0.5)
+    got = cupykern.gemm_scale_batchnorm(_dask(x, (4, 5)), w, None, s, None, None, rm, rv, **kw)
+    want = cupykern.gemm_scale_batchnorm(x, w, None, s, None, None, rm, rv, **kw)
+    np.testing.assert_allclose(got.compute(), want, rtol=1e-12)

@@ -306,6 +306,19 @@ def test_below_sm80_every_dtype_on_cuda_cores(as_sm75, shape, dtype):
         assert err <= (1e-6 if dtype == torch.float32 else 1.6e-2) * mag
 
 
+def test_numpy_float16_linear_accumulates_in_float32():
+    """The NumPy path's float16 linear sums K = 4096 products in float32 and rounds once:
+    within an ulp of the float64 product rounded to float16 (a float16 accumulation put
+    a quarter of these outputs up to 2 ulp off)."""
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(s).astype(np.float16) for s in ((64, 4096), (32, 4096)))
+    b = rng.standard_normal(32).astype(np.float16)
+    want = (x.astype(np.float64) @ w.astype(np.float64).T + b).astype(np.float16)
+    got = cupykern.linear(x, w, b)
+    assert got.dtype == np.float16
+    assert (np.abs(got.astype(np.float64) - want) <= np.spacing(np.abs(want))).all()
+
+
 # ---- float16 / bfloat16 on Hopper's wgmma (gemm_wgmma MODE 3): K-major rows, 16-byte
 # aligned, loaded by TMA; 128 x 256 tiles, K slices of 64 elements, clusters of two CTAs
 # where the M tiles pair up (129, 130, 255, 256 and 1000 rows; 1, 128, 257 and 384 rows

@@ -113,6 +113,16 @@ def test_cpu_paths_train_like_the_model(momentum):
         assert int(nbt) == int(new.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked)
 
 
+def test_numpy_eval_takes_an_eps_of_zero():
+    """eps = 0 in eval mode (a non-negative eps is valid there): (y - mean) / sqrt(var)
+    with the running statistics, in float64."""
+    rng = np.random.default_rng(1)
+    x, w, s = rng.standard_normal((8, 5)), rng.standard_normal((3, 5)), rng.standard_normal(3)
+    rm, rv = rng.standard_normal(3), rng.random(3) + 0.5
+    got = cupykern.gemm_scale_batchnorm(x, w, None, s, None, None, rm, rv, training=False, eps=0.0)
+    np.testing.assert_allclose(got, (x @ w.T * s - rm) / np.sqrt(rv), rtol=1e-12, atol=1e-12)
+
+
 def test_batch_of_one_raises_like_torch():
     ref, new = _pair(12, 6)
     x = torch.randn(1, 12)

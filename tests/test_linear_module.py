@@ -385,6 +385,34 @@ def test_converted_model_traces_fullgraph_on_cpu():
     torch.testing.assert_close(f(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 
+def test_global_backward_pre_hooks_unfuse_the_pair():
+    """A global full-backward pre-hook must see BatchNorm1d's backward: the pair runs the
+    modules."""
+    seen = []
+    handle = torch.nn.modules.module.register_module_full_backward_pre_hook(
+        lambda m, g: seen.append(type(m)))
+    try:
+        model = convert(nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3)))
+        model(torch.randn(8, 5, requires_grad=True)).sum().backward()
+    finally:
+        handle.remove()
+    assert nn.BatchNorm1d in seen
+
+
+def test_convert_leaves_a_batchnorm_subclass_unfused():
+    """A BatchNorm1d subclass with its own forward is not a pair: the Sequential stays one,
+    with the subclass's outputs."""
+    class Doubled(nn.BatchNorm1d):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    ref = _seeded(lambda: nn.Sequential(nn.Linear(5, 3), Doubled(3)))
+    ours = convert(copy.deepcopy(ref))
+    assert type(ours) is nn.Sequential
+    x = torch.randn(6, 5)
+    torch.testing.assert_close(ours(x), ref(x))
+
+
 # ---- attention
 
 def _formula(q, k, v, mask=None, scale=None):
@@ -442,6 +470,17 @@ def test_attention_runs_cupykern_matmul_and_checks_arguments(monkeypatch):
     q4 = torch.randn(2, 4, 4, 8)
     torch.testing.assert_close(scaled_dot_product_attention(q4, kv, kv, enable_gqa=True),
                                F.scaled_dot_product_attention(q4, kv, kv, enable_gqa=True))
+
+
+def test_attention_gqa_repeats_heads_in_place():
+    """enable_gqa repeats each key / value head for its group of query heads (head i of
+    the query reads head i // group), as F.scaled_dot_product_attention; a value width
+    other than the key's."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64)
+               for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 3)))
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
 # ---- the models benchmark (its builders on the CPU, so the script does not rot)

@@ -209,6 +209,27 @@ def test_plan_is_reused_until_the_weights_change():
     assert m.plan() is not p
 
 
+def test_plan_is_rebuilt_after_an_optimizer_step_past_the_version_counter():
+    """An optimizer whose step writes .data (no version bump, as fused optimizers): the
+    next plan is the new weights' (every optimizer step invalidates cached plans)."""
+    class DataStep(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(1.0)
+
+    m = MatmulSumMaxMeanLogSumExp(6, 4).double()
+    m.plan()
+    DataStep(m.parameters()).step()
+    w, b = m.linear.weight.detach(), m.linear.bias.detach()
+    torch.testing.assert_close(m.plan()[:6], w.sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.plan()[6], b.sum(), rtol=1e-12, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------- bad input
 
 def test_bad_input_errors():

@@ -140,6 +140,24 @@ def test_modules_on_cpu_match_reference(mod):
     assert mod.get_init_inputs() == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_l1_gradient_uses_the_rounded_divisor(dtype):
+    """L1Norm's 16-bit backward on the CPU differentiates the forward as computed: the
+    divisor rounded to x's dtype (autograd of the float32 model with that rounding in its
+    graph, rounded to dtype), within an ulp of |dy / d| + |dx|."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 300, generator=g) * 3).to(dtype)
+    dy = torch.randn(256, 300, generator=g).to(dtype)
+    xr = x.clone().requires_grad_()
+    L1Norm()(xr).backward(dy)
+    xf = x.float().requires_grad_()
+    d = xf.abs().mean(1, keepdim=True).to(dtype).float()
+    (xf / d).backward(dy.float())
+    want = xf.grad.to(dtype).float()
+    bound = torch.finfo(dtype).eps * ((dy.float() / d.detach()).abs() + want.abs())
+    assert ((xr.grad.float() - want).abs() <= bound).all()
+
+
 # ---------------------------------------------------------------- GPU
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (3, 5), (33, 129), (16, 16384), (4, 65535), (3, 65537),

@@ -409,3 +409,16 @@ def test_norms_follow_autocast_on_16bit_inputs(name, device):
         want, got = ref(x), ours(x)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_mm_op_names_b_for_a_dtype_mismatch():
+    with pytest.raises(TypeError, match=r"^b: dtype float64 does not match a's dtype float32"):
+        mm_op(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.float64), "highest")
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_normalize_backward_op_is_contiguous_as_its_fake(p):
+    """The backward op's CPU result is contiguous for transposed x and dy, as its fake
+    tensor (what torch.compile plans with) says."""
+    x, dy = torch.randn(6, 5).t(), torch.randn(6, 5).t()
+    assert normalize_backward_op(x, dy, p, 1).is_contiguous()
