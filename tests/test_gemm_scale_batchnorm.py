@@ -87,30 +87,35 @@ def test_cpu_reference_path_and_numpy():
 
 @pytest.mark.parametrize("momentum", [0.1, None, 0.5])
 def test_cpu_paths_train_like_the_model(momentum):
-    """Three training batches, then eval, through the module on torch CPU tensors and the
-    NumPy function, against the documented model: outputs, running statistics and the
-    counter (momentum None: the cumulative average, by the counter)."""
-    ref, new = _pair(12, 6, momentum=momentum)
-    ref2, _ = _pair(12, 6, momentum=momentum)
-    bn = ref2.bn
-    args = [t.detach().numpy().copy() for t in (ref2.gemm.weight, ref2.gemm.bias, ref2.scale,
-                                                  bn.weight, bn.bias, bn.running_mean, bn.running_var)]
-    nbt = np.zeros((), np.int64)
+    """Three training batches, then eval, through the function on torch CPU tensors (the
+    op's CPU implementation) and on NumPy arrays, each with buffers of its own, against
+    the documented model: outputs, running statistics and the counter (momentum None:
+    the cumulative average, by the counter). (The module on torch CPU tensors runs the
+    model itself.)"""
+    ref, _ = _pair(12, 6, momentum=momentum)
+    m = _pair(12, 6, momentum=momentum)[0]
+    params = [t.detach().clone() for t in (m.gemm.weight, m.gemm.bias, m.scale, m.bn.weight,
+                                          m.bn.bias)]
+    kinds = {"torch": params + [m.bn.running_mean.clone(), m.bn.running_var.clone(),
+                                torch.zeros((), dtype=torch.int64)],
+             "numpy": [t.numpy().copy() for t in params]
+             + [m.bn.running_mean.numpy().copy(), m.bn.running_var.numpy().copy(),
+                np.zeros((), np.int64)]}
     gen = torch.Generator().manual_seed(3)
     for training in (True, True, True, False):
-        ref.train(training), new.train(training)
+        ref.train(training)
         x = torch.randn(10, 12, generator=gen) * 2 + 1  # (means and variances far from 0 and 1)
         with torch.no_grad():
             want = ref(x)
-            torch.testing.assert_close(new(x), want, atol=1e-5, rtol=1e-5)
-        got = cupykern.gemm_scale_batchnorm(x.numpy(), *args, nbt, training=training,
-                                            momentum=momentum)
-        np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(new.bn.running_mean, ref.bn.running_mean, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(new.bn.running_var, ref.bn.running_var, atol=1e-6, rtol=1e-6)
-        np.testing.assert_allclose(args[5], ref.bn.running_mean.numpy(), atol=1e-6, rtol=1e-6)
-        np.testing.assert_allclose(args[6], ref.bn.running_var.numpy(), atol=1e-6, rtol=1e-6)
-        assert int(nbt) == int(new.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked)
+        for name, args in kinds.items():
+            xk = x if name == "torch" else x.numpy()
+            got = torch.as_tensor(cupykern.gemm_scale_batchnorm(xk, *args, training=training,
+                                                                momentum=momentum))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+            for buf, theirs in zip(args[5:7], (ref.bn.running_mean, ref.bn.running_var)):
+                torch.testing.assert_close(torch.as_tensor(buf), theirs, atol=1e-6, rtol=1e-6,
+                                           msg=name)
+            assert int(args[7]) == int(ref.bn.num_batches_tracked), name
 
 
 def test_numpy_eval_takes_an_eps_of_zero():

@@ -392,8 +392,9 @@ def test_global_backward_pre_hooks_unfuse_the_pair():
     handle = torch.nn.modules.module.register_module_full_backward_pre_hook(
         lambda m, g: seen.append(type(m)))
     try:
-        model = convert(nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3)))
-        model(torch.randn(8, 5, requires_grad=True)).sum().backward()
+        model = convert(_seeded(lambda: nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))))
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        model(x).sum().backward()
     finally:
         handle.remove()
     assert nn.BatchNorm1d in seen
@@ -409,7 +410,7 @@ def test_convert_leaves_a_batchnorm_subclass_unfused():
     ref = _seeded(lambda: nn.Sequential(nn.Linear(5, 3), Doubled(3)))
     ours = convert(copy.deepcopy(ref))
     assert type(ours) is nn.Sequential
-    x = torch.randn(6, 5)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ours(x), ref(x))
 
 

@@ -420,5 +420,10 @@ def test_mm_op_names_b_for_a_dtype_mismatch():
 def test_normalize_backward_op_is_contiguous_as_its_fake(p):
     """The backward op's CPU result is contiguous for transposed x and dy, as its fake
     tensor (what torch.compile plans with) says."""
-    x, dy = torch.randn(6, 5).t(), torch.randn(6, 5).t()
-    assert normalize_backward_op(x, dy, p, 1).is_contiguous()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(6, 5, generator=g).t(), torch.randn(6, 5, generator=g).t()
+    got = normalize_backward_op(x, dy, p, 1)
+    with FakeTensorMode() as mode:
+        fake = normalize_backward_op(mode.from_tensor(x), mode.from_tensor(dy), p, 1)
+    assert got.is_contiguous() and got.stride() == fake.stride() and got.shape == fake.shape
