@@ -82,12 +82,14 @@ P = {"l1": 1, "l2": 2}
 #    chip (176 KB a CTA each, float64 128 KB: rows to 22.7 MB, 16.5 MB, read once on
 #    the whole chip), each row's exchange waiting behind the next row's reads. H200, GPU
 #    time (graph replay), the few-rows kernel (rows side by side) or, past 16 rows, the
-#    two-pass one against this, us (clone's), float32 unless named. One group (rows of
-#    16 MB and more), two runs: 8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 / 87.6;
+#    two-pass one against this, us (clone's), float32 unless named. One group (rows from
+#    about 11 MiB, float64 8 MiB), two runs: 8x4194304 96.2 / 92.7 (64.4); 4x8388608 96.1 / 87.6;
 #    8x2097152 float64 100.2 / 87.9; 8x8388608 bfloat16 98.8 / 89.9; 16x4194304 198.2 /
 #    176.9 (127.4); 6x8388608 147.8 / 130.8; 16x8388608 bfloat16 201.5 / 171.4; 9x4194303
 #    120.9 / 104.8; 4x16777216 198.8 / 193.8; two-pass: 24x4194304 321.6 / 267.9 (189.6),
-#    32x4194304 414.5 / 352.3. Row groups, one run (two where a shape has two figures):
+#    32x4194304 414.5 / 352.3. Row groups, two runs (a range where both timed a shape;
+#    64x262144 float64, 200x163840 and 100x300001 from the first, which split the rows
+#    into 11, 33 and 18 groups where `_row_groups` now makes 7, 29 and 17):
 #    128x262144 110.8-111.1 / 93.8 (64.2-65.7); 64x524288 113.0-113.2 / 93.7-94.7;
 #    32x1048576 107.4-107.6 / 96.4; 256x262144 212.7 / 184.6 (127.5); 64x1048576 228.3 /
 #    176.6; 512x262144 432.5 / 353.5; 128x524288 bfloat16 111.0 / 96.7; 64x262144 float64
@@ -99,7 +101,7 @@ P = {"l1": 1, "l2": 2}
 #    Not taken: under 40 MB (32x262144 25.9 / 28.0, 96x196608 bfloat16 30.9 / 31.2, where
 #    the two-pass kernels' second read hits L2), 3-16 rows under 128 MB (16x1048576 42.0 /
 #    49.0, 12x2097152 68.1 / 72.1, 6x4194304 68.1 / 72.4; 3x8388608, 96 MB, won by 4% in
-#    four runs, 68.7 / 66.0, where 6x4194304 lost by 4%), two rows (2x16777216 95.7 /
+#    four runs, 68.7 / 66.0, where 6x4194304 lost by 4-6%), two rows (2x16777216 95.7 /
 #    99.0) and one; on GPUs without clusters, rows that a cluster holds on sm_90 (timed
 #    on the H200 alone, so at rows no cluster holds).
 PIPELINED_MIN_ROWS = 3
@@ -289,7 +291,7 @@ def l1_normalize(x, axis: int = 1, *, out=None, config=None):
             UNROLL) (:data:`RESIDENT` of x's item size, :data:`RESIDENT_TUNING`) for the
             few-rows kernel (at most one row an SM), (-3,) or (-3, THREADS, REGS, UNROLL)
             (:data:`PIPELINED` of x's item size) for its pipelined form, forward (any
-            number of rows, one after another on every SM).
+            number of rows, walked in row groups of CTAs, a CTA an SM).
             ``None`` (default):
             the dispatcher's choice (see ``_route``).
 
@@ -398,8 +400,9 @@ def _require_config(config, dtype, backward=False):
         return
     if not 3 <= len(config) <= 5 or config[0] < 1:
         raise ValueError(f"config: expected (cluster CTAs, threads, vectors[, prefetch[, rows "
-                         f"per cluster]]), (0, G, UNITS, ROWS, vector units) or (-1, chunk "
-                         f"vectors), got {config}")
+                         f"per cluster]]), (0, G, UNITS, ROWS, vector units), (-1, chunk "
+                         f"vectors), (-2[, THREADS, REGS, UNROLL]) or (-3[, THREADS, REGS, "
+                         f"UNROLL]), got {config}")
     if len(config) == 5 and config[4] < 1:
         raise ValueError(f"config: rows per cluster (5th entry) must be >= 1, got {config[4]}")
     isz = ITEMSIZE[dtype]
@@ -540,10 +543,8 @@ def _pipelined_pays(nrows: int, ncols: int, dtype: str) -> bool:
     few-rows kernel takes, from PIPELINED_MANY_MIN_BYTES. Rows that a cluster holds on
     sm_90 stay on the two-pass kernels where there are no clusters: the kernel was timed
     on the H200 only, at rows no cluster holds."""
-    isz = ITEMSIZE[dtype]
-    nbytes = nrows * ncols * isz
-    longest = max(c[0] * c[1] * c[2] for c in CONFIGS[isz])  # (16-byte vectors a cluster holds)
-    return nrows >= PIPELINED_MIN_ROWS and _row_vectors(ncols, dtype) > longest and (
+    nbytes = nrows * ncols * ITEMSIZE[dtype]
+    return nrows >= PIPELINED_MIN_ROWS and _pick_config(ncols, dtype, 90) is None and (
         nbytes >= PIPELINED_MIN_BYTES
         or nrows > RESIDENT_MAX_ROWS and nbytes >= PIPELINED_MANY_MIN_BYTES)
 
@@ -658,7 +659,7 @@ def _pipelined(src, p, nrows, ncols, strides, cfg):
     dt, dev = src.dtype, src.device
     smem_max = _few_rows_smem(dev)
     fn = _loader.function(_PIPELINED_FILE, _few_rows_expr(_PIPELINED, p, dt, cfg), dev, smem_max)
-    bank = regs * threads + smem_max // 2 // 16 // threads * threads
+    bank = regs * threads + _shared_vectors(smem_max // 2, threads)
     groups, cpr = _row_groups(nrows, ncols, dt, _loader.sm_count(dev), bank)
     held = _held(ncols, dt, cpr, regs, threads, smem_max // 2)
     grid = groups * cpr
@@ -697,7 +698,13 @@ def _held(ncols, dtype, chunks, regs, threads, smem) -> int:
     line = RESIDENT_CHUNK_VECTORS  # (the kernels' LINE)
     # (the longest chunk a row can have: its boundaries up to line - 1 vectors earlier)
     vc = line * cdiv(_row_vectors(ncols, dtype) + line - 1, chunks * line)
-    return min(smem // 16 // threads, cdiv(max(0, vc - regs * threads), threads)) * threads
+    return min(_shared_vectors(smem, threads), cdiv(max(0, vc - regs * threads), threads) * threads)
+
+
+def _shared_vectors(smem: int, threads: int) -> int:
+    """The 16-byte vectors that ``smem`` bytes hold, a multiple of ``threads`` (each thread
+    copies, holds and writes its own)."""
+    return smem // 16 // threads * threads
 
 
 def _cooperative(src, p, nrows, ncols, strides, backward, kernel, nsums):
