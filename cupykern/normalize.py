@@ -194,6 +194,9 @@ RESIDENT_BACKWARD = {2: (512, 8, 4), 4: (512, 8, 4), 8: (512, 2, 4)}
 # The pipelined forward's (normalize_pipelined.cu): two rows' chunks a thread, as the
 # backward's x and dy (half the vectors of each in registers).
 PIPELINED = RESIDENT_BACKWARD
+# Rows a pipelined CTA holds at once, a bank each (one read while the one before is
+# written): the kernel's BANKS, which its walk fixes at two.
+PIPELINED_BANKS = 2
 # A few-rows chunk is a whole number of 128-byte lines (8 vectors), its boundaries on
 # lines of x (normalize_resident.cu), so that no line is split between two CTAs. H200,
 # GPU time, chunks of any vector count against whole lines (rows starting on a line):
@@ -240,13 +243,13 @@ def _chunk_exprs(p, dtype, bwd):
     return f"normalize_chunk_sums<{tail}", f"normalize_chunk_apply<{tail}"
 
 
-def _few_rows_expr(kernel, p, dtype, cfg, bwd=None):
-    """A few-rows kernel's instantiation (``kernel``: _RESIDENT, which takes ``bwd``, or
-    _PIPELINED)."""
+def _few_rows_expr(kernel, p, dtype, cfg, last):
+    """A few-rows kernel's instantiation, ``last`` its last template argument: _RESIDENT's
+    ``bwd`` (a bool) or _PIPELINED's BANKS (:data:`PIPELINED_BANKS`)."""
     threads, regs, unroll = cfg
-    tail = "" if bwd is None else f", {_tf(bwd)}"
+    last = _tf(last) if isinstance(last, bool) else last
     return (f"{kernel}<{p}, {CTYPE[dtype]}, {threads}, {regs}, {unroll}, "
-            f"{RESIDENT_CHUNK_VECTORS}{tail}>")
+            f"{RESIDENT_CHUNK_VECTORS}, {last}>")
 
 
 def _short_table(itemsize: int):
@@ -269,7 +272,8 @@ for _p in P.values():
         _loader.register(_RESIDENT_FILE, [_few_rows_expr(_RESIDENT, _p, _dt, c, False)
                                           for c in (RESIDENT[_isz],) + RESIDENT_TUNING]
                          + [_few_rows_expr(_RESIDENT, _p, _dt, RESIDENT_BACKWARD[_isz], True)])
-        _loader.register(_PIPELINED_FILE, [_few_rows_expr(_PIPELINED, _p, _dt, PIPELINED[_isz])])
+        _loader.register(_PIPELINED_FILE, [_few_rows_expr(_PIPELINED, _p, _dt, PIPELINED[_isz],
+                                                          PIPELINED_BANKS)])
 
 
 def l1_normalize(x, axis: int = 1, *, out=None, config=None):
@@ -658,14 +662,17 @@ def _pipelined(src, p, nrows, ncols, strides, cfg):
     xs, _, ys = strides
     dt, dev = src.dtype, src.device
     smem_max = _few_rows_smem(dev)
-    fn = _loader.function(_PIPELINED_FILE, _few_rows_expr(_PIPELINED, p, dt, cfg), dev, smem_max)
-    bank = regs * threads + _shared_vectors(smem_max // 2, threads)
+    expr = _few_rows_expr(_PIPELINED, p, dt, cfg, PIPELINED_BANKS)
+    fn = _loader.function(_PIPELINED_FILE, expr, dev, smem_max)
+    smem_bank = smem_max // PIPELINED_BANKS
+    bank = regs * threads + _shared_vectors(smem_bank, threads)
     groups, cpr = _row_groups(nrows, ncols, dt, _loader.sm_count(dev), bank)
-    held = _held(ncols, dt, cpr, regs, threads, smem_max // 2)
+    held = _held(ncols, dt, cpr, regs, threads, smem_bank)
     grid = groups * cpr
     return _cooperative(src, p, nrows, ncols, strides, False, (
         fn, (grid,), (threads,), lambda x, dy, sums, counters, y: (
-            x, sums, counters, y, nrows, ncols, xs, ys, cpr, held), held * 16 * 2), nrows * cpr)
+            x, sums, counters, y, nrows, ncols, xs, ys, cpr, held),
+        held * 16 * PIPELINED_BANKS), nrows * cpr)
 
 
 def _row_groups(nrows: int, ncols: int, dtype: str, sms: int, bank: int) -> tuple:

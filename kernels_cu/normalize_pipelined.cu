@@ -16,24 +16,25 @@
 
 template <int V> struct Bank { static constexpr int value = V; };
 
-template <int P, typename T, int THREADS, int REGS, int UNROLL, int LINE>
+template <int P, typename T, int THREADS, int REGS, int UNROLL, int LINE, int BANKS>
 __global__ void __launch_bounds__(THREADS, 1)
 normalize_pipelined(const T* __restrict__ x, typename acc_of<T>::type* __restrict__ partial,
                     unsigned* __restrict__ arrived, T* __restrict__ y, long long nrows,
                     long long ncols, long long xs, long long ys, long long cpr, long long held) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "normalize_pipelined: THREADS must be whole warps, at most 1024");
   static_assert(REGS >= 1 && UNROLL >= 1, "normalize_pipelined: REGS >= 1, UNROLL >= 1");
+  static_assert(BANKS == 2, "normalize_pipelined: the walk below alternates two banks (BANKS == 2)");
   typedef typename acc_of<T>::type A;
   typedef Vec16<T> V;
   constexpr int N = V::N;
   constexpr long long STEP = (long long)THREADS * UNROLL;
-  extern __shared__ uint4 kept[];  // two banks of `held` vectors (a multiple of THREADS)
+  extern __shared__ uint4 kept[];  // BANKS banks of `held` vectors (a multiple of THREADS)
   __shared__ A scratch[THREADS / 32];
   const long long nchunks = cpr, groups = gridDim.x / cpr;  // (the host launches groups * cpr)
   const long long g = blockIdx.x / cpr, k = blockIdx.x % cpr;
   const int tid = threadIdx.x;
   const L2Policy policy;
-  V reg[2][REGS];  // (a bank's index is a constant: registers, not local memory)
+  V reg[BANKS][REGS];  // (a bank's index is a constant: registers, not local memory)
   // Each thread copies, holds and writes the vectors tid, tid + THREADS, ... of a bank's
   // shared-memory part: a bank is reused without a barrier.
   // UNROLL vectors of a chunk's rest at v, v + THREADS, ... (those in the chunk)

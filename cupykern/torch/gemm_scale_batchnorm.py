@@ -100,7 +100,11 @@ def _setup_context(ctx, inputs, output):
     # ctx.needs_input_grad also counts the dispatch keyset of the Autograd kernel).
     ctx.wants = tuple(isinstance(t, torch.Tensor) and t.requires_grad
                       for t in (x, weight, bias, scale, gamma, beta))
-    ctx.save_for_backward(*_saved(inputs, output))
+    saved = _saved(inputs, output)
+    ctx.save_for_backward(*saved)
+    planned = ctx.__dict__.get("planned")  # (a module's planned forward: see _PlannedForward)
+    if planned is not None:
+        planned.keep(saved)
 
 
 def _saved(inputs, output):
@@ -115,21 +119,25 @@ class _PlannedForward:
     """A module's planned forward with ``save`` as :meth:`Op.call_planned` takes it
     (``self(*args)``: its outputs), and what its backward plans from (``ctx.planned``):
     the forward's launch plan, and the arrays the op saves for the backward with their
-    data pointers, unless saved-tensor hooks (e.g. torch.autograd.graph.save_on_cpu,
-    which moves them off the GPU) are in force or torch cannot say (before 2.8). Where
+    data pointers (:meth:`keep`), unless saved-tensor hooks (e.g.
+    torch.autograd.graph.save_on_cpu, which moves them off the GPU) are in force or torch
+    cannot say (before 2.8). Where
     the backward gets these very objects back on the same storage, the forward's plan
     fixes their signatures (:func:`backward_run_after`). (An earlier form trusted g's
     signature alone: save_on_cpu gave x back in another layout, which it read with the
     old row stride.)"""
     __slots__ = ("outputs", "plan", "saved", "pointers")
 
-    def __init__(self, outputs, plan, inputs):
+    def __init__(self, outputs, plan):
         self.outputs, self.plan = outputs, plan
         self.saved = self.pointers = None
+
+    def keep(self, saved):
+        """From the op's setup_context: ``saved``, what it saves for the backward."""
         hooks = top_saved_tensors_hooks
         if hooks is not None and hooks(False) is None:
-            self.saved = _saved(inputs, outputs)
-            self.pointers = tuple(0 if t is None else t.data_ptr() for t in self.saved)
+            self.saved = saved
+            self.pointers = tuple(0 if t is None else t.data_ptr() for t in saved)
 
     def __call__(self, *_):
         outputs, self.outputs = self.outputs, None  # (out's node holds this: no cycle)
@@ -658,7 +666,7 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         res = run(*arrays)  # the kernels go out first: the GPU runs them during autograd's records
         if not save:
             return res
-        return op.call_planned(_PlannedForward(res, run, full), True, *args)[0]
+        return op.call_planned(_PlannedForward(res, run), True, *args)[0]
 
 
 def _arguments(gemm, bn, scale):
