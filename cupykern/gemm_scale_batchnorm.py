@@ -197,7 +197,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
         momentum: as ``nn.BatchNorm1d``; ``None`` means a cumulative average
             (factor 1 / num_batches_tracked), which then requires num_batches_tracked
             when running statistics are updated.
-        eps: a non-negative number added to the variance.
+        eps: a number added to the variance: positive (in eval mode, non-negative).
         precision: GEMM precision for float32 (see :func:`cupykern.linear`).
 
     Returns out (B, N) of x's kind; torch tensors go through the custom op
@@ -208,7 +208,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     those of all rows, computed now (one pass: each block's GEMM and per-column moments,
     merged in block order, which also updates the running statistics), and the output
     normalizes each block with them (the GEMM again, then one elementwise pass).
-    Raises ValueError for a training batch of one row, with PyTorch's message. x is
+    Raises ValueError for a training batch of one row, with PyTorch's message; an empty
+    batch gives an empty result and is counted in num_batches_tracked, as nn.BatchNorm1d. x is
     copied to a contiguous array if its rows are not contiguous.
     """
     if getattr(scale, "shape", None) == (1,) and len(getattr(weight, "shape", ())) == 2:
@@ -246,13 +247,13 @@ def _dask_call(x, weight, affine: Affine, state: BatchNormState, precision):
                             for b in _dask.blocks(x)))
     count, mean, m2 = merge_moments(parts)
     rmean, rvar, nbt = state[:3]
-    if rmean is not None:  # nn.BatchNorm1d's update, from the statistics of all rows
-        if nbt is not None:
-            nbt += 1
+    if nbt is not None:  # (every batch counts, an empty one too)
+        nbt += 1
+    if rmean is not None and count:  # nn.BatchNorm1d's update, from the statistics of all rows
         f = checked.momentum if checked.momentum is not None else 1.0 / float(nbt)
         rmean[...] = (1 - f) * rmean + f * mean
         rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
-    invstd = 1 / (m2 / count + checked.eps) ** 0.5
+    invstd = 1 / (m2 / (count + (count == 0)) + checked.eps) ** 0.5  # (no rows: unused)
     return _dask.map_blocks(_normalize_block, x, weight, *affine, mean, invstd, prec,
                             chunks=chunks, name="gemm_scale_batchnorm")
 
@@ -304,15 +305,18 @@ def check(x, weight, affine: Affine, state: BatchNormState, precision, synchroni
     M, N = xo.shape[0], wo.shape[0]
     vec = Affine(*(check_vector(v, name, xo, N) for name, v in zip(Affine._fields, affine)))
     running_mean, running_var, num_batches_tracked, training = state[:4]
-    rm, rv = (check_vector(v, name, xo, N, in_place=True)
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"training: expected a bool, got {type(training).__name__}")
+    # (updated in place in training mode; in eval mode only read, as F.batch_norm reads them)
+    rm, rv = (check_vector(v, name, xo, N, in_place=bool(training))
               for name, v in (("running_mean", running_mean), ("running_var", running_var)))
     if vec.scale is None:
         raise ValueError(f"scale: required, shape ({N},) or (1,); got None")
-    if not isinstance(training, (bool, np.bool_)):
-        raise TypeError(f"training: expected a bool, got {type(training).__name__}")
     eps = check_real(state.eps, "eps")
-    if eps < 0:
-        raise ValueError(f"eps: expected a non-negative number, got {eps}")
+    if eps < 0 or (training and eps == 0):  # (F.batch_norm's rule: batch statistics
+        # may have a zero variance)
+        raise ValueError(f"eps: expected a positive number (in eval mode, a non-negative "
+                         f"one), got {eps}")
     momentum = None if state.momentum is None else check_real(state.momentum, "momentum")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be given or both be None")
@@ -322,14 +326,16 @@ def check(x, weight, affine: Affine, state: BatchNormState, precision, synchroni
     if num_batches_tracked is not None:
         nbt = operand(num_batches_tracked, "num_batches_tracked", dtypes=("int64",))
         same_place(xo, nbt)
-        require_writable(num_batches_tracked, "num_batches_tracked", ", but it is incremented in place")
+        if training:
+            require_writable(num_batches_tracked, "num_batches_tracked",
+                             ", but it is incremented in place")
         if nbt.size != 1 or nbt.ndim > 1:
             raise ValueError(f"num_batches_tracked: expected a 0-d int64 array, got shape "
                              f"{tuple(nbt.shape)}")
     if training and running_mean is not None and momentum is None and nbt is None:
         raise ValueError("num_batches_tracked: required when momentum is None (a cumulative "
                          "average) and running statistics are updated")
-    if training and M <= 1 and not synchronized:
+    if training and M == 1 and not synchronized:  # (an empty batch is nn.BatchNorm1d's no-op)
         raise batch_size_error((M, N))
     return (xo, wo, vec, BatchNormState(rm, rv, nbt, training, momentum, eps),
             check_precision(precision))
@@ -381,7 +387,9 @@ def gemm_scale_batchnorm_core(x, weight, bias, scale, bn_weight, bn_bias, runnin
     if xo.kind == "cpu":
         return reference(x, weight, Affine(bias, scale, bn_weight, bn_bias), BatchNormState(
             running_mean, running_var, num_batches_tracked, training, state.momentum, state.eps))
-    if M == 0 or N == 0:
+    if M == 0 or N == 0:  # (running statistics untouched, the batch counted: as PyTorch)
+        if training and num_batches_tracked is not None:
+            num_batches_tracked += 1  # (in place: NumPy, CuPy and torch arrays alike)
         return empty(xo, (M, N))
     a, b = rows_2d(xo, "x"), rows_2d(wo, "weight")  # (copies if rows are not contiguous)
     run = _plan(a, b, state, prec, save)
@@ -667,7 +675,14 @@ def apply_coefficients(z, ca, cm, cb):
 
 
 def reference(x, weight, affine: Affine, state: BatchNormState):
-    """NumPy reference with nn.BatchNorm1d's semantics (buffers updated in place)."""
+    """NumPy reference with nn.BatchNorm1d's semantics (buffers updated in place; an empty
+    batch counted, the running statistics left alone). Overflow, nan and inf follow the
+    arithmetic, without NumPy's warnings (as the GPU's)."""
+    with np.errstate(all="ignore"):
+        return _reference(x, weight, affine, state)
+
+
+def _reference(x, weight, affine, state):
     bias, scale, gamma, beta = affine
     rmean, rvar, nbt, training, momentum, eps = state
     acc = np.float64 if x.dtype == np.float64 else np.float32
@@ -676,11 +691,13 @@ def reference(x, weight, affine: Affine, state: BatchNormState):
     if bias is not None:
         z = z + bias.astype(acc)
     y = z * scale.astype(acc)
+    if training and nbt is not None:
+        nbt += 1
+    if training and n == 0:
+        return y.astype(x.dtype)
     if training:
         mean, var = y.mean(axis=0), y.var(axis=0)
         if rmean is not None:
-            if nbt is not None:
-                nbt += 1
             f = momentum if momentum is not None else (1.0 / float(nbt) if nbt is not None else 0.0)
             rmean[...] = (1 - f) * rmean + f * mean
             rvar[...] = (1 - f) * rvar + f * var * n / (n - 1)

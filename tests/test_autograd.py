@@ -6,12 +6,14 @@ gradients) give the reference model's results, or raise the kind of error it rai
 On the CPU the functions run the ops' CPU implementations (the same autograd.Functions
 and rules as on CUDA); the modules GemmScaleBatchNorm and MatmulSumMaxMeanLogSumExp run
 the reference model itself there, so their cases count on the GPU."""
+import copy
+
 import pytest
 import torch
-from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import cupykern
-from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp
+from cupykern.torch import GemmScaleBatchNorm, L1Norm, L2Norm, MatmulSumMaxMeanLogSumExp, convert
 from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference
 from cupykern.torch.matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExpReference
 from cupykern.torch.normalize import L1NormReference, L2NormReference
@@ -210,6 +212,32 @@ def test_torch_func_updates_running_statistics_passed_in(device):
     torch.utils._pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, **TOL), *got)
     for a, b in zip(ours.buffers(), ref.buffers()):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_transforms_with_running_statistics_copied_inside(device):
+    """jvp, jacfwd and hessian in training mode, the running statistics copied inside the
+    transformed function (where they may be updated): the reference's results, and the
+    module's own buffers untouched (the op's jvp updates copies made inside its nested
+    transform, not the tensors it captured)."""
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double()
+    ours = convert(copy.deepcopy(ref)).to(device)  # (the op on the CPU too)
+    ref, x = ref.to(device), _rand(6, 5, device=device)
+    before = [b.clone() for b in ours.buffers()]
+
+    def model(m):
+        def f(x):
+            buffers = {k: v.clone() for k, v in m.named_buffers()}
+            return functional_call(m, (dict(m.named_parameters()), buffers), (x,))
+        return f
+    for name, transform in (("jvp", lambda f: jvp(f, (x,), (torch.ones_like(x),))),
+                            ("jacfwd", lambda f: jacfwd(f)(x)),
+                            ("hessian", lambda f: hessian(lambda x: f(x).pow(2).sum())(x))):
+        got, want = transform(model(ours)), transform(model(ref))
+        torch.utils._pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(a, b, **TOL, msg=name), got, want)
+    for a, b in zip(ours.buffers(), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _function_pairs(device):

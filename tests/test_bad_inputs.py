@@ -325,6 +325,9 @@ GSBN = [
     Case("eps-negative", lambda k: _gsbn(k, eps=-1e-5), ValueError, "^eps: "),
     Case("eps-nan", lambda k: _gsbn(k, eps=float("nan")), ValueError, "^eps: "),
     Case("eps-negative-eval", lambda k: _gsbn(k, eps=-1.0, training=False), ValueError, "^eps: "),
+    Case("eps-zero-training", lambda k: _gsbn(k, eps=0.0), ValueError, "^eps: .*positive"),
+    Case("training-array", lambda k: _gsbn(k, training=k.of(np.array([True, False]))),
+         TypeError, "^training: "),
     Case("momentum-str", lambda k: _gsbn(k, momentum="a"), TypeError, "^momentum: "),
     Case("momentum-str-no-stats", lambda k: _gsbn(k, momentum="a", **_NO_STATS), TypeError, "^momentum: "),
     Case("momentum-list", lambda k: _gsbn(k, momentum=[0.1]), TypeError, "^momentum: "),
@@ -561,6 +564,66 @@ def test_gsbn_scale_of_one_broadcasts_like_the_module(kind):
     want = cupykern.gemm_scale_batchnorm(x, w, b, k.of(np.full(5, 1.7, np.float32)), None, None)
     assert got.shape == (8, 5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _gsbn_edge(kind):
+    """(Kind, call(x, **options)) of gemm_scale_batchnorm with (5, 6) weights, running
+    statistics and a num_batches_tracked of 3."""
+    k = Kind(kind)
+    w, vecs = k.arr((5, 6), seed=1), [k.arr((5,), seed=s) for s in range(2, 6)]
+    stats = (k.arr((5,), seed=6), k.of(np.linspace(0.5, 2.0, 5, dtype=np.float32)), _nbt(k))
+    return k, stats, lambda x, **o: cupykern.gemm_scale_batchnorm(x, w, *vecs, *stats, **o)
+
+
+def _gsbn_edge_kinds():
+    return [pytest.param(kind, marks=pytest.mark.gpu) if kind in GPU_KINDS else kind
+            for kind in ALL]
+
+
+@pytest.mark.parametrize("kind", _gsbn_edge_kinds())
+def test_gsbn_empty_training_batch_is_counted_as_batchnorm_counts_it(kind):
+    """nn.BatchNorm1d on an empty training batch: an empty result, the running statistics
+    untouched, num_batches_tracked counted."""
+    k, stats, call = _gsbn_edge(kind)
+    before = [_to_numpy(s).copy() for s in stats[:2]]
+    out = call(k.arr((0, 6)))
+    assert tuple(out.shape) == (0, 5)
+    assert int(_to_numpy(stats[2])) == 4
+    for s, b in zip(stats[:2], before):
+        np.testing.assert_array_equal(_to_numpy(s), b)
+    bn = nn.BatchNorm1d(5)
+    bn.num_batches_tracked.fill_(3)
+    assert bn(torch.zeros(0, 5)).shape == (0, 5) and bn.num_batches_tracked.item() == 4
+
+
+@pytest.mark.parametrize("kind", _gsbn_edge_kinds())
+def test_gsbn_counts_batches_without_running_statistics(kind):
+    """A num_batches_tracked without running statistics is counted in training mode by
+    every kind (NumPy's reference as the kernels and the torch op)."""
+    k = Kind(kind)
+    nbt = _nbt(k)
+    cupykern.gemm_scale_batchnorm(k.arr((4, 6)), k.arr((5, 6), seed=1), None,
+                                  k.arr((5,), seed=3), None, None, None, None, nbt)
+    assert int(_to_numpy(nbt)) == 4
+
+
+@pytest.mark.parametrize("kind", _gsbn_edge_kinds())
+def test_gsbn_eval_reads_read_only_and_strided_running_statistics(kind):
+    """Eval mode only reads the running statistics and num_batches_tracked: read-only
+    (NumPy) or strided ones are taken, as F.batch_norm takes them; and NumPy's bool for
+    training is a bool."""
+    k, stats, call = _gsbn_edge(kind)
+    x = k.arr((4, 6))
+    want = _to_numpy(call(x, training=False))
+    strided = [k.of(np.repeat(_to_numpy(s), 2)) for s in stats[:2]]
+    views = [s[::2] for s in strided]
+    if kind == "numpy":
+        for s in (*views, stats[2]):
+            s.flags.writeable = False
+    w, vecs = k.arr((5, 6), seed=1), [k.arr((5,), seed=s) for s in range(2, 6)]
+    got = cupykern.gemm_scale_batchnorm(x, w, *vecs, *views, stats[2], training=np.False_)
+    np.testing.assert_allclose(_to_numpy(got), want, rtol=1e-6, atol=1e-6)
+    assert int(_to_numpy(stats[2])) == 3
 
 
 @pytest.mark.parametrize("fn", [cupykern.l1_normalize, cupykern.l2_normalize])

@@ -100,13 +100,20 @@ def _transformable(name, op, setup_context, backward, reference, fold):
 
     def jvp(ctx, *tangents):
         args = list(ctx.primals)
-        for i in mutated:  # the forward updated these already: update copies
-            if isinstance(args[i], torch.Tensor):
-                args[i] = args[i].clone()
         moving = [i for i, t in enumerate(tangents) if isinstance(t, torch.Tensor)]
+        # The forward updated the mutated arguments already: the reference updates copies,
+        # made inside the nested transform where they have no tangent (it refuses to update
+        # a tensor captured from outside it, e.g. num_batches_tracked)
+        copied = [i for i in mutated if isinstance(args[i], torch.Tensor)]
+        for i in copied:
+            if i in moving:
+                args[i] = args[i].clone()
 
         def f(*ts):
             a = list(args)
+            for i in copied:
+                if i not in moving:
+                    a[i] = a[i].clone()
             for i, t in zip(moving, ts):
                 a[i] = t
             out = reference(*a)

@@ -13,6 +13,7 @@ ca * g). Elsewhere
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,12 +75,13 @@ def _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, 
     """The op in PyTorch ops (its CPU implementation, and its jvp and vmap under torch.func:
     there F.batch_norm raises as BatchNorm does for unbatched running statistics)."""
     y = F.linear(x, weight, bias) * scale
-    if training and nbt is not None:
-        nbt.add_(1)
+    training = bool(training)  # (check() takes NumPy's bool too; F.batch_norm does not)
     f = momentum
     if momentum is None:  # cumulative average; unused in eval, but F.batch_norm wants a float
-        f = 1.0 / float(nbt) if training and nbt is not None else 0.0
+        f = 1.0 / (float(nbt) + 1) if training and nbt is not None else 0.0
     out = F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
+    if training and nbt is not None:  # (after F.batch_norm, which may raise)
+        nbt.add_(1)
     return out, x.new_empty(0), x.new_empty(0, dtype=_acc(x))
 
 
@@ -320,7 +322,9 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
                          running_var=None, num_batches_tracked=None, *, training=True,
                          momentum=0.1, eps=1e-5, precision=None):
     """:func:`cupykern.gemm_scale_batchnorm` for torch tensors, through the custom op."""
-    if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] <= 1
+    if not isinstance(training, (bool, np.bool_)):  # (before any test of its truth)
+        raise TypeError(f"training: expected a bool, got {type(training).__name__}")
+    if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
     # The fused backward needs z and the coefficients: kept when a gradient will be asked for.
@@ -589,7 +593,7 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if not x.is_cuda:  # the reference model itself: honours any submodule
             if isinstance(self.gemm, nn.Linear) and x.device.type == "cpu":  # (meta: shapes only)
                 check_inputs(x, self.gemm.weight)
-                if self.bn.training and x.shape[0] <= 1:  # before bn counts it
+                if self.bn.training and x.shape[0] == 1:  # before bn counts it
                     raise batch_size_error(torch.Size([x.shape[0], self.gemm.out_features]))
             return super().forward(x)
         gemm, bn, scale = members(self, GemmScaleBatchNorm, ("gemm", "bn", "scale"))

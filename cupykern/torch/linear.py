@@ -166,7 +166,7 @@ def fused_linear_batchnorm(linear: nn.Linear, bn: nn.BatchNorm1d, x):
     if nbt is not None and (nbt.dtype != torch.int64 or nbt.device != dev):
         return None
     if batch_stats and x.shape[0] <= 1:
-        return None  # (nn.BatchNorm1d's own error)
+        return None  # (nn.BatchNorm1d's own error for one row, its no-op for none)
     if rmean is not None and batch_stats and momentum is None and nbt is None:
         return None  # (a cumulative average without its count: BatchNorm's own behaviour)
     if type(eps) is not float or not (momentum is None or type(momentum) is float):
