@@ -16,6 +16,8 @@ while the other is written.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import _dask, _loader
@@ -356,6 +358,8 @@ def check(x, p: int, axis, out=None, config=None):
     """Validate the arguments once: (x's Operand, axis in range, p, out's Operand or None,
     config). torch.norm of one element is |x| (sqrt(x*x) would overflow), so p=2 over a
     length-1 axis becomes p=1."""
+    if type(p) is not int or p not in (1, 2):  # (the public functions pass 1 or 2; the op any int)
+        raise ValueError(f"p: expected 1 (mean |x|) or 2 (the Euclidean norm), got {p!r}")
     a = operand(x, "x")
     if a.ndim == 0:
         raise ValueError("x: expected an array with at least 1 dimension, got a 0-d array")
@@ -370,11 +374,15 @@ def check(x, p: int, axis, out=None, config=None):
 
 
 def config_tuple(config) -> tuple:
-    """``config`` as a tuple of ints; TypeError for a string or another non-sequence."""
+    """``config`` as a tuple of ints; TypeError for a string or another non-sequence, or
+    an entry that is not an integer (e.g. 1.5, which int() would truncate)."""
     if isinstance(config, (str, bytes)) or not hasattr(config, "__iter__"):
         raise TypeError(f"config: expected a tuple (cluster CTAs, threads, vectors[, prefetch[, "
                         f"rows per cluster]]), got {config!r}")
-    return tuple(config)
+    try:
+        return tuple(operator.index(v) for v in tuple(config))  # (a bool: the prefetch flag)
+    except TypeError:
+        raise TypeError(f"config: expected a tuple of integers, got {config!r}") from None
 
 
 def _require_config(config, dtype, backward=False):

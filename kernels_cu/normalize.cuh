@@ -53,9 +53,13 @@ struct RowSplit {
 };
 
 // Backward of y = x / d: with s = sum(dy * x) over the row,
-//   P == 1: dx = dy / d - sign(x) * s / (d * d * n)
-//   P == 2: dx = dy / d - x * s / (d * d * d)
+//   P == 1: dx = (dy - sign(x) * (s / d / n)) / d
+//   P == 2: dx = (dy - x * (s / d / d)) / d
 // built from the row's two sums (norm term, dy.x); d rounded to T as the forward rounds it.
+// In this order no step overflows for a finite d (|s| / d is at most |dy|'s norm, or n
+// times its largest element for P == 1), as torch's backward of x / d does not: written
+// dy / d - x * s / d^3, d^3 overflowed from d = 7e12 (float32), and dx lost its second
+// term (the whole gradient, for a row of equal elements).
 // 16-bit T: dy / d through Scaler (a reciprocal multiply for ordinary d, as the forward
 // scales), since eight elements a 16-byte vector made the true division the bound. H200
 // GPU time (graph replay), division / reciprocal: 1048576x32 bfloat16 L1 62.1 / 59.4 us,
@@ -69,12 +73,13 @@ template <int P, typename T, typename A> struct Grad {
       : inv(row_divisor<P, T>(norm_sum, n)) {
     const A d = inv.d;
     // d = inf from a sum of finite terms that overflowed: torch's x / d^2 is 0 term by
-    // term, where dot / d^3 could be inf / inf
-    c = d == infinity<A>() ? (A)0 : P == 1 ? dot / (d * d * (A)n) : dot / (d * d * d);
+    // term, where dot / d / d could be inf / inf
+    c = d == infinity<A>() ? (A)0 : P == 1 ? dot / d / (A)n : dot / d / d;
   }
   __device__ __forceinline__ A operator()(A xv, A gv) const {
     const A t = P == 1 ? (A)((xv > 0) - (xv < 0)) : xv;  // sign(nan) = 0, as torch.sign
-    return (sizeof(T) < 4 ? inv(gv) : gv / inv.d) - t * c;
+    const A v = gv - t * c;
+    return sizeof(T) < 4 ? inv(v) : v / inv.d;
   }
 };
 

@@ -192,6 +192,9 @@ def _norm_cases(fn):
         Case("x-masked", lambda k: call(k, x=np.ma.masked_array(k.arr(), mask=k.arr() > 0)),
              TypeError, "^x: numpy.ma.*MaskedArray", NUMPY),
         Case("config-str", lambda k: call(k, config="fast"), TypeError, "^config: expected a tuple.*'fast'"),
+        Case("config-float-entry", lambda k: call(k, config=(1.5, 128, 4)), TypeError,
+             r"^config: expected a tuple of integers, got \(1.5, 128, 4\)"),
+        Case("config-nested", lambda k: call(k, config=[[1]]), TypeError, "^config: .*integers"),
         Case("axis-2", lambda k: call(k, axis=2), ValueError, "^axis: 2 is out of range"),
         Case("axis-neg3", lambda k: call(k, axis=-3), ValueError, "^axis: -3 is out of range"),
         Case("axis-float", lambda k: call(k, axis=1.0), TypeError, "^axis: "),
@@ -550,6 +553,24 @@ def test_bad_input_cpu(case, kind):
 @pytest.mark.parametrize("case, kind", _params(GPU_KINDS))
 def test_bad_input_gpu(case, kind):
     _check(case, kind)
+
+
+# Under autocast a call goes through torch's dispatcher, whose parse of the op's schema
+# comes before the checks: the same errors all the same. (A float16 bias beside float32 x
+# is no error there: autocast casts both, as it does for F.linear.)
+_AUTOCAST_CASTS = {"linear-bias-float16"}
+
+
+def _autocast_params():
+    return [p for p in _params(("torch_cpu",)) + [
+        pytest.param(*p.values, id=p.id, marks=pytest.mark.gpu) for p in _params(("torch_cuda",))]
+        if p.values[0].id not in _AUTOCAST_CASTS]
+
+
+@pytest.mark.parametrize("case, kind", _autocast_params())
+def test_bad_input_under_autocast(case, kind):
+    with torch.autocast(Kind(kind).device, dtype=torch.bfloat16):
+        _check(case, kind)
 
 
 # ---- what is accepted at the edges (not errors): results as the reference gives them

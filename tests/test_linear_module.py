@@ -662,3 +662,24 @@ def test_gpu_models_benchmark_quick(tmp_path):
     for r in rows:
         if r["precision"] == "highest":  # float32-accurate forms
             assert r["grad_err"] < 1e-3, r
+
+
+def test_sparse_input_goes_to_pytorch_as_nn_linear_takes_it():
+    """Sparse x (COO, CSR), which cupykern.linear does not take: F.linear's result, in a
+    Linear and in a fused Linear -> BatchNorm1d pair alike."""
+    ref = _seeded(lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    ours = convert(copy.deepcopy(ref))
+    assert isinstance(ours, FusedSequential)
+    x = _seeded(lambda: torch.randn(5, 4), 1)
+    for sparse in (x.to_sparse(), x.to_sparse_csr()):
+        torch.testing.assert_close(ours[0](sparse), ref[0](x))
+    torch.testing.assert_close(ours(x.to_sparse()), ref(x.to_sparse()))
+    _same_state(ours, ref)
+
+
+@pytest.mark.parametrize("fn", [convert, unconvert])
+@pytest.mark.parametrize("module", [None, 3, torch.ones(2), [nn.Linear(2, 2)]],
+                         ids=["None", "int", "tensor", "list"])
+def test_convert_names_a_module_that_is_not_one(fn, module):
+    with pytest.raises(TypeError, match="^module: expected a torch.nn.Module, got"):
+        fn(module)

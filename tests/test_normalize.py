@@ -62,6 +62,40 @@ def test_cpu_paths_accumulate_wide_and_keep_lone_elements(kind, dtype, lib):
     assert torch.as_tensor(FUNCS[kind](as_lib(big))).tolist() == [[1.0], [-1.0]]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ops_take_p_of_1_or_2_only(device):
+    """The custom ops' p (the public functions pass 1 or 2): any other is a ValueError
+    naming it, never the L2 result."""
+    x = torch.randn(4, 6, device=device)
+    for p in (0, 3, 7, -1):
+        with pytest.raises(ValueError, match="^p: expected 1"):
+            torch.ops.cupykern.normalize(x, p, 1, None)
+        with pytest.raises(ValueError, match="^p: expected 1"):
+            torch.ops.cupykern.normalize_backward(x, x, p, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-17, 1e-15, 1e12, 1e15, 1e20])
+@pytest.mark.parametrize("kind", FUNCS)
+def test_gradient_of_rows_of_extreme_norm(kind, scale, dtype, device):
+    """Rows of finite elements whose norm cubed leaves float32's range: overflows (from
+    7e12) or, flushed to zero in the kernels, underflows (L2 under 2.3e-13); a row of
+    equal elements among them (whose gradient is all cancellation). The gradient torch's
+    autograd of its own ops gives (0 for L2 at 1e20, where the float32 norm overflows)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.rand(3, 100, generator=gen) + 0.5) * scale
+    x[2] = scale
+    x, g = x.to(device, dtype), torch.rand(3, 100, generator=gen).to(device, dtype)
+    grads = []
+    for fn in (FUNCS[kind], lambda t: torch_ref(t, kind)):
+        xi = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad(fn(xi), xi, g)[0].float())
+    got, want = grads
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("kind", FUNCS)
 def test_numpy_float16_rounds_like_torch(kind):
     """Rows of small integers, whose sums are exact in float32 in any order: the NumPy

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .._array import operand, same_place
 from ._compat import (AFTER_AUTOGRAD_KEYSET, FUNCTION_APPLY, AutoDispatchBelowAutograd, DispatchKey,
                       DispatchKeySet, ExcludeDispatchKeyGuard, TransformType,
                       are_functorch_transforms_active, is_functional_schema, maybe_get_level,
@@ -178,6 +179,31 @@ def _check_captured(name, op, captured, args):
                 "torch.func.replace_all_batch_norm_modules_ or eval mode, as for BatchNorm")
 
 
+def _wrong_argument(op, args):
+    """The error the direct path's checks give (a TypeError naming the argument) for the
+    first of ``args`` whose type ``op``'s schema refuses, or None: the dispatcher's parse,
+    which comes first on this path, raises a RuntimeError (NotImplementedError for a
+    sparse tensor, which no kernel is registered for)."""
+    spec = op_schema(op).arguments
+    first = operand(args[0], spec[0].name)
+    for s, a in zip(spec, args):
+        kind = str(s.type).removeprefix("Optional[").removesuffix("]")
+        if a is None and str(s.type).startswith("Optional["):
+            continue
+        if kind == "Tensor":
+            try:
+                same_place(first, operand(a, s.name))
+            except TypeError as error:
+                return error
+        elif kind in _SCALARS and (isinstance(a, bool) or not isinstance(a, _SCALARS[kind][0])):
+            return TypeError(f"{s.name}: expected {_SCALARS[kind][1]}, got {type(a).__name__}")
+    return None
+
+
+_SCALARS = {"int": ((int, torch.SymInt), "an int"), "str": (str, "a str"),
+            "float": ((int, float, torch.SymFloat), "a real number")}
+
+
 def _below_autograd(op):
     """``op`` called again past the autograd keys, as the Autograd kernel's forward."""
     def forward(keyset, *args):
@@ -287,18 +313,28 @@ class Op:
         if grad and self.function is None:
             self._no_backward()
         if not direct:
-            if self.transformable is not None and _transforming():
-                if self.captured and are_functorch_transforms_active():
-                    _check_captured(self.name, self.op, self.captured, args)
-                return self.transformable.apply(*args)
-            if self.autocast is not None and torch.compiler.is_compiling():
-                # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
-                # graph, not on the autocast dtype (the Autocast kernel then casts nothing).
-                for device_type in ("cpu", "cuda"):
-                    if torch.is_autocast_enabled(device_type):
-                        args = _autocast_args(args, device_type, self.autocast)
-            return self.op(*args)
+            try:
+                return self._dispatched(args)
+            except RuntimeError as error:  # (the dispatcher's parse: named as the checks do)
+                wrong = _wrong_argument(self.op, args)
+                if wrong is None:
+                    raise
+                raise wrong from error
         return self.function.apply_eager(*args) if grad else self.impl(*args)
+
+    def _dispatched(self, args):
+        """The op through torch's dispatcher (autocast, compile, torch.func, modes)."""
+        if self.transformable is not None and _transforming():
+            if self.captured and are_functorch_transforms_active():
+                _check_captured(self.name, self.op, self.captured, args)
+            return self.transformable.apply(*args)
+        if self.autocast is not None and torch.compiler.is_compiling():
+            # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
+            # graph, not on the autocast dtype (the Autocast kernel then casts nothing).
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    args = _autocast_args(args, device_type, self.autocast)
+        return self.op(*args)
 
     def call_planned(self, run, grad: bool, *args):
         """``self(*args)`` in plain eager mode (:func:`_direct`), where ``run(*args)`` computes

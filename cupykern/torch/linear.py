@@ -52,7 +52,7 @@ def _ours(x, weight) -> bool:
     """Whether :func:`cupykern.linear` takes ``x`` and ``weight`` (else F.linear computes
     the call, and raises PyTorch's own errors where it is wrong)."""
     return (isinstance(x, torch.Tensor) and x.dtype == weight.dtype and weight.dtype in _FLOATS
-            and x.device.type in _DEVICES and x.dim() > 0)
+            and x.device.type in _DEVICES and x.dim() > 0 and x.layout == torch.strided)
 
 
 class Linear(nn.Linear):
@@ -64,7 +64,7 @@ class Linear(nn.Linear):
     as :func:`cupykern.linear` does ("highest", PyTorch's default: 3xTF32, about SGEMM's
     accuracy; "high": TF32); 16-bit and float64 run as cupykern.linear routes them; autocast
     casts as for nn.Linear. Inputs cupykern.linear does not take (other dtypes, mixed
-    dtypes, other devices) go to ``F.linear``.
+    dtypes, other devices, sparse tensors) go to ``F.linear``.
 
     ``Linear.from_linear(m)`` makes one from an existing ``nn.Linear`` sharing its
     parameters; :func:`convert` does so for a whole model.
@@ -149,7 +149,8 @@ def fused_linear_batchnorm(linear: nn.Linear, bn: nn.BatchNorm1d, x):
     """``bn(linear(x))`` through one ``cupykern.gemm_scale_batchnorm`` call (scale 1), or
     None where that call would not compute exactly what the two modules do (see the
     module docstring): then the caller runs the modules."""
-    if not (isinstance(x, torch.Tensor) and x.dim() == 2) or not _pair(linear, bn):
+    if (not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.layout == torch.strided)
+            or not _pair(linear, bn)):
         return None
     if is_any_autocast_enabled() or hooked(linear, bn):
         return None
@@ -226,6 +227,7 @@ def convert(module: nn.Module, *, fuse_batchnorm: bool = True) -> nn.Module:
 
         model = cupykern.torch.convert(model)   # before making the optimizer, or after
     """
+    _require_module(module)
     return _walk(module, lambda m: _convert_one(m, fuse_batchnorm), {}, _FUSED_ALREADY)
 
 
@@ -239,7 +241,13 @@ def unconvert(module: nn.Module) -> nn.Module:
     and each :class:`FusedSequential` back to an ``nn.Sequential``, sharing their
     parameters, buffers and children (in place, as :func:`convert`; use the returned
     module)."""
+    _require_module(module)
     return _walk(module, _unconvert_one, {})
+
+
+def _require_module(module):
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
 
 
 def _walk(module, one, memo, skip=()):

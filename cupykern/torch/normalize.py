@@ -57,13 +57,19 @@ def _grad_reference(x, g, p, axis):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa, ga = x.to(acc), g.to(acc)
     s = (ga * xa).sum(ax, keepdim=True)
+    # (in the kernels' order, kernels_cu/normalize.cuh's Grad: no step overflows for a
+    # finite d; d = inf from finite elements whose sum overflowed gives 0 as torch's, and
+    # from an infinite element nan, as torch's inf / inf)
     if p == 1:  # d = mean|x|, rounded to x's dtype as the forward rounds it
         d = xa.abs().mean(ax, keepdim=True).to(x.dtype).to(acc)
-        gx = ga / d - xa.sign() * s / (d * d * x.shape[ax])
+        c = s / d / x.shape[ax]
+        t = xa.sign()
     else:  # d = ||x||
-        d = xa.square().sum(ax, keepdim=True).sqrt().to(x.dtype).to(acc)
-        gx = ga / d - xa * s / (d * d * d)
-    return gx.to(x.dtype)
+        d = torch.linalg.vector_norm(xa, 2, ax, keepdim=True).to(x.dtype).to(acc)
+        c = s / d / d
+        t = xa
+    c = torch.where((d == torch.inf) & xa.isfinite().all(ax, keepdim=True), 0.0, c)
+    return ((ga - t * c) / d).to(x.dtype)
 
 
 def _backward_impl(x, dy, p, axis):
@@ -71,6 +77,8 @@ def _backward_impl(x, dy, p, axis):
         dx = core.normalize_backward(x, dy, p, axis)
         if dx is not None:
             return dx
+    else:
+        core.check(x, p, axis)  # (as normalize_backward checks a GPU call)
     return _grad_reference(x, dy, p, axis).contiguous()
 
 
@@ -115,7 +123,9 @@ normalize_out_op = Op("normalize_out(Tensor x, int p, int axis, int[]? config, T
 def normalize(x: torch.Tensor, p: int, axis: int = 1, out=None, config=None):
     """``x / d(x)`` along ``axis`` (p=1: mean|x|, p=2: ||x||) through the custom ops; what
     :func:`cupykern.l1_normalize` / :func:`cupykern.l2_normalize` do with tensors."""
-    cfg = None if config is None else [int(v) for v in core.config_tuple(config)]
+    if type(axis) is bool:  # (the op's schema would take it as an int)
+        raise TypeError("axis: expected an int, got bool")
+    cfg = None if config is None else list(core.config_tuple(config))
     if out is None:
         return normalize_op(x, p, axis, cfg)
     # Anything but a tensor: the implementation's own checks say what is wrong with it.
