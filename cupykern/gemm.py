@@ -234,6 +234,8 @@ def matmul(a, b, *, precision=None, out=None):
         out: optional array of the result's shape, kind and dtype (not sharing memory
             with ``a`` or ``b``).
 
+    A Dask array ``a`` (2 or more dims; CuPy or NumPy chunks) by a concrete matrix or
+    vector ``b`` of its chunks' kind gives a Dask array, block by block.
     Returns an array of a's kind (torch: through ``torch.ops.cupykern.matmul``, with
     autograd). Each matrix product goes where :func:`~cupykern.gemm_route.route` says: our tensor-core GEMM, or
     cuBLAS through torch / CuPy (batched there, except float32 "highest" that ours takes:
@@ -243,7 +245,28 @@ def matmul(a, b, *, precision=None, out=None):
         return torch_layer("gemm").matmul(a, b, precision=precision, out=out)
     if getattr(a, "dtype", None) != getattr(b, "dtype", None):
         a, b = promote(a, b)
+    if _dask.is_dask(a) or _dask.is_dask(b):
+        return _dask_matmul(a, b, precision, out)
     return matmul_core(a, b, precision, out)
+
+
+def _dask_matmul(a, b, precision, out):
+    """:func:`matmul` of a Dask array ``a`` (2-D or more, K rechunked whole) by a concrete
+    matrix or vector ``b``, mapped over a's blocks as :func:`linear` maps x's."""
+    _dask.no_out(out)
+    if _dask.is_dask(b):
+        raise TypeError("b: a Dask array; matmul maps over a's blocks with a concrete b "
+                        "(a Dask a, or neither): compute b first")
+    if a.ndim < 2 or getattr(b, "ndim", 2) > 2:
+        raise ValueError(f"a, b: with a Dask a, matmul takes a of 2 or more dimensions and "
+                         f"a matrix or vector b, got {a.ndim}-D a")
+    check_matmul(_dask.sample(a, (0,) * (a.ndim - 1) + a.shape[-1:]), b, precision, None)
+    a = _dask.whole(a, a.ndim - 1)
+    column = b.ndim == 1  # (a (K,) b: the (K, 1) product's one column)
+    n = 1 if column else b.shape[1]
+    res = _dask.map_blocks(matmul_core, a, b[:, None] if column else b, precision,
+                           name="matmul", chunks=a.chunks[:-1] + ((n,),))
+    return res[..., 0] if column else res
 
 
 _matmul_plans: dict = {}  # (signatures, precision, vendor state) -> run(a, b), or None

@@ -62,6 +62,24 @@ def test_linear(kind, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul(kind, dtype):
+    """A Dask a (2-D, 3-D; K split: rechunked) by a concrete matrix or vector b."""
+    a, b = _data(kind, dtype, 4, 9, 30), _data(kind, dtype, 30, 11, seed=1)
+    got = _lazy(cupykern.matmul(_dask(a, (3, 5, 8)), b), a)
+    assert got.chunks == ((3, 1), (5, 4), (11,))
+    _close(got.compute(), cupykern.matmul(a, b), dtype)
+    a2 = a[0]
+    got = _lazy(cupykern.matmul(_dask(a2, (4, 30)), b[:, 0]), a2)
+    assert got.shape == (9,)
+    _close(got.compute(), cupykern.matmul(a2, b[:, 0]), dtype)
+    with pytest.raises(TypeError, match="^b: a Dask array"):
+        cupykern.matmul(_dask(a2, (4, 30)), _dask(b, (10, 11)))
+    with pytest.raises(ValueError, match="^a, b: .*1-D a"):
+        cupykern.matmul(_dask(a2[0], (10,)), b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_sum_max_mean_logsumexp(kind, dtype):
     x, w, b = _data(kind, dtype, 21, 30), _data(kind, dtype, 12, 30, seed=1), _data(kind, dtype, 12, seed=2)
     plan = cupykern.prepare_matmul_sum(w, b)

@@ -471,6 +471,15 @@ def test_attention_runs_cupykern_matmul_and_checks_arguments(monkeypatch):
     q4 = torch.randn(2, 4, 4, 8)
     torch.testing.assert_close(scaled_dot_product_attention(q4, kv, kv, enable_gqa=True),
                                F.scaled_dot_product_attention(q4, kv, kv, enable_gqa=True))
+    for name, args in (("k", (q, q.double(), q)), ("v", (q, q, q.half()))):
+        with pytest.raises(TypeError, match=f"^{name}: dtype"):  # (F.sdpa raises too)
+            scaled_dot_product(*args)
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (float16 cast, float64 not: F.sdpa's)
+        assert scaled_dot_product(q, q.half(), q).dtype == torch.bfloat16
+        with pytest.raises(TypeError, match="^k: dtype"):
+            scaled_dot_product(q, q.double(), q)
 
 
 def test_attention_gqa_repeats_heads_in_place():

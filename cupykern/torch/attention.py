@@ -71,6 +71,10 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
     if is_causal and mask is not None:
         raise ValueError("mask: give either mask or is_causal=True, not both (as "
                          "F.scaled_dot_product_attention)")
+    for name, t in (("k", k), ("v", v)):
+        if _computed_dtype(t) != _computed_dtype(q):
+            raise TypeError(f"{name}: dtype {t.dtype} does not match q's dtype {q.dtype} "
+                            "(as F.scaled_dot_product_attention)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     s = matmul(q, k.transpose(-2, -1), precision=precision)
@@ -88,6 +92,15 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
     if dropout_p > 0.0:
         p = torch.dropout(p, dropout_p, True)
     return matmul(p, v, precision=precision)
+
+
+def _computed_dtype(t):
+    """The dtype ``t`` is computed in: autocast's, for a floating tensor other than float64
+    on a device with autocast on."""
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev) and t.is_floating_point() and t.dtype != torch.float64:
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
