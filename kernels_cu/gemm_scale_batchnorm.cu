@@ -101,7 +101,8 @@ train_coefs(int col, const ColumnMoments<A, VEC>& m, int M, const T* __restrict_
       var = quiet_nan<A>();
       mean_y = up && down ? quiet_nan<A>() : (up ? infinity<A>() : -infinity<A>());
     }
-    const A iv = (A)1 / sqrt(s * s * var + (A)eps);  // 1 / std of y
+    // (s * (s * var): s * s alone underflows from |s| = 1e-19 where y's variance does not)
+    const A iv = (A)1 / sqrt(s * (s * var) + (A)eps);  // 1 / std of y
     ca[e] = opt(gamma, n, (A)1) * s * iv;
     cm[e] = mean[e];
     cb[e] = opt(beta, n, (A)0);
@@ -109,7 +110,7 @@ train_coefs(int col, const ColumnMoments<A, VEC>& m, int M, const T* __restrict_
     if (inv) inv[n] = iv;  // saved for the backward
     if (rmean) {
       const A f = isnan(factor) ? (A)1 / (A)(nbt[0] + 1) : (A)factor;
-      const A var_y = s * s * var * (A)M / (A)(M - 1);
+      const A var_y = s * (s * var) * (A)M / (A)(M - 1);
       rmean[n] = from_acc<T>(((A)1 - f) * to_acc(rmean[n]) + f * mean_y);
       rvar[n] = from_acc<T>(((A)1 - f) * to_acc(rvar[n]) + f * var_y);
     }

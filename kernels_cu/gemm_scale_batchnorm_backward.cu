@@ -64,11 +64,12 @@ __device__ __forceinline__ void train_grad(int n, A s1, A s2, int M, const T* __
   const A iv = inv[n], gm = opt(gamma, n, (A)1), w = to_acc(scale[n]) * iv;
   if (dbeta) dbeta[n] = from_acc<T>(s1);
   if (dgamma) dgamma[n] = from_acc<T>(w * s2);
-  if (dscale) dscale[n] = from_acc<T>(gm * (A)eps * iv * iv * iv * s2);
+  // (products ordered so that no partial one leaves the range the result is in)
+  if (dscale) dscale[n] = from_acc<T>(gm * ((A)eps * (iv * (iv * (iv * s2)))));
   if (dbias) dbias[n] = from_acc<T>((A)0);
   k[0] = w * gm;
   k[1] = s1 / (A)M;
-  k[2] = w * w * s2 / (A)M;
+  k[2] = w * (w * s2) / (A)M;
 }
 
 // Eval mode: column n's vector gradients from its S1, S2 (= sum g*z) and the forward's ca, inv.

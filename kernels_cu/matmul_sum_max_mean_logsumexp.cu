@@ -140,14 +140,14 @@ matmul_sum_plan(const T* __restrict__ w, long long ldw, long long N, long long K
           if (r + u * R < r1) load_pack(p[u], w + (r + u * R) * ldw + c0);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          A g = 0;
+          double g = 0;  // (in float32, U rows of W near its maximum overflowed)
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const A v = to_acc(p[u].e[e]);
-            g += v;
+            g += (double)v;
             key = max(key, abs_key(v));
           }
-          s[e] += (double)g;
+          s[e] += g;
         }
       }
     }

@@ -1125,3 +1125,33 @@ def test_forward_plan_follows_the_tf32_switch():
             assert err <= 1e-4 * want.abs().max().item(), (tf32, err)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False])
+def test_tiny_scale_on_a_wide_product(training):
+    """scale 1e-19 on z of std ~1e17 (y of std ~0.03): BatchNorm's coefficients as
+    PyTorch's, whose s * s alone would flush to zero in the kernels (once 3.3x too large
+    an output, running_var 0), and the gradients of the scale and the rest as
+    float64's."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(16, 8, generator=gen, dtype=torch.float64) * 1e17
+    scale = torch.full((16,), 1e-19, dtype=torch.float64)
+    rm, rv = torch.zeros(16, dtype=torch.float64), torch.full((16,), 1e-3, dtype=torch.float64)
+    g = torch.randn(64, 16, generator=gen, dtype=torch.float64)
+    results = []
+    for dt, dev in ((torch.float32, "cuda"), (torch.float64, "cpu")):
+        args = [t.to(dev, dt) for t in (x, w, scale)]
+        for t in args:
+            t.requires_grad_()
+        stats = [t.to(dev, dt) for t in (rm, rv)]
+        with matmul_precision("highest"):
+            out = cupykern.gemm_scale_batchnorm(args[0], args[1], None, args[2], None, None,
+                                                *stats, training=training)
+        grads = torch.autograd.grad(out, args, g.to(dev, dt))
+        results.append([t.detach().double().cpu() for t in (out, *stats, *grads)])
+    for name, got, want in zip(("out", "running_mean", "running_var", "dx", "dW", "dscale"),
+                               *results):
+        scale_ = float(want.abs().max()) or 1.0
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * scale_, msg=name)

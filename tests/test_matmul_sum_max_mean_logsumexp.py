@@ -115,6 +115,21 @@ def test_dot_overflows_before_the_bias_like_torch():
         assert_same(got, chain(x.cuda(), w.cuda(), b.cuda()), 0)
 
 
+@pytest.mark.gpu
+def test_weight_sums_of_rows_near_float32_maximum():
+    """W's column sums (the plan) over rows near float32's maximum, whose float32 partial
+    sums of a few rows overflow where every z = x . W[j] is far from it: the chain's
+    finite result (the kernel once summed 8 rows in float32 first: inf)."""
+    x, w = torch.zeros(2, 4), torch.zeros(64, 4)
+    x[:, 0] = torch.tensor([1e-30, -2e-30])
+    w[0, 0] = w[32, 0] = 2e38
+    w[1:32, 1] = 1.0
+    want = chain(x, w, None)
+    assert torch.isfinite(want).all()
+    got = cupykern.matmul_sum_max_mean_logsumexp(x.cuda(), w.cuda())
+    assert_same(got.cpu(), want, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_torch_cpu_tensors_and_plan(dtype, with_bias):
