@@ -79,9 +79,7 @@ def linear(x, weight, bias=None, *, precision=None, out=None):
     if _dask.is_dask(x):
         _dask.no_out(out)
         check(_dask.sample(x, (0,) * (x.ndim - 1) + x.shape[-1:]), weight, bias, precision, None)
-        x = _dask.whole(x, x.ndim - 1)
-        return _dask.map_blocks(linear_core, x, weight, bias, precision, name="linear",
-                                chunks=x.chunks[:-1] + ((weight.shape[0],),))
+        return _dask_rows(linear_core, x, weight.shape[0], weight, bias, precision, name="linear")
     return linear_core(x, weight, bias, precision, out)
 
 
@@ -245,7 +243,7 @@ def matmul(a, b, *, precision=None, out=None):
         return torch_layer("gemm").matmul(a, b, precision=precision, out=out)
     if getattr(a, "dtype", None) != getattr(b, "dtype", None):
         a, b = promote(a, b)
-    if _dask.is_dask(a) or _dask.is_dask(b):
+    if _dask.is_dask(a):
         return _dask_matmul(a, b, precision, out)
     return matmul_core(a, b, precision, out)
 
@@ -255,18 +253,24 @@ def _dask_matmul(a, b, precision, out):
     matrix or vector ``b``, mapped over a's blocks as :func:`linear` maps x's."""
     _dask.no_out(out)
     if _dask.is_dask(b):
-        raise TypeError("b: a Dask array; matmul maps over a's blocks with a concrete b "
-                        "(a Dask a, or neither): compute b first")
-    if a.ndim < 2 or getattr(b, "ndim", 2) > 2:
-        raise ValueError(f"a, b: with a Dask a, matmul takes a of 2 or more dimensions and "
-                         f"a matrix or vector b, got {a.ndim}-D a")
+        raise TypeError("b: a Dask array; matmul maps over a's blocks with a concrete b: "
+                        "compute b first")
+    if a.ndim < 2:
+        raise ValueError(f"a: with a Dask a, matmul takes 2 or more dimensions, got {a.ndim}")
+    if getattr(b, "ndim", 2) > 2:
+        raise ValueError(f"b: with a Dask a, matmul takes a matrix or vector b, got {b.ndim}-D")
     check_matmul(_dask.sample(a, (0,) * (a.ndim - 1) + a.shape[-1:]), b, precision, None)
-    a = _dask.whole(a, a.ndim - 1)
     column = b.ndim == 1  # (a (K,) b: the (K, 1) product's one column)
-    n = 1 if column else b.shape[1]
-    res = _dask.map_blocks(matmul_core, a, b[:, None] if column else b, precision,
-                           name="matmul", chunks=a.chunks[:-1] + ((n,),))
+    res = _dask_rows(matmul_core, a, 1 if column else b.shape[1], b[:, None] if column else b,
+                     precision, name="matmul")
     return res[..., 0] if column else res
+
+
+def _dask_rows(fn, x, n, *args, name):
+    """``fn(block, *args)`` over a Dask x's blocks (its last axis, K, in one chunk), each
+    giving ``n`` columns."""
+    x = _dask.whole(x, x.ndim - 1)
+    return _dask.map_blocks(fn, x, *args, name=name, chunks=x.chunks[:-1] + ((n,),))
 
 
 _matmul_plans: dict = {}  # (signatures, precision, vendor state) -> run(a, b), or None

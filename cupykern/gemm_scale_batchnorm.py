@@ -313,8 +313,8 @@ def check(x, weight, affine: Affine, state: BatchNormState, precision, synchroni
     if vec.scale is None:
         raise ValueError(f"scale: required, shape ({N},) or (1,); got None")
     eps = check_real(state.eps, "eps")
-    if eps < 0 or (training and eps == 0):  # (F.batch_norm's rule: batch statistics
-        # may have a zero variance)
+    if eps < 0 or (training and eps == 0):  # (F.batch_norm's rule from torch 2.10:
+        # batch statistics may have a zero variance)
         raise ValueError(f"eps: expected a positive number (in eval mode, a non-negative "
                          f"one), got {eps}")
     momentum = None if state.momentum is None else check_real(state.momentum, "momentum")

@@ -74,7 +74,7 @@ def test_matmul(kind, dtype):
     _close(got.compute(), cupykern.matmul(a2, b[:, 0]), dtype)
     with pytest.raises(TypeError, match="^b: a Dask array"):
         cupykern.matmul(_dask(a2, (4, 30)), _dask(b, (10, 11)))
-    with pytest.raises(ValueError, match="^a, b: .*1-D a"):
+    with pytest.raises(ValueError, match="^a: with a Dask a"):
         cupykern.matmul(_dask(a2[0], (10,)), b)
 
 

@@ -692,3 +692,30 @@ def test_sparse_input_goes_to_pytorch_as_nn_linear_takes_it():
 def test_convert_names_a_module_that_is_not_one(fn, module):
     with pytest.raises(TypeError, match="^module: expected a torch.nn.Module, got"):
         fn(module)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_eps_of_zero_is_what_the_installed_pytorch_makes_of_it(device, training):
+    """An eps of 0 (torch from 2.10 refuses it in training): a fused pair and a
+    GemmScaleBatchNorm compute, or raise, exactly as PyTorch's own modules do."""
+    from cupykern.torch import GemmScaleBatchNorm
+    from cupykern.torch.gemm_scale_batchnorm import GemmScaleBatchNormReference
+
+    pair = _seeded(lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, eps=0.0)))
+    gsbn = _seeded(lambda: GemmScaleBatchNormReference(4, 3, (3,), eps=0.0))
+    x = _seeded(lambda: torch.randn(5, 4), 1).to(device)
+    for ref, ours in ((pair, convert(copy.deepcopy(pair))),
+                      (gsbn, _seeded(lambda: GemmScaleBatchNorm(4, 3, (3,), eps=0.0)))):
+        ref, ours = ref.to(device).train(training), ours.to(device).train(training)
+        results = []
+        for m in (ours, ref):
+            try:
+                results.append(m(x))
+            except Exception as error:  # noqa: BLE001 - compared with PyTorch's
+                results.append(error)
+        if isinstance(results[1], Exception):
+            assert type(results[0]) is type(results[1]) and str(results[0]) == str(results[1])
+        else:
+            torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+        _same_state(ours, ref)

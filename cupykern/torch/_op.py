@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._array import operand, same_place
+from .._array import operand
 from ._compat import (AFTER_AUTOGRAD_KEYSET, FUNCTION_APPLY, AutoDispatchBelowAutograd, DispatchKey,
                       DispatchKeySet, ExcludeDispatchKeyGuard, TransformType,
                       are_functorch_transforms_active, is_functional_schema, maybe_get_level,
@@ -180,21 +180,29 @@ def _check_captured(name, op, captured, args):
 
 
 def _wrong_argument(op, args):
-    """The error the direct path's checks give (a TypeError naming the argument) for the
-    first of ``args`` whose type ``op``'s schema refuses, or None: the dispatcher's parse,
-    which comes first on this path, raises a RuntimeError (NotImplementedError for a
-    sparse tensor, which no kernel is registered for)."""
+    """The TypeError the direct path's checks give, naming the argument, for the first of
+    ``args`` of a type ``op``'s schema refuses, or None. On the dispatcher's path its
+    parse of the schema comes first, and raises a RuntimeError (a NotImplementedError
+    for a sparse tensor, which no kernel is registered for). Types only: the tensors
+    may be functorch's wrappers, without storage."""
     spec = op_schema(op).arguments
-    first = operand(args[0], spec[0].name)
     for s, a in zip(spec, args):
         kind = str(s.type).removeprefix("Optional[").removesuffix("]")
         if a is None and str(s.type).startswith("Optional["):
             continue
         if kind == "Tensor":
+            if isinstance(a, torch.Tensor):
+                if a.layout is not torch.strided:
+                    return TypeError(f"{s.name}: expected a strided (dense) tensor, got layout "
+                                     f"{a.layout}")
+                continue
             try:
-                same_place(first, operand(a, s.name))
+                operand(a, s.name)  # (its TypeError for what no array is)
             except TypeError as error:
                 return error
+            return TypeError(f"{s.name}: is a {type(a).__module__}.{type(a).__name__} but "
+                             f"{spec[0].name} is a torch tensor; do not mix CPU and GPU or "
+                             "CuPy and torch arguments")
         elif kind in _SCALARS and (isinstance(a, bool) or not isinstance(a, _SCALARS[kind][0])):
             return TypeError(f"{s.name}: expected {_SCALARS[kind][1]}, got {type(a).__name__}")
     return None

@@ -72,7 +72,7 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
         raise ValueError("mask: give either mask or is_causal=True, not both (as "
                          "F.scaled_dot_product_attention)")
     for name, t in (("k", k), ("v", v)):
-        if _computed_dtype(t) != _computed_dtype(q):
+        if t.dtype != q.dtype and _computed_dtype(t) != _computed_dtype(q):
             raise TypeError(f"{name}: dtype {t.dtype} does not match q's dtype {q.dtype} "
                             "(as F.scaled_dot_product_attention)")
     if scale is None:

@@ -79,8 +79,11 @@ def _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, 
     f = momentum
     if momentum is None:  # cumulative average; unused in eval, but F.batch_norm wants a float
         f = 1.0 / (float(nbt) + 1) if training and nbt is not None else 0.0
-    out = F.batch_norm(y, rmean, rvar, gamma, beta, training, f, eps)
-    if training and nbt is not None:  # (after F.batch_norm, which may raise)
+    # (torch.batch_norm, F.batch_norm's op: check()'s rule for eps, not the Python
+    # check that F.batch_norm has from torch 2.10)
+    out = torch.batch_norm(y, gamma, beta, rmean, rvar, training, f, eps,
+                           torch.backends.cudnn.enabled)
+    if training and nbt is not None:  # (after batch_norm, which may raise)
         nbt.add_(1)
     return out, x.new_empty(0), x.new_empty(0, dtype=_acc(x))
 
@@ -322,7 +325,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
                          running_var=None, num_batches_tracked=None, *, training=True,
                          momentum=0.1, eps=1e-5, precision=None):
     """:func:`cupykern.gemm_scale_batchnorm` for torch tensors, through the custom op."""
-    if not isinstance(training, (bool, np.bool_)):  # (before any test of its truth)
+    if type(training) is not bool and not isinstance(training, np.bool_):  # (before its truth)
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
     if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
@@ -603,6 +606,9 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if hooked(gemm, bn):  # hooks (pruning, weight norm, probes) run in the reference
             return super().forward(x)
         *tensors, training, momentum, eps = _arguments(gemm, bn, _flat_scale(scale, gemm))
+        if isinstance(eps, (int, float)) and not eps > 0:  # (what the installed PyTorch
+            # makes of it: from 2.10 an error)
+            return super().forward(x)
         return gemm_scale_batchnorm(x, *tensors, training=training, momentum=momentum, eps=eps)
 
     def _sync_group(self):

@@ -23,8 +23,9 @@ How a converted model keeps PyTorch's behaviour:
   PyTorch does, where the fused op does not express the call: input other than 2-D
   (nn.BatchNorm1d's (N, C, L) form), an autocast region (PyTorch's Linear -> BatchNorm1d
   returns the region's 16-bit dtype, the fused op float32), hooks on either module (or
-  global ones), a training batch of one row (BatchNorm's own error), mixed dtypes or
-  devices, or modules replaced after conversion by other types.
+  global ones), a training batch of one row (BatchNorm's own error) or none, sparse
+  input, an eps of 0 (what PyTorch's version makes of it), mixed dtypes or devices, or
+  modules replaced after conversion by other types.
 * Only pairs adjacent in an ``nn.Sequential`` fuse: a custom forward's
   ``self.bn(self.fc(x))`` is data flow that convert does not see (its Linear is still
   converted). nn.SyncBatchNorm and BatchNorm1d subclasses are not fused.
@@ -45,6 +46,7 @@ from .matmul_sum_max_mean_logsumexp import MatmulSumMaxMeanLogSumExp
 __all__ = ["Linear", "FusedSequential", "convert", "unconvert"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STRIDED = torch.strided
 _DEVICES = ("cuda", "cpu", "meta")
 
 
@@ -52,7 +54,7 @@ def _ours(x, weight) -> bool:
     """Whether :func:`cupykern.linear` takes ``x`` and ``weight`` (else F.linear computes
     the call, and raises PyTorch's own errors where it is wrong)."""
     return (isinstance(x, torch.Tensor) and x.dtype == weight.dtype and weight.dtype in _FLOATS
-            and x.device.type in _DEVICES and x.dim() > 0 and x.layout == torch.strided)
+            and x.device.type in _DEVICES and x.dim() > 0 and x.layout is _STRIDED)
 
 
 class Linear(nn.Linear):
@@ -149,7 +151,7 @@ def fused_linear_batchnorm(linear: nn.Linear, bn: nn.BatchNorm1d, x):
     """``bn(linear(x))`` through one ``cupykern.gemm_scale_batchnorm`` call (scale 1), or
     None where that call would not compute exactly what the two modules do (see the
     module docstring): then the caller runs the modules."""
-    if (not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.layout == torch.strided)
+    if (not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.layout is _STRIDED)
             or not _pair(linear, bn)):
         return None
     if is_any_autocast_enabled() or hooked(linear, bn):
@@ -171,6 +173,8 @@ def fused_linear_batchnorm(linear: nn.Linear, bn: nn.BatchNorm1d, x):
     if rmean is not None and batch_stats and momentum is None and nbt is None:
         return None  # (a cumulative average without its count: BatchNorm's own behaviour)
     if type(eps) is not float or not (momentum is None or type(momentum) is float):
+        return None
+    if eps <= 0:  # (torch from 2.10 refuses it in training, and 2.10-2.11 in eval too)
         return None
     scale = _ones(weight, weight.shape[0])
     return gemm_scale_batchnorm(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt,

@@ -2,8 +2,8 @@
 models 1 and 2 (``L1Norm``, ``L2Norm``: normalise over dim 1).
 
 Ops: ``normalize(Tensor x, int p, int axis, int[]? config) -> Tensor`` (autograd:
-dx = dy/d - x' * sum(dy*x) / (n*d^2) for L1 with x' = sign(x), and dy/d - x * sum(dy*x) /
-d^3 for L2, by ``normalize_backward(Tensor x, Tensor dy, int p, int axis) -> Tensor``: one
+dx = (dy - x' * (sum(dy*x) / d / n)) / d for L1 with x' = sign(x), and (dy - x *
+(sum(dy*x) / d / d)) / d for L2, by ``normalize_backward(Tensor x, Tensor dy, int p, int axis) -> Tensor``: one
 fused kernel on CUDA where the rows allow, else PyTorch ops; in PyTorch ops throughout
 when the backward must itself be differentiable) and ``normalize_out(..., Tensor(a!)
 out) -> ()``.
