@@ -76,13 +76,14 @@ def test_ops_take_p_of_1_or_2_only(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale", [1e-17, 1e-15, 1e12, 1e15, 1e20])
+@pytest.mark.parametrize("scale", [1e-17, 1e-15, 1e12, 1e15, 1e20, 2e38])
 @pytest.mark.parametrize("kind", FUNCS)
 def test_gradient_of_rows_of_extreme_norm(kind, scale, dtype, device):
     """Rows of finite elements whose norm cubed leaves float32's range: overflows (from
     7e12) or, flushed to zero in the kernels, underflows (L2 under 2.3e-13); a row of
     equal elements among them (whose gradient is all cancellation). The gradient torch's
-    autograd of its own ops gives (0 for L2 at 1e20, where the float32 norm overflows)."""
+    autograd of its own ops gives (0 where the float32 norm overflows: L2 at 1e20; at 2e38
+    both, and there dy . x overflows too)."""
     gen = torch.Generator().manual_seed(3)
     x = (torch.rand(3, 100, generator=gen) + 0.5) * scale
     x[2] = scale
