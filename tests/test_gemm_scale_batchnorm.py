@@ -1131,9 +1131,9 @@ def test_forward_plan_follows_the_tf32_switch():
 @pytest.mark.parametrize("training", [True, False])
 def test_tiny_scale_on_a_wide_product(training):
     """scale 1e-19 on z of std ~1e17 (y of std ~0.03): BatchNorm's coefficients as
-    PyTorch's, whose s * s alone would flush to zero in the kernels (once 3.3x too large
-    an output, running_var 0), and the gradients of the scale and the rest as
-    float64's."""
+    PyTorch's, whose s * s alone would flush to zero in the kernels (once outputs several
+    times too large, and a batch variance of 0 in running_var), and the gradients of the
+    scale and the rest as float64's."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(64, 8, generator=gen, dtype=torch.float64)
     w = torch.randn(16, 8, generator=gen, dtype=torch.float64) * 1e17
