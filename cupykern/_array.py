@@ -236,6 +236,12 @@ def data_ptr(obj) -> int:
     return obj.data_ptr() if is_torch(obj) else obj.data.ptr
 
 
+def native(dtype):
+    """A NumPy ``dtype`` in this machine's byte order: results are native whatever the
+    operands' order, as NumPy's own ('>f4' operands give '<f4' on little-endian hosts)."""
+    return dtype.newbyteorder("=")
+
+
 def contiguous(a: Operand, copy: bool = False):
     """``a.obj`` as a C-contiguous array of the same kind (a new one if ``copy``,
     else a copy only if needed)."""

@@ -9,6 +9,8 @@ import math
 import sys
 import uuid
 
+from ._array import native
+
 
 def is_dask(x) -> bool:
     da = sys.modules.get("dask.array")
@@ -37,8 +39,9 @@ def map_blocks(fn, x, *args, name: str, chunks=None):
     to guess it, and so is a unique name, so Dask never hashes the arguments (it would
     copy GPU weights to the host to do so)."""
     chunks = chunks or x.chunks
-    return x.map_blocks(fn, *args, dtype=x.dtype, chunks=chunks,
-                        meta=sample(x, (0,) * len(chunks)),
+    dtype = native(x.dtype)  # (the blocks' results are native, as NumPy's)
+    return x.map_blocks(fn, *args, dtype=dtype, chunks=chunks,
+                        meta=sample(x, (0,) * len(chunks)).astype(dtype),
                         name=f"cupykern-{name}-{uuid.uuid4().hex}")
 
 

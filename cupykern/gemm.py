@@ -36,7 +36,7 @@ import numpy as np
 from . import _dask, _loader
 from ._geometry import MAX_GRID_Y
 from ._array import (ITEMSIZE, Operand, Place, cached_checked, contiguous, copy_into, data_ptr,
-                     empty, is_torch, launch_all, operand, plannable, row_view_stride, rows_2d,
+                     empty, is_torch, launch_all, native, operand, plannable, row_view_stride, rows_2d,
                      signature, torch_layer)
 from .gemm_checks import check, check_matmul, promote, reference
 from .gemm_kernels import (Stack, batched_call, gemm, gemm_call, gemm_kernel, layout, one_launch,
@@ -288,7 +288,7 @@ def matmul_core(a, b, precision=None, out=None):
     ao, bo, prec, shape, o = checked or check_matmul(a, b, precision, out)
     if ao.kind == "cpu":
         acc = np.float64 if ao.dtype == "float64" else np.float32
-        res = np.asarray(np.matmul(np.asarray(a, acc), np.asarray(b, acc))).astype(ao.array_dtype)
+        res = np.asarray(np.matmul(np.asarray(a, acc), np.asarray(b, acc))).astype(native(ao.array_dtype))
     elif 0 in shape or ao.shape[-1] == 0:  # (K == 0: zeros)
         res = empty(ao, shape)
         res[...] = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._array import FLOAT_DTYPES, check_out, contiguous, operand, require_writable, same_place
+from ._array import FLOAT_DTYPES, check_out, contiguous, native, operand, require_writable, same_place
 
 PRECISIONS = ("highest", "high", "medium")  # PyTorch's float32 matmul precisions
 
@@ -83,7 +83,7 @@ def reference(x, w, b=None):
     y = x.astype(acc) @ w.astype(acc).T
     if b is not None:
         y = y + b.astype(acc)
-    return y.astype(x.dtype)
+    return y.astype(native(x.dtype))
 
 
 def check(x, weight, bias, precision, out):

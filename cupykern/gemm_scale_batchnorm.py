@@ -29,12 +29,12 @@ import numpy as np
 
 from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached_checked, empty, head, is_torch,
-                     launch_all, operand, require_writable, row_view_stride, rows_2d, same_place,
+                     launch_all, native, operand, require_writable, row_view_stride, rows_2d, same_place,
                      scalar, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, grid_rows
 from ._stats import merge_moments
 from .gemm import linear_core, matmul_core
-from .gemm_checks import check_operands, check_precision, check_vector
+from .gemm_checks import check_operands, check_precision, check_vector, reference as linear_reference
 from .gemm_kernels import PART_ROWS, STATS_BM, gemm, gemm_call, gemm_kernel, statistics_call, workspace
 from .gemm_operands import fresh_like
 from .gemm_route import bias_apart, fused_vendor, register_plans, routed_mm_plan
@@ -245,47 +245,53 @@ def _dask_call(x, weight, affine: Affine, state: BatchNormState, precision):
     part = _dask.delayed(_block_moments)
     parts = _dask.compute(*(part(b, weight, affine.bias, affine.scale, prec)
                             for b in _dask.blocks(x)))
-    count, mean, m2 = merge_moments(parts)
     rmean, rvar, nbt = state[:3]
     if nbt is not None:  # (every batch counts, an empty one too)
         nbt += 1
-    if rmean is not None and count:  # nn.BatchNorm1d's update, from the statistics of all rows
-        f = checked.momentum if checked.momentum is not None else 1.0 / float(nbt)
-        rmean[...] = (1 - f) * rmean + f * mean
-        rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
-    invstd = 1 / (m2 / (count + (count == 0)) + checked.eps) ** 0.5  # (no rows: unused)
+    with np.errstate(all="ignore"):  # (nan and inf columns as the reference's, quietly)
+        count, mean, m2 = merge_moments(parts)
+        if rmean is not None and count:  # nn.BatchNorm1d's update, from all rows' statistics
+            f = checked.momentum if checked.momentum is not None else 1.0 / float(nbt)
+            rmean[...] = (1 - f) * rmean + f * mean
+            rvar[...] = (1 - f) * rvar + f * m2 / (count - 1)
+        invstd = 1 / (m2 / (count + (count == 0)) + checked.eps) ** 0.5  # (no rows: unused)
     return _dask.map_blocks(_normalize_block, x, weight, *affine, mean, invstd, prec,
                             chunks=chunks, name="gemm_scale_batchnorm")
 
 
 def _affine_block(xb, weight, bias, scale, precision):
-    """y = (x @ W.T + b) * scale of one block, in the accumulation type."""
+    """y = (x @ W.T + b) * scale of one block, stored in x's dtype as torch stores it, in
+    the accumulation type."""
     acc = acc_dtype(xb.dtype.name)
-    return linear_core(xb, weight, bias, precision).astype(acc) * scale.astype(acc)
+    y = linear_core(xb, weight, bias, precision).astype(acc) * scale.astype(acc)
+    return y.astype(xb.dtype).astype(acc)
 
 
 def _block_moments(xb, weight, bias, scale, precision):
-    """One block's [count, mean (N), M2 (N)] of y (float64; see cupykern._stats)."""
-    y = _affine_block(xb, weight, bias, scale, precision)
-    xp = sys.modules[type(y).__module__.split(".")[0]]
-    out = xp.zeros(2 * y.shape[1] + 1)
-    if len(y):
-        mean = y.mean(0)
-        out[0], out[1:y.shape[1] + 1] = len(y), mean
-        out[y.shape[1] + 1:] = ((y - mean) ** 2).sum(0)
+    """One block's [count, mean (N), M2 (N)] of y (float64; see cupykern._stats). Overflow,
+    nan and inf follow the arithmetic without NumPy's warnings, as in :func:`reference`."""
+    with np.errstate(all="ignore"):
+        y = _affine_block(xb, weight, bias, scale, precision)
+        xp = sys.modules[type(y).__module__.split(".")[0]]
+        out = xp.zeros(2 * y.shape[1] + 1)
+        if len(y):
+            mean = y.mean(0)
+            out[0], out[1:y.shape[1] + 1] = len(y), mean
+            out[y.shape[1] + 1:] = ((y - mean) ** 2).sum(0)
     return out
 
 
 def _normalize_block(xb, weight, bias, scale, gamma, beta, mean, invstd, precision):
-    """One block of the output, from the statistics of all rows."""
-    y = _affine_block(xb, weight, bias, scale, precision)
-    acc = y.dtype
-    out = (y - mean.astype(acc)) * invstd.astype(acc)
-    if gamma is not None:
-        out = out * gamma.astype(acc)
-    if beta is not None:
-        out = out + beta.astype(acc)
-    return out.astype(xb.dtype)
+    """One block of the output, from the statistics of all rows (quietly, as above)."""
+    with np.errstate(all="ignore"):
+        y = _affine_block(xb, weight, bias, scale, precision)
+        acc = y.dtype
+        out = (y - mean.astype(acc)) * invstd.astype(acc)
+        if gamma is not None:
+            out = out * gamma.astype(acc)
+        if beta is not None:
+            out = out + beta.astype(acc)
+        return out.astype(native(xb.dtype))
 
 
 def check_inputs(x, weight):
@@ -687,14 +693,14 @@ def _reference(x, weight, affine, state):
     rmean, rvar, nbt, training, momentum, eps = state
     acc = np.float64 if x.dtype == np.float64 else np.float32
     n = x.shape[0]
-    z = x.astype(acc) @ weight.astype(acc).T
-    if bias is not None:
-        z = z + bias.astype(acc)
-    y = z * scale.astype(acc)
+    # z and y = z * scale rounded to x's dtype, as torch's Linear and product store them
+    # (16-bit batch statistics come from the stored values)
+    z = linear_reference(x, weight, bias).astype(acc)
+    y = (z * scale.astype(acc)).astype(x.dtype).astype(acc)
     if training and nbt is not None:
         nbt += 1
     if training and n == 0:
-        return y.astype(x.dtype)
+        return y.astype(native(x.dtype))
     if training:
         mean, var = y.mean(axis=0), y.var(axis=0)
         if rmean is not None:
@@ -708,5 +714,5 @@ def _reference(x, weight, affine, state):
         out = out * gamma.astype(acc)
     if beta is not None:
         out = out + beta.astype(acc)
-    return out.astype(x.dtype)
+    return out.astype(native(x.dtype))
 

@@ -32,7 +32,7 @@ import numpy as np
 from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, ProducerArgument, cached_checked, call_imported,
                      contiguous, data_ptr, empty, import_array, is_producer, is_torch, launch_all,
-                     operand, same_place, scalar, signature, torch_layer)
+                     native, operand, same_place, scalar, signature, torch_layer)
 from ._geometry import cdiv, row_stride, vector_aligned
 
 _FILE = "matmul_sum_max_mean_logsumexp.cu"
@@ -94,7 +94,7 @@ def reference(x: np.ndarray, weight: np.ndarray, bias=None) -> np.ndarray:
         if bias is not None:
             z = z + bias.astype(acc)
         z = z.astype(x.dtype).astype(np.float64)
-        return z.sum(axis=1, keepdims=True).astype(x.dtype)
+        return z.sum(axis=1, keepdims=True).astype(native(x.dtype))
 
 
 def check_weights(weight, bias=None):

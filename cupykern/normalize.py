@@ -23,8 +23,7 @@ import numpy as np
 from . import _dask, _loader
 from ._array import (CTYPE, ITEMSIZE, Place, cached, cached_checked, check_out, contiguous,
                      copy_into, data_ptr, empty, is_torch, launch, launch_all, moveaxis,
-                     normalize_axis,
-                     operand, same_place, signature, torch_layer)
+                     native, normalize_axis, operand, same_place, signature, torch_layer)
 from ._geometry import acc_dtype, cdiv, co_aligned, row_stride
 
 _FILE, _SHORT_FILE, _LONG_FILE = "normalize.cu", "normalize_short.cu", "normalize_long.cu"
@@ -351,7 +350,7 @@ def reference(x: np.ndarray, axis: int, p: int) -> np.ndarray:
             d = np.sum(np.abs(xa), axis=axis, keepdims=True) / acc(xa.shape[axis])
         else:
             d = np.sqrt(np.sum(xa * xa, axis=axis, keepdims=True))
-        return (xa / d.astype(x.dtype).astype(acc)).astype(x.dtype)
+        return (xa / d.astype(x.dtype).astype(acc)).astype(native(x.dtype))
 
 
 def check(x, p: int, axis, out=None, config=None):

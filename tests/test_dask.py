@@ -159,3 +159,28 @@ def test_gemm_scale_batchnorm_empty_blocks_and_eval_eps():
     kw = dict(training=False, eps=0.5)
     got = cupykern.gemm_scale_batchnorm(_dask(x, (4, 5)), w, None, s, None, None, rm, rv, **kw)
     np.testing.assert_allclose(got.compute(), (y - rm) / np.sqrt(rv + 0.5), rtol=1e-12)
+
+
+def test_big_endian_operands_give_native_results():
+    """'>f4' operands (read from a big-endian file, say) give results in the machine's byte
+    order, as NumPy's own: from NumPy arrays and from Dask arrays of them, whose declared
+    dtype is the computed one."""
+    x = np.arange(12, dtype=">f4").reshape(3, 4) / 7
+    w, b, s = np.ones((5, 4), ">f4") / 3, np.ones(5, ">f4"), np.full(5, 2, ">f4")
+    calls = {
+        "matmul": lambda a: cupykern.matmul(a, w.T),
+        "linear": lambda a: cupykern.linear(a, w, b),
+        "l1_normalize": cupykern.l1_normalize,
+        "l2_normalize": cupykern.l2_normalize,
+        "matmul_sum_max_mean_logsumexp": lambda a: cupykern.matmul_sum_max_mean_logsumexp(a, w, b),
+        "gemm_scale_batchnorm": lambda a: cupykern.gemm_scale_batchnorm(a, w, b, s, None, None),
+    }
+    native = np.dtype(np.float32)
+    for name, call in calls.items():
+        want = call(x.astype(native))
+        got, lazy = call(x), call(_dask(x, (2, 4)))
+        assert got.dtype.str == lazy.dtype.str == native.str, name
+        computed = lazy.compute()
+        assert computed.dtype.str == native.str, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        np.testing.assert_allclose(computed, want, rtol=1e-6, err_msg=name)

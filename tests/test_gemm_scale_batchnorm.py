@@ -128,6 +128,32 @@ def test_numpy_eval_takes_an_eps_of_zero():
     np.testing.assert_allclose(got, (x @ w.T * s - rm) / np.sqrt(rv), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["z rounds", "y rounds", "z overflows"])
+def test_float16_cpu_paths_use_the_stored_products(case):
+    """PyTorch's model stores z = x W^T + b and y = z * scale in float16 before BatchNorm:
+    rows that round to one value have a batch variance of 0 (an output of 0), and a z past
+    65504 is inf (a nan column). The NumPy, Dask and torch CPU paths normalise the stored
+    values too (they had kept z and y in float32: outputs of +-1, or finite)."""
+    x, w, s = {  # (z = 625 and 625.0625; y = 620.8 and 621.1, both 621; z = 80000)
+        "z rounds": ([[500.0, 500.0], [500.0, 500.25]], [[1.0, 0.25]], [1.0]),
+        "y rounds": ([[914.0], [914.5]], [[1.0]], [0.6792]),
+        "z overflows": ([[200.0, 200.0], [1.0, 2.0], [3.0, 1.0]], [[200.0, 200.0]], [1.0]),
+    }[case]
+    x, w, s = (np.array(a, np.float16) for a in (x, w, s))
+    b = np.zeros(1, np.float16)
+    t = [torch.from_numpy(a) for a in (x, w, b, s)]
+    want = torch.nn.functional.batch_norm(torch.nn.functional.linear(*t[:3]) * t[3], None, None,
+                                          training=True).numpy()
+    kinds = {"numpy": x, "torch": t[0]}
+    if importlib.util.find_spec("dask"):
+        import dask.array as da
+        kinds["dask"] = da.from_array(x, chunks=(1, -1))
+    for name, xk in kinds.items():
+        args = [torch.from_numpy(a) for a in (w, b, s)] if name == "torch" else [w, b, s]
+        got = np.asarray(cupykern.gemm_scale_batchnorm(xk, *args, None, None))
+        np.testing.assert_allclose(got, want, atol=1e-3, err_msg=name)
+
+
 def test_batch_of_one_raises_like_torch():
     ref, new = _pair(12, 6)
     x = torch.randn(1, 12)
