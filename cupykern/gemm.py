@@ -235,7 +235,8 @@ def matmul(a, b, *, precision=None, out=None):
     A Dask array ``a`` (2 or more dims; CuPy or NumPy chunks) by a concrete matrix or
     vector ``b`` of its chunks' kind gives a Dask array, block by block.
     Returns an array of a's kind (torch: through ``torch.ops.cupykern.matmul``, with
-    autograd). Each matrix product goes where :func:`~cupykern.gemm_route.route` says: our tensor-core GEMM, or
+    autograd; 1-D by 1-D: a 0-d array, as CuPy's and torch's, where NumPy's is a scalar;
+    NumPy results in native byte order). Each matrix product goes where :func:`~cupykern.gemm_route.route` says: our tensor-core GEMM, or
     cuBLAS through torch / CuPy (batched there, except float32 "highest" that ours takes:
     a loop of our 2-D kernel, and CuPy bfloat16, ours). NumPy arrays use NumPy.
     """
