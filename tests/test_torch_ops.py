@@ -355,6 +355,43 @@ def test_linear_follows_autocast(device, dtype):
     assert x.grad is not None and w.grad is not None and w.grad.dtype == torch.float32
 
 
+FUSED_PAIRS = {"GemmScaleBatchNorm": (GemmScaleBatchNormReference, GemmScaleBatchNorm, (40, 24, (24,))),
+               "MatmulSumMaxMeanLogSumExp": (MatmulSumMaxMeanLogSumExpReference,
+                                             MatmulSumMaxMeanLogSumExp, (40, 24))}
+
+
+@pytest.mark.parametrize("device, region", [("cpu", torch.bfloat16)] + [
+    pytest.param("cuda", d, marks=gpu) for d in CUDA_AUTOCAST])
+@pytest.mark.parametrize("params", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FUSED_PAIRS)
+def test_fused_modules_take_x_in_any_dtype_under_autocast(name, params, device, region):
+    """In an autocast region the reference model's Linear takes x into the region's dtype,
+    so x of another 16/32-bit dtype than the weights (an autocast Linear's output, say)
+    works there: the module and the function return the reference's dtype, with values
+    within 16-bit rounding of it (CUDA: ours from float32 data, TF32 GEMMs). Outside
+    autocast a mismatch stays a TypeError naming weight."""
+    ref_cls, ours_cls, init = FUSED_PAIRS[name]
+    ref, ours = (m.to(device, params) for m in model_pair(ref_cls, ours_cls, init, device))
+    lin = ours.gemm if name == "GemmScaleBatchNorm" else ours.linear
+    for xdt in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(64, 40, device=device, generator=None).to(xdt)
+        with torch.autocast(device, dtype=region):
+            want = ref(x)
+            if name == "GemmScaleBatchNorm":
+                fn = cupykern.gemm_scale_batchnorm(x, lin.weight, lin.bias, ours.scale, ours.bn.weight,
+                                                   ours.bn.bias, training=True)
+            else:
+                fn = cupykern.matmul_sum_max_mean_logsumexp(x, lin.weight, lin.bias)
+            got = ours(x)
+        for out in (got, fn):
+            assert out.dtype == want.dtype, (xdt, out.dtype, want.dtype)
+            scale = float(want.float().abs().max())
+            torch.testing.assert_close(out.float(), want.float(), rtol=5e-2, atol=5e-2 * scale)
+        if xdt != params:
+            with pytest.raises(TypeError, match="weight"):
+                ours(x)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_linear_follows_each_autocast_dtype(device):
     """Compiled calls in one autocast dtype after another, compiled afresh or not, return

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._compat import GLOBAL_MODULE_HOOKS
+from ._compat import GLOBAL_MODULE_HOOKS, is_any_autocast_enabled
 
 
 def require_tensor(x, name: str = "x") -> None:
@@ -13,6 +13,24 @@ def require_tensor(x, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.layout is not torch.strided:
         raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
+
+
+_AUTOCAST_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_input(x, weight):
+    """``x`` in ``weight``'s dtype where, in an autocast region of x's device, they differ
+    among float16, bfloat16 and float32; else ``x`` itself. The reference model's Linear
+    takes both into the region's dtype there, so that x's own dtype does not matter: a
+    16-bit x (an autocast Linear's output) by float32 weights gives the reference's
+    float32 result from float32 data (the conversion is exact), a float32 x by 16-bit
+    weights the reference's 16-bit one. Outside autocast a mismatch stays an error."""
+    if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and x.dtype != weight.dtype and x.dtype in _AUTOCAST_FLOATS
+            and weight.dtype in _AUTOCAST_FLOATS and is_any_autocast_enabled()
+            and torch.is_autocast_enabled(x.device.type)):
+        return x.to(weight.dtype)
+    return x
 
 
 def require_submodule(owner: nn.Module, attr: str, kind: type, m: nn.Module) -> nn.Module:

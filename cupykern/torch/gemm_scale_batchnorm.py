@@ -24,7 +24,7 @@ from ..gemm_scale_batchnorm import (Affine, BatchNormState, apply_coefficients,
 from ..gemm_scale_batchnorm_backward import backward, backward_run_after, grad_dz, grad_partials
 from torch.autograd.function import once_differentiable
 
-from ._checks import hooked, members, require_submodule, require_tensor
+from ._checks import autocast_input, hooked, members, require_submodule, require_tensor
 from ._compat import (are_functorch_transforms_active, is_any_autocast_enabled,
                       top_saved_tensors_hooks)
 from .._stats import merge_moments
@@ -327,6 +327,7 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     """:func:`cupykern.gemm_scale_batchnorm` for torch tensors, through the custom op."""
     if type(training) is not bool and not isinstance(training, np.bool_):  # (before its truth)
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
+    x = autocast_input(x, weight)
     if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
@@ -586,6 +587,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         self.process_group = process_group
 
     def forward(self, x):
+        if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
+            x = autocast_input(x, getattr(self.gemm, "weight", None))
         out = self._planned_call(x)
         if out is not None:
             return out

@@ -31,8 +31,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..matmul_sum_max_mean_logsumexp import (PLAN_TAIL, apply_cached, build_plan_cached,
                                               check_weights, check_x, planned_run)
 from .._array import UNPLANNED, operand, signature
-from ._checks import hooked, members, require_submodule, require_tensor
-from ._compat import are_functorch_transforms_active
+from ._checks import autocast_input, hooked, members, require_submodule, require_tensor
+from ._compat import are_functorch_transforms_active, is_any_autocast_enabled
 from ._op import _PLAIN, Op, _direct, _eager, wants_grad
 
 
@@ -47,6 +47,16 @@ def _tail(s: torch.Tensor) -> torch.Tensor:
 def reference(x, weight, bias=None):
     """The documented model in PyTorch ops."""
     return _tail(torch.sum(nn.functional.linear(x, weight, bias), dim=1, keepdim=True))
+
+
+def _autocast_result(out):
+    """``out`` as the reference model returns it: in a CUDA autocast region torch.sum runs
+    in float32, so there the model's result is float32 for 16-bit data too (ours: the
+    16-bit result, as float32)."""
+    if (out.dtype in (torch.float16, torch.bfloat16) and is_any_autocast_enabled()
+            and out.is_cuda and torch.is_autocast_enabled("cuda")):
+        return out.float()
+    return out
 
 
 def _plan_impl(weight, bias):
@@ -167,6 +177,7 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
     the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given. N-D x
     (B, S, ..., in_features): the reference chain in torch ops (see the module docstring)."""
+    x = autocast_input(x, weight)
     nd = isinstance(x, torch.Tensor) and x.dim() > 2
     data = plan.data if plan is not None and plan.data is not None and not nd else None
     if data is None:
@@ -177,7 +188,7 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
         if nd:
             return reference(x, weight, bias)
         data = _plan_of(weight, bias)
-    return matmul_sum_op(x, weight, bias, data)
+    return _autocast_result(matmul_sum_op(x, weight, bias, data))
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update parameters without bumping their
@@ -263,6 +274,8 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         return self._cache.plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
+            x = autocast_input(x, getattr(self.linear, "weight", None))
         out = self._planned_call(x)
         if out is not None:
             return out
@@ -279,7 +292,7 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
                 check_x(operand(x, "x"), operand(w, "weight"), nd=True)
             return super().forward(x)
         plan = self._plan(linear, w, b) if _direct((x, w)) else _plan_of(w, b)
-        return matmul_sum_op(x, w, b, plan)
+        return _autocast_result(matmul_sum_op(x, w, b, plan))
 
     def _planned_call(self, x):
         """What :meth:`forward` returns, from the cache alone: in plain eager mode, while
