@@ -355,9 +355,10 @@ def test_linear_follows_autocast(device, dtype):
     assert x.grad is not None and w.grad is not None and w.grad.dtype == torch.float32
 
 
-FUSED_PAIRS = {"GemmScaleBatchNorm": (GemmScaleBatchNormReference, GemmScaleBatchNorm, (40, 24, (24,))),
-               "MatmulSumMaxMeanLogSumExp": (MatmulSumMaxMeanLogSumExpReference,
-                                             MatmulSumMaxMeanLogSumExp, (40, 24))}
+FUSED_PAIRS = {
+    "GemmScaleBatchNorm": (GemmScaleBatchNormReference, GemmScaleBatchNorm, (40, 24, (24,))),
+    "MatmulSumMaxMeanLogSumExp": (MatmulSumMaxMeanLogSumExpReference, MatmulSumMaxMeanLogSumExp,
+                                  (40, 24))}
 
 
 @pytest.mark.parametrize("device, region", [("cpu", torch.bfloat16)] + [
@@ -374,12 +375,12 @@ def test_fused_modules_take_x_in_any_dtype_under_autocast(name, params, device, 
     ref, ours = (m.to(device, params) for m in model_pair(ref_cls, ours_cls, init, device))
     lin = ours.gemm if name == "GemmScaleBatchNorm" else ours.linear
     for xdt in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.randn(64, 40, device=device, generator=None).to(xdt)
+        x = torch.randn(64, 40, device=device).to(xdt)
         with torch.autocast(device, dtype=region):
             want = ref(x)
             if name == "GemmScaleBatchNorm":
-                fn = cupykern.gemm_scale_batchnorm(x, lin.weight, lin.bias, ours.scale, ours.bn.weight,
-                                                   ours.bn.bias, training=True)
+                fn = cupykern.gemm_scale_batchnorm(x, lin.weight, lin.bias, ours.scale,
+                                                   ours.bn.weight, ours.bn.bias, training=True)
             else:
                 fn = cupykern.matmul_sum_max_mean_logsumexp(x, lin.weight, lin.bias)
             got = ours(x)
