@@ -18,7 +18,7 @@ from cupykern.torch.matmul_sum_max_mean_logsumexp import (MatmulSumMaxMeanLogSum
                                                           matmul_sum_op, plan_op)
 from cupykern.torch.normalize import (L1NormReference, L2NormReference, normalize_backward_op,
                                       normalize_op, normalize_out_op)
-from support import model_pair
+from support import m4_torch, model_pair, normalize_torch
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -183,6 +183,34 @@ def test_module_compiles_fullgraph_after_eager_warm_up(name):
     _compare(ours(x), ref(x), tol)
     for a, b in zip(ref.buffers(), ours.buffers()):  # running statistics updated alike
         _compare(b, a, tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_around_torch_func_transforms(device):
+    """torch.compile of torch.func transforms (vmap, grad, jacrev) of the modules and
+    functions: the reference's results (Dynamo raised an internal error tracing the ops'
+    autograd.Function under a transform; there they run as their PyTorch-ops reference)."""
+    from torch.func import grad, jacrev, vmap
+    g = torch.Generator().manual_seed(0)
+    x, xs = torch.randn(6, 8, generator=g).to(device), torch.randn(3, 6, 8, generator=g).to(device)
+    lin = torch.nn.Linear(8, 5).to(device)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    ours_lin = cupykern.torch.Linear(8, 5).to(device)
+    ours_lin.load_state_dict(lin.state_dict())
+    cases = {
+        "vmap L2Norm": (lambda: vmap(L2Norm())(xs), lambda: vmap(L2NormReference())(xs)),
+        "grad Linear": (lambda: grad(lambda t: ours_lin(t).sin().sum())(x),
+                        lambda: grad(lambda t: lin(t).sin().sum())(x)),
+        "jacrev l1_normalize": (lambda: jacrev(lambda t: cupykern.l1_normalize(t))(x[:2]),
+                                lambda: jacrev(lambda t: normalize_torch(t, 1, 1))(x[:2])),
+        "grad matmul_sum": (
+            lambda: grad(lambda t: cupykern.matmul_sum_max_mean_logsumexp(t, w, b).sum())(x),
+            lambda: grad(lambda t: m4_torch(t, w, b).sum())(x)),
+    }
+    for name, (ours, ref) in cases.items():
+        torch._dynamo.reset()
+        got = torch.compile(ours, backend="eager")()
+        torch.testing.assert_close(got, ref(), atol=1e-5, rtol=1e-5, msg=name)
 
 
 @gpu

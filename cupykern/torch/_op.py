@@ -291,13 +291,14 @@ class Op:
             for device_type in ("cpu", "cuda"):
                 _LIB.impl(self.name, _autocast_kernel(self.op, device_type, autocast),
                           _autocast_key(device_type), with_keyset=True)
-        self.function = self.planned = self.transformable = None
+        self.function = self.planned = self.transformable = self.reference = None
         schema_names = [a.name for a in op_schema(self.op).arguments]
         self.captured = [schema_names.index(n) for n in captured]
         if backward is None:
             return
         if reference is None:  # (what torch.func transforms run for jvp and vmap)
             raise TypeError(f"{self.name}: an op with a backward needs its reference")
+        self.reference = reference
         self.function = _function(self.name, impl, setup_context, backward)
         self.transformable = _transformable(self.name, self.op, setup_context, backward,
                                             reference, fold)
@@ -335,6 +336,9 @@ class Op:
         if self.transformable is not None and _transforming():
             if self.captured and are_functorch_transforms_active():
                 _check_captured(self.name, self.op, self.captured, args)
+            if torch.compiler.is_compiling():  # Dynamo cannot trace this Function under
+                # torch.func (an internal error): the reference's PyTorch ops, which it can
+                return self.reference(*args)
             return self.transformable.apply(*args)
         if self.autocast is not None and torch.compiler.is_compiling():
             # The casts, in the traced graph: Inductor's compiled-graph cache keys on the
