@@ -118,8 +118,9 @@ def operand(x, name: str, dtypes=FLOAT_DTYPES) -> Operand:
     """Validate ``x`` (argument ``name``) and describe it. Raises TypeError."""
     t = _torch()
     if t is not None and isinstance(x, t.Tensor):
-        if x.layout is not t.strided:
-            raise TypeError(f"{name}: expected a strided (dense) tensor, got layout {x.layout}")
+        if x.layout is not t.strided or x.is_nested:
+            raise TypeError(f"{name}: expected a strided (dense) tensor, got "
+                            + ("a nested tensor" if x.is_nested else f"layout {x.layout}"))
         dtype = str(x.dtype).removeprefix("torch.")
         _check_dtype(dtype, name, dtypes)
         if x.is_cuda:

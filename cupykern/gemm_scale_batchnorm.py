@@ -264,7 +264,7 @@ def _affine_block(xb, weight, bias, scale, precision):
     the accumulation type."""
     acc = acc_dtype(xb.dtype.name)
     y = linear_core(xb, weight, bias, precision).astype(acc) * scale.astype(acc)
-    return y.astype(xb.dtype).astype(acc)
+    return y.astype(xb.dtype).astype(acc) if xb.dtype != acc else y
 
 
 def _block_moments(xb, weight, bias, scale, precision):
@@ -302,6 +302,17 @@ def check_inputs(x, weight):
     return xo, wo
 
 
+def check_options(training, momentum, eps):
+    """``(momentum, eps)`` as floats (momentum None: the cumulative average) after their
+    rules: eps positive in training (F.batch_norm's from torch 2.10: batch statistics
+    may have a zero variance), non-negative in eval mode."""
+    eps = check_real(eps, "eps")
+    if eps < 0 or (training and eps == 0):
+        raise ValueError(f"eps: expected a positive number (in eval mode, a non-negative "
+                         f"one), got {eps}")
+    return (None if momentum is None else check_real(momentum, "momentum")), eps
+
+
 def check(x, weight, affine: Affine, state: BatchNormState, precision, synchronized=False):
     """Validate every argument once: ``(x, weight Operands, Affine of vector Operands or
     None, BatchNormState (Operands or None; training as given, momentum and eps as floats),
@@ -318,12 +329,7 @@ def check(x, weight, affine: Affine, state: BatchNormState, precision, synchroni
               for name, v in (("running_mean", running_mean), ("running_var", running_var)))
     if vec.scale is None:
         raise ValueError(f"scale: required, shape ({N},) or (1,); got None")
-    eps = check_real(state.eps, "eps")
-    if eps < 0 or (training and eps == 0):  # (F.batch_norm's rule from torch 2.10:
-        # batch statistics may have a zero variance)
-        raise ValueError(f"eps: expected a positive number (in eval mode, a non-negative "
-                         f"one), got {eps}")
-    momentum = None if state.momentum is None else check_real(state.momentum, "momentum")
+    momentum, eps = check_options(training, state.momentum, eps=state.eps)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be given or both be None")
     if not training and running_mean is None:
@@ -695,8 +701,10 @@ def _reference(x, weight, affine, state):
     n = x.shape[0]
     # z and y = z * scale rounded to x's dtype, as torch's Linear and product store them
     # (16-bit batch statistics come from the stored values)
-    z = linear_reference(x, weight, bias).astype(acc)
-    y = (z * scale.astype(acc)).astype(x.dtype).astype(acc)
+    z = linear_reference(x, weight, bias).astype(acc, copy=False)
+    y = z * scale.astype(acc)
+    if x.dtype != acc:
+        y = y.astype(x.dtype).astype(acc)
     if training and nbt is not None:
         nbt += 1
     if training and n == 0:

@@ -165,8 +165,9 @@ def test_big_endian_operands_give_native_results():
     """'>f4' operands (read from a big-endian file, say) give results in the machine's byte
     order, as NumPy's own: from NumPy arrays and from Dask arrays of them, whose declared
     dtype is the computed one."""
-    x = np.arange(12, dtype=">f4").reshape(3, 4) / 7
-    w, b, s = np.ones((5, 4), ">f4") / 3, np.ones(5, ">f4"), np.full(5, 2, ">f4")
+    x = (np.arange(12).reshape(3, 4) / 7).astype(">f4")
+    w, b, s = (np.ones((5, 4)) / 3).astype(">f4"), np.ones(5, ">f4"), np.full(5, 2, ">f4")
+    assert x.dtype.str == w.dtype.str == ">f4"
     calls = {
         "matmul": lambda a: cupykern.matmul(a, w.T),
         "linear": lambda a: cupykern.linear(a, w, b),

@@ -133,7 +133,8 @@ def test_float16_cpu_paths_use_the_stored_products(case):
     """PyTorch's model stores z = x W^T + b and y = z * scale in float16 before BatchNorm:
     rows that round to one value have a batch variance of 0 (an output of 0), and a z past
     65504 is inf (a nan column). The NumPy, Dask and torch CPU paths normalise the stored
-    values too (they had kept z and y in float32: outputs of +-1, or finite)."""
+    values too (the NumPy reference and the Dask blocks had kept z and y in float32:
+    outputs of +-1, or finite)."""
     x, w, s = {  # (z = 625 and 625.0625; y = 620.8 and 621.1, both 621; z = 80000)
         "z rounds": ([[500.0, 500.0], [500.0, 500.25]], [[1.0, 0.25]], [1.0]),
         "y rounds": ([[914.0], [914.5]], [[1.0]], [0.6792]),

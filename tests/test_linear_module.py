@@ -341,6 +341,12 @@ def test_unfused_cases_run_the_modules(fused_calls):
     handle = ours[1].register_forward_hook(lambda *a: None)
     ours(torch.randn(5, 4))
     handle.remove()
+    # a forward set on the instance (accelerate's hooks, CPU offload): it runs
+    ours[0].forward = lambda t: nn.Linear.forward(ours[0], t) * 2
+    ref[0].forward = lambda t: nn.Linear.forward(ref[0], t) * 2
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(ours(x), ref(x))
+    del ours[0].forward, ref[0].forward
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         ours(torch.randn(1, 4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -471,6 +477,17 @@ def test_attention_runs_cupykern_matmul_and_checks_arguments(monkeypatch):
     q4 = torch.randn(2, 4, 4, 8)
     torch.testing.assert_close(scaled_dot_product_attention(q4, kv, kv, enable_gqa=True),
                                F.scaled_dot_product_attention(q4, kv, kv, enable_gqa=True))
+    q6 = torch.randn(1, 6, 4, 8)  # key and value heads repeated each by its own count
+    for hk, hv in ((2, 3), (6, 2), (3, 6)):
+        k, v = torch.randn(1, hk, 4, 8), torch.randn(1, hv, 4, 8)
+        torch.testing.assert_close(scaled_dot_product_attention(q6, k, v, enable_gqa=True),
+                                   F.scaled_dot_product_attention(q6, k, v, enable_gqa=True))
+    with pytest.raises(TypeError, match="^attn_mask: expected a boolean or floating"):
+        scaled_dot_product_attention(q, q, q, torch.ones(4, 4, dtype=torch.long))
+    h = q.half()  # a float32 mask added in the scores' dtype: a float16 result, as F.sdpa's
+    mask = torch.randn(4, 4)
+    out = scaled_dot_product_attention(h, h, h, mask)
+    assert out.dtype == F.scaled_dot_product_attention(h, h, h, mask).dtype == torch.float16
     for name, args in (("k", (q, q.double(), q)), ("v", (q, q, q.half()))):
         with pytest.raises(TypeError, match=f"^{name}: dtype"):  # (F.sdpa raises too)
             scaled_dot_product(*args)
@@ -719,3 +736,33 @@ def test_batchnorm_eps_of_zero_is_what_the_installed_pytorch_makes_of_it(device,
         else:
             torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
         _same_state(ours, ref)
+
+
+def test_attention_scales_q_and_k_before_the_product():
+    """float16 q . k past float16's maximum (8.2e4 here) with finite scaled scores: finite
+    results within float16 rounding of float64, as F.scaled_dot_product_attention (it
+    scales q and k by sqrt(scale) first; scaling the product gave inf and nan)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 64, generator=g) for _ in range(3))
+    q[..., :] = q[..., :1].abs() * 40 + 1
+    k[..., :] = k[..., :1].abs() * 40 + 1
+    got = scaled_dot_product_attention(*(t.half() for t in (q, k, v)))
+    assert (q.half().float() @ k.half().float().transpose(-2, -1)).max() > 65504
+    want = F.scaled_dot_product_attention(*(t.half().double() for t in (q, k, v)))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_linear_takes_nested_tensors_as_nn_linear():
+    """A nested tensor (strided layout) runs through F.linear, as nn.Linear; the array
+    functions refuse one with a TypeError naming the argument."""
+    ref = _seeded(lambda: nn.Linear(4, 3))
+    ours = Linear.from_linear(ref)
+    x = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    for a, b in zip(ours(x).unbind(), ref(x).unbind()):
+        torch.testing.assert_close(a, b)
+    for call, name in ((lambda: cupykern.linear(x, ref.weight), "x"),
+                       (lambda: cupykern.matmul(x, ref.weight.t()), "a"),
+                       (lambda: cupykern.l2_normalize(x), "x")):
+        with pytest.raises(TypeError, match=f"^{name}: expected a strided .* nested tensor"):
+            call()

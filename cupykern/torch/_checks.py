@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._compat import GLOBAL_MODULE_HOOKS, is_any_autocast_enabled
+from ._compat import GLOBAL_MODULE_HOOKS
 
 
 def require_tensor(x, name: str = "x") -> None:
@@ -19,16 +19,18 @@ _AUTOCAST_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def autocast_input(x, weight):
-    """``x`` in ``weight``'s dtype where, in an autocast region of x's device, they differ
-    among float16, bfloat16 and float32; else ``x`` itself. The reference model's Linear
-    takes both into the region's dtype there, so that x's own dtype does not matter: a
-    16-bit x (an autocast Linear's output) by float32 weights gives the reference's
-    float32 result from float32 data (the conversion is exact), a float32 x by 16-bit
-    weights the reference's 16-bit one. Outside autocast a mismatch stays an error."""
+    """``x`` in ``weight``'s dtype where, in an autocast region of x's device (CPU or
+    CUDA), x is float16, bfloat16 or float32 and the weights float32 or the region's
+    dtype; else ``x`` itself. The reference model's Linear takes both into the region's
+    dtype there: a 16-bit x (an autocast Linear's output) by float32 weights gives the
+    reference's float32 result from float32 data (the conversion is exact), a float32 x
+    by weights of the region's dtype the reference's rounding of it. (Weights of the other
+    16-bit dtype would round x twice: left to the op's error.) Outside autocast a
+    mismatch stays an error. Callers test is_any_autocast_enabled() first."""
     if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and x.dtype != weight.dtype and x.dtype in _AUTOCAST_FLOATS
-            and weight.dtype in _AUTOCAST_FLOATS and is_any_autocast_enabled()
-            and torch.is_autocast_enabled(x.device.type)):
+            and x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+            and weight.dtype in (torch.float32, torch.get_autocast_dtype(x.device.type))):
         return x.to(weight.dtype)
     return x
 
@@ -69,12 +71,14 @@ _G_FORWARD, _G_FORWARD_PRE, _G_BACKWARD, _G_BACKWARD_PRE = GLOBAL_MODULE_HOOKS
 
 
 def hooked(*modules: nn.Module) -> bool:
-    """Whether calling these submodules would run hooks (their own or global ones): a
-    fused forward that never calls them would silently skip those. (Each module's hook
-    dicts are read directly: _compat.MODULE_HOOKS.)"""
+    """Whether calling these submodules would run code of the user's: hooks (their own or
+    global ones), or a ``forward`` set on the instance (as accelerate's hooks and CPU
+    offload do). A fused forward that never calls them would silently skip it. (Each
+    module's hook dicts are read directly: _compat.MODULE_HOOKS.)"""
     if _G_FORWARD or _G_FORWARD_PRE or _G_BACKWARD or _G_BACKWARD_PRE:
         return True
     for m in modules:  # (a loop, not any(generator): a call's fast path reads this)
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or "forward" in m.__dict__):
             return True
     return False

@@ -57,8 +57,8 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
     Args:
         q: (..., L, E) queries; k: (..., S, E) keys; v: (..., S, Ev) values (batch
             dimensions broadcast, as torch.matmul's); torch tensors of one floating dtype.
-        mask: optional, broadcastable to (..., L, S): boolean (True: takes part) or of
-            the scores' dtype (added).
+        mask: optional, broadcastable to (..., L, S): boolean (True: takes part) or
+            floating (added to the scores, in their dtype).
         scale: multiplies the scores; None: ``1 / sqrt(E)``.
         is_causal: mask the positions j > i (no ``mask`` with it).
         dropout_p: dropout probability applied to the attention weights (always, as
@@ -75,10 +75,14 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
         if t.dtype != q.dtype and _computed_dtype(t) != _computed_dtype(q):
             raise TypeError(f"{name}: dtype {t.dtype} does not match q's dtype {q.dtype} "
                             "(as F.scaled_dot_product_attention)")
+    _check_mask(mask, "mask")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    s = matmul(q, k.transpose(-2, -1), precision=precision)
-    s = s * scale
+    # q and k each scaled by sqrt(|scale|) before the product, as PyTorch's own math does:
+    # 16-bit q . k can pass float16's maximum where (q . k) * scale does not
+    root = math.sqrt(abs(scale))
+    s = matmul(q * (-root if scale < 0 else root), k.transpose(-2, -1) * root,
+               precision=precision)
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
         keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
@@ -87,7 +91,7 @@ def scaled_dot_product(q, k, v, mask=None, scale=None, *, is_causal=False, dropo
         if mask.dtype == torch.bool:
             s = s.masked_fill(mask.logical_not(), float("-inf"))
         else:
-            s = s + mask
+            s = s + mask.to(s.dtype)  # (the scores' dtype, as F.scaled_dot_product_attention)
     p = torch.softmax(s, dim=-1)
     if dropout_p > 0.0:
         p = torch.dropout(p, dropout_p, True)
@@ -109,9 +113,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     math: the same results up to rounding, not its fused kernels), so that a block
     calling that function can call this one. ``enable_gqa``: grouped-query attention,
     the key / value heads (dim -3) repeated to the query's."""
-    if enable_gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        reps = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(reps, dim=-3)
-        value = value.repeat_interleave(reps, dim=-3)
+    _check_mask(attn_mask, "attn_mask")
+    if enable_gqa:  # (key and value each by its own head count)
+        key, value = _query_heads(key, query), _query_heads(value, query)
     return scaled_dot_product(query, key, value, attn_mask, scale, is_causal=is_causal,
                               dropout_p=dropout_p)
+
+
+def _query_heads(t, query):
+    """``t``'s heads (dim -3) repeated to the query's count, each in turn, as
+    F.scaled_dot_product_attention's enable_gqa repeats key and value."""
+    if t.dim() >= 3 and query.dim() >= 3 and t.shape[-3] != query.shape[-3]:
+        return t.repeat_interleave(query.shape[-3] // t.shape[-3], dim=-3)
+    return t
+
+
+def _check_mask(mask, name):
+    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name}: expected a boolean or floating mask, got dtype {mask.dtype} "
+                        "(as F.scaled_dot_product_attention)")

@@ -374,7 +374,7 @@ def planned_linear(x, weight, bias=None, precision=None):
     try:
         key = _linear_shape_key(x, weight, bias, precision)
         run = _LINEAR_PLANS.get(key)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # (RuntimeError: a nested tensor's shape)
         return None
     if run is None:
         return key

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..gemm_scale_batchnorm import (Affine, BatchNormState, apply_coefficients,
-                                    batch_size_error, check, check_inputs, check_real,
-                                    gemm_scale_batchnorm_core, gemm_statistics, planned_run)
+                                    batch_size_error, check, check_inputs, check_options,
+                                    check_real, gemm_scale_batchnorm_core, gemm_statistics,
+                                    planned_run)
 from ..gemm_scale_batchnorm_backward import backward, backward_run_after, grad_dz, grad_partials
 from torch.autograd.function import once_differentiable
 
@@ -73,9 +74,12 @@ def _impl(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momen
 def _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, momentum, eps,
                precision, save):
     """The op in PyTorch ops (its CPU implementation, and its jvp and vmap under torch.func:
-    there F.batch_norm raises as BatchNorm does for unbatched running statistics)."""
-    y = F.linear(x, weight, bias) * scale
+    there F.batch_norm raises as BatchNorm does for unbatched running statistics; and
+    under torch.compile inside a transform, where the op's own checks do not run: the
+    scalar options are checked here, and a float32 product follows torch's precision)."""
     training = bool(training)  # (check() takes NumPy's bool too; F.batch_norm does not)
+    momentum, eps = check_options(training, momentum, eps)
+    y = F.linear(x, weight, bias) * scale
     f = momentum
     if momentum is None:  # cumulative average; unused in eval, but F.batch_norm wants a float
         f = 1.0 / (float(nbt) + 1) if training and nbt is not None else 0.0
@@ -327,7 +331,8 @@ def gemm_scale_batchnorm(x, weight, bias, scale, bn_weight, bn_bias, running_mea
     """:func:`cupykern.gemm_scale_batchnorm` for torch tensors, through the custom op."""
     if type(training) is not bool and not isinstance(training, np.bool_):  # (before its truth)
         raise TypeError(f"training: expected a bool, got {type(training).__name__}")
-    x = autocast_input(x, weight)
+    if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
+        x = autocast_input(x, weight)
     if (training and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1
             and isinstance(weight, torch.Tensor) and weight.dim() == 2):
         raise batch_size_error(torch.Size([x.shape[0], weight.shape[0]]))
@@ -587,12 +592,12 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         self.process_group = process_group
 
     def forward(self, x):
-        if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
-            x = autocast_input(x, getattr(self.gemm, "weight", None))
         out = self._planned_call(x)
         if out is not None:
             return out
         require_tensor(x)
+        if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
+            x = autocast_input(x, getattr(self.gemm, "weight", None))
         group = self._sync_group()
         if group is not None:
             return self._synchronized_call(x, group)
@@ -658,14 +663,16 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
                 or type(scale) not in _PLAIN or scale.dim() != 1 or hooked(gemm, bn)):
             return None
         weight = gemm.weight
-        if is_any_autocast_enabled() and _autocast_vendor(x, weight):
-            # PyTorch's composition (AUTOCAST_VENDOR_WORK) from the plain submodules
-            # themselves, the op's checks left out (H200, 1024x8192->8192, bf16 forward
-            # against eager: 0.85x through the op's entry, which checks every argument;
-            # 0.93x calling the submodules after this method's checks, one run each)
-            if x.shape[1] != weight.shape[1] or x.get_device() != weight.get_device():
-                check_inputs(x, weight)  # (its error, naming the argument)
-            return super().forward(x)
+        if is_any_autocast_enabled():
+            x = autocast_input(x, weight)  # (as the reference's Linear takes it)
+            if _autocast_vendor(x, weight):
+                # PyTorch's composition (AUTOCAST_VENDOR_WORK) from the plain submodules
+                # themselves, the op's checks left out (H200, 1024x8192->8192, bf16 forward
+                # against eager: 0.85x through the op's entry, which checks every argument;
+                # 0.93x calling the submodules after this method's checks, one run each)
+                if x.shape[1] != weight.shape[1] or x.get_device() != weight.get_device():
+                    check_inputs(x, weight)  # (its error, naming the argument)
+                return super().forward(x)
         *tensors, training, momentum, eps = _arguments(gemm, bn, scale)
         if type(eps) is not float or type(momentum) not in (float, type(None)):
             return None  # (a plan key must hash; the checks name a bad one)

@@ -54,7 +54,8 @@ def _ours(x, weight) -> bool:
     """Whether :func:`cupykern.linear` takes ``x`` and ``weight`` (else F.linear computes
     the call, and raises PyTorch's own errors where it is wrong)."""
     return (isinstance(x, torch.Tensor) and x.dtype == weight.dtype and weight.dtype in _FLOATS
-            and x.device.type in _DEVICES and x.dim() > 0 and x.layout is _STRIDED)
+            and x.device.type in _DEVICES and x.dim() > 0 and x.layout is _STRIDED
+            and not x.is_nested)
 
 
 class Linear(nn.Linear):
@@ -66,7 +67,7 @@ class Linear(nn.Linear):
     as :func:`cupykern.linear` does ("highest", PyTorch's default: 3xTF32, about SGEMM's
     accuracy; "high": TF32); 16-bit and float64 run as cupykern.linear routes them; autocast
     casts as for nn.Linear. Inputs cupykern.linear does not take (other dtypes, mixed
-    dtypes, other devices, sparse tensors) go to ``F.linear``.
+    dtypes, other devices, sparse and nested tensors) go to ``F.linear``.
 
     ``Linear.from_linear(m)`` makes one from an existing ``nn.Linear`` sharing its
     parameters; :func:`convert` does so for a whole model.
@@ -244,7 +245,8 @@ def unconvert(module: nn.Module) -> nn.Module:
     """The inverse of :func:`convert`: each :class:`Linear` back to a plain ``nn.Linear``
     and each :class:`FusedSequential` back to an ``nn.Sequential``, sharing their
     parameters, buffers and children (in place, as :func:`convert`; use the returned
-    module)."""
+    module). A Linear parametrized after :func:`convert` (``torch.nn.utils.parametrize``,
+    whose class is made from Linear's) stays one: remove its parametrizations first."""
     _require_module(module)
     return _walk(module, _unconvert_one, {})
 

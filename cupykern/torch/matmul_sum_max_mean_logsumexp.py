@@ -50,11 +50,11 @@ def reference(x, weight, bias=None):
 
 
 def _autocast_result(out):
-    """``out`` as the reference model returns it: in a CUDA autocast region torch.sum runs
-    in float32, so there the model's result is float32 for 16-bit data too (ours: the
-    16-bit result, as float32)."""
-    if (out.dtype in (torch.float16, torch.bfloat16) and is_any_autocast_enabled()
-            and out.is_cuda and torch.is_autocast_enabled("cuda")):
+    """``out`` as the reference model returns it in an autocast region (the caller tests
+    is_any_autocast_enabled()): in a CUDA one torch.sum runs in float32, so there the
+    model's result is float32 for 16-bit data too (ours: the 16-bit result, as float32)."""
+    if (out.dtype in (torch.float16, torch.bfloat16) and out.is_cuda
+            and torch.is_autocast_enabled("cuda")):
         return out.float()
     return out
 
@@ -177,7 +177,9 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
     """:func:`cupykern.matmul_sum_max_mean_logsumexp` for torch tensors (autograd); builds
     the plan unless a :class:`cupykern.MatmulSumPlan` of these weights is given. N-D x
     (B, S, ..., in_features): the reference chain in torch ops (see the module docstring)."""
-    x = autocast_input(x, weight)
+    autocast = is_any_autocast_enabled()
+    if autocast:  # (x as the reference's Linear takes it)
+        x = autocast_input(x, weight)
     nd = isinstance(x, torch.Tensor) and x.dim() > 2
     data = plan.data if plan is not None and plan.data is not None and not nd else None
     if data is None:
@@ -188,7 +190,8 @@ def matmul_sum_max_mean_logsumexp(x, weight, bias=None, *, plan=None):
         if nd:
             return reference(x, weight, bias)
         data = _plan_of(weight, bias)
-    return _autocast_result(matmul_sum_op(x, weight, bias, data))
+    out = matmul_sum_op(x, weight, bias, data)
+    return _autocast_result(out) if autocast else out
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update parameters without bumping their
@@ -274,12 +277,13 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
         return self._cache.plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_any_autocast_enabled():  # (x as the reference's Linear takes it)
-            x = autocast_input(x, getattr(self.linear, "weight", None))
-        out = self._planned_call(x)
+        out = self._planned_call(x)  # (None in an autocast region)
         if out is not None:
             return out
         require_tensor(x)
+        autocast = is_any_autocast_enabled()
+        if autocast:  # (x as the reference's Linear takes it)
+            x = autocast_input(x, getattr(self.linear, "weight", None))
         (linear,) = members(self, MatmulSumMaxMeanLogSumExp, ("linear",))
         w, b = members(linear, nn.Linear, ("weight", "bias"))
         if not (x.is_cuda or w.is_cuda) or hooked(linear):  # the reference model itself
@@ -292,7 +296,8 @@ class MatmulSumMaxMeanLogSumExp(MatmulSumMaxMeanLogSumExpReference):
                 check_x(operand(x, "x"), operand(w, "weight"), nd=True)
             return super().forward(x)
         plan = self._plan(linear, w, b) if _direct((x, w)) else _plan_of(w, b)
-        return _autocast_result(matmul_sum_op(x, w, b, plan))
+        out = matmul_sum_op(x, w, b, plan)
+        return _autocast_result(out) if autocast else out
 
     def _planned_call(self, x):
         """What :meth:`forward` returns, from the cache alone: in plain eager mode, while
