@@ -77,9 +77,9 @@ template <typename K> __device__ __forceinline__ K block_max_key(K v, K* scratch
 // One launch builds the whole plan from one read of W and of the bias.
 // Block (x, y) with x < ntiles = gridDim.x - 1 sums column tile x (L lanes of V
 // elements: 128 bytes wide in the vector path) over row chunk y. THREADS/L row phases;
-// each thread adds U rows at once in the accumulation type, then once into float64 (1/U
-// of the slow 64-bit conversions; the rounding is that of float32 on U values); the
-// phases are then added in order. With one chunk the block writes plan[cols]; otherwise
+// each thread adds its U loaded rows in float64, each converted from the accumulation
+// type (float32 sums of U rows near W's maximum overflowed; the plan is built once per
+// weight change, its time not measured since); the phases are then added in order. With one chunk the block writes plan[cols]; otherwise
 // it writes psum[y][cols], and the tile's last block to finish (a counter per tile) adds
 // the chunks in order: deterministic. Every block folds its max|W| into one key with
 // atomicMax (order-free), and the last block of all writes plan[K+1]. Block (ntiles, 0)
