@@ -614,8 +614,8 @@ class GemmScaleBatchNorm(GemmScaleBatchNormReference):
         if hooked(gemm, bn):  # hooks (pruning, weight norm, probes) run in the reference
             return super().forward(x)
         *tensors, training, momentum, eps = _arguments(gemm, bn, _flat_scale(scale, gemm))
-        if isinstance(eps, (int, float)) and not eps > 0:  # (what the installed PyTorch
-            # makes of it: from 2.10 an error)
+        if isinstance(eps, (int, float)) and eps == 0:  # (what the installed PyTorch makes
+            # of it: from 2.10 an error; a negative eps is the op's ValueError naming eps)
             return super().forward(x)
         return gemm_scale_batchnorm(x, *tensors, training=training, momentum=momentum, eps=eps)
 
