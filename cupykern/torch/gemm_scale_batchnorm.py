@@ -80,15 +80,15 @@ def _reference(x, weight, bias, scale, gamma, beta, rmean, rvar, nbt, training, 
     training = bool(training)  # (check() takes NumPy's bool too; F.batch_norm does not)
     momentum, eps = check_options(training, momentum, eps)
     y = F.linear(x, weight, bias) * scale
+    if training and nbt is not None:  # (before batch_norm, as nn.BatchNorm1d counts: under
+        nbt.add_(1)  # vmap both count, then batch_norm refuses unbatched statistics)
     f = momentum
     if momentum is None:  # cumulative average; unused in eval, but F.batch_norm wants a float
-        f = 1.0 / (float(nbt) + 1) if training and nbt is not None else 0.0
+        f = 1.0 / float(nbt) if training and nbt is not None else 0.0
     # (torch.batch_norm, F.batch_norm's op: check()'s rule for eps, not the Python
     # check that F.batch_norm has from torch 2.10)
     out = torch.batch_norm(y, gamma, beta, rmean, rvar, training, f, eps,
                            torch.backends.cudnn.enabled)
-    if training and nbt is not None:  # (after batch_norm, which may raise)
-        nbt.add_(1)
     return out, x.new_empty(0), x.new_empty(0, dtype=_acc(x))
 
 
