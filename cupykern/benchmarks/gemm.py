@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 
 import cupykern
@@ -431,11 +432,12 @@ def _route_name(op, args, prec):
     return gemm._matmul_route(operand(a, "a"), operand(b, "b"), prec or "highest")
 
 
-def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
+def sweep(quick, json_path, paths, budget_s, ops, command):
     """The envelope sweep: linear and matmul over GRID and MODES (matmul also BATCHED),
     against PyTorch eager and (linear, without --quick) torch.compile; then
     GemmScaleBatchNorm's forward and training step over GSBN_GRID and GSBN_MODES against
-    eager; ``ops``: which of the three to run."""
+    eager; ``ops``: which of the three to run; ``command``: the command line the JSON
+    records."""
     peaks, bw = _peaks(quick)
     print(f"ceilings: copy {bw / 1e9:.2f} TB/s; " + ", ".join(
         f"{d} {p or ''} {r / 1e9:.0f} TFLOP/s" for (d, p), r in peaks.items()))
@@ -466,8 +468,7 @@ def sweep(quick, json_path, paths, budget_s, ops=("linear", "matmul", "gsbn")):
     print(f"\n{len(rows)} of {len(todo)} points in {time.monotonic() - start:.0f} s")
     print_rows(rows)
     if json_path:
-        write_sweep(json_path, rows, "python -m cupykern.benchmarks.gemm --sweep"
-                    + (" --quick" if quick else ""))
+        write_sweep(json_path, rows, command)
     else:
         summarize(rows)
 
@@ -670,7 +671,9 @@ def main(argv=None):
         problems(args.iters)
         return
     if args.sweep:
-        sweep(args.quick, args.json, args.paths, args.budget, args.ops.split(","))
+        command = "python -m cupykern.benchmarks.gemm " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        sweep(args.quick, args.json, args.paths, args.budget, args.ops.split(","), command)
         return
     if args.part in ("all", "gemm"):
         bench_gemm(1024, 8192, 8192, args.iters)

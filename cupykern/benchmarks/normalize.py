@@ -328,7 +328,7 @@ def main(argv=None):
         if args.tune:
             tune(args.iters)
         if args.sweep:
-            command = "python -m cupykern.benchmarks.normalize " + " ".join(argv or sys.argv[1:])
+            command = "python -m cupykern.benchmarks.normalize " + " ".join(sys.argv[1:] if argv is None else argv)
             envelope(args.quick, args.huge, args.iters, args.json, args.workers, command,
                      args.warm_only)
         return
